@@ -1,0 +1,12 @@
+"""raggedfsdp: fully sharded data parallel on RaggedShard DTensors (veScale-FSDP design).
+
+Layers (imports go one way, enforced by tests/unit/test_layering.py):
+placement -> planner -> buffer -> fsdp -> optim/checkpoint -> models -> train/cli.
+"""
+
+from raggedfsdp.placement import RaggedShard
+from raggedfsdp.planner import Layout, plan_layout
+
+__version__ = "0.1.0"
+
+__all__ = ["RaggedShard", "Layout", "plan_layout", "__version__"]

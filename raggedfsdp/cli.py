@@ -1,0 +1,38 @@
+"""Console script ``raggedfsdp`` with subcommands (train, plan, ...).
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` which registers the
+subparser and sets ``func`` (called with the parsed namespace, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raggedfsdp",
+        description="raggedfsdp: FSDP on RaggedShard DTensors with a structure-aware planner and DBuffers",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    from raggedfsdp.train import cli as train_cli
+
+    train_cli.add_parser(sub)
+    try:
+        from raggedfsdp.planner import cli as plan_cli
+    except ImportError:  # planner CLI not built yet
+        plan_cli = None
+    if plan_cli is not None:
+        plan_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

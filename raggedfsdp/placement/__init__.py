@@ -1,0 +1,5 @@
+"""Layer 0: the RaggedShard DTensor placement."""
+
+from raggedfsdp.placement.ragged_shard import RaggedShard
+
+__all__ = ["RaggedShard"]

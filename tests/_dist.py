@@ -1,0 +1,76 @@
+"""Multi-process test harness: real gloo process groups on CPU, one intra-op thread per rank.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo
+process group through a ``FileStore`` in a fresh temporary directory (no ports), runs
+``fn(rank, world_size, *args)`` on each rank and re-raises the first failure in the parent with the
+rank and the remote traceback. A rank that fails makes the parent terminate the others, so a
+collective mismatch never hangs the suite. Keep ``fn`` a module-level function (it is pickled) and
+batch many sub-cases into one call: spawning costs ~2-3 s per process group on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def _worker(fn, rank, world_size, store_path, args, err_q):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        )
+        fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        err_q.put((rank, None))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with the traceback
+        err_q.put((rank, traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on any rank's failure."""
+    ctx = mp.get_context("spawn")
+    err_q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store_path, args, err_q), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        failures: list[tuple[int, str]] = []
+        done = 0
+        try:
+            while done < world_size:
+                try:
+                    rank, tb = err_q.get(timeout=timeout)
+                except Exception as e:  # queue.Empty
+                    raise TimeoutError(
+                        f"distributed test timed out after {timeout}s ({done}/{world_size} ranks finished)"
+                    ) from e
+                done += 1
+                if tb is not None:
+                    failures.append((rank, tb))
+                    break  # one failing rank ends the job: the others would hang in a collective
+        finally:
+            if failures:
+                for p in procs:
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        if failures:
+            rank, tb = failures[0]
+            raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
