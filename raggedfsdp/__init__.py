@@ -4,6 +4,7 @@ Layers (imports go one way, enforced by tests/unit/test_layering.py):
 placement -> planner -> buffer -> fsdp -> optim/checkpoint -> models -> train/cli.
 """
 
+import raggedfsdp._torch_patches  # noqa
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import Layout, plan_layout
 

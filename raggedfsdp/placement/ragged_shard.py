@@ -5,6 +5,12 @@ A tensor's leading ``dims`` (a prefix ``(0, ..., k-1)``) are flattened into ``N`
 with ``U = sum(local_units)`` (which must divide ``N``), rank ``i`` owns the contiguous rows
 ``[sum(u[:i]) * N/U, sum(u[:i+1]) * N/U)``, stored as a flat, contiguous 1-D local tensor
 (possibly empty).
+
+The class is a real ``torch.distributed.tensor.placement_types.Placement`` subclass. It works
+through torch's own DTensor APIs (``distribute_tensor``, ``from_local``, ``redistribute``,
+``full_tensor``, pointwise ops, ``torch.optim``, ``clip_grad_norm_``, DCP) once the patches in
+``raggedfsdp/_torch_patches.py`` are installed, which happens on ``import raggedfsdp``.
+See ``docs/raggedshard.md`` for the supported op set and mesh compositions.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.tensor.placement_types import Placement
 
 
@@ -19,17 +26,33 @@ class RaggedShard(Placement):
     """Uneven, contiguous, block-granular sharding of a tensor's flattened leading dims.
 
     Args:
-        dims: prefix ``(0, ..., k-1)`` of the tensor's dims flattened into rows (the block unit).
-        local_units: per-rank unit counts (>= 0, not all zero), one per rank of the mesh dim.
+        dims: prefix ``(0, ..., k-1)`` of the tensor's dims flattened into rows; a row of
+            ``R = prod(shape[k:])`` elements is the atomic unit that is never split.
+            ``dims=(0,)`` is row granularity, ``dims=tuple(range(ndim))`` element granularity.
+        local_units: per-rank unit counts (ints >= 0, not all zero), one per rank of the mesh
+            dim the placement is used on. They are relative: with ``U = sum(local_units)``, one
+            unit is ``N / U`` rows, so coarser blocks are expressed by using smaller counts.
+
+    Local tensor: always a flat contiguous 1-D tensor of ``local_numel(shape, rank)`` elements
+    (possibly 0), the rows ``row_range(shape, rank)`` of the tensor in C order.
 
     Raises:
-        ValueError: ``dims`` not a non-empty prefix, ``local_units`` negative or all zero.
+        ValueError: ``dims`` not a non-empty prefix, ``local_units`` empty, negative or all zero.
+            (Shape/mesh mismatches are raised by :meth:`validate_shape` / :meth:`validate_mesh`.)
+
+    Source: veScale-FSDP (arXiv 2602.22437) section 3.1 "RaggedShard"; paper-notes section 1.1.
     """
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]):
         super().__init__()
-        dims = tuple(int(d) for d in dims)
-        local_units = tuple(int(u) for u in local_units)
+        try:
+            dims = tuple(int(d) for d in dims)
+            local_units = tuple(int(u) for u in local_units)
+        except TypeError as e:
+            raise ValueError(
+                f"RaggedShard: dims={dims!r} and local_units={local_units!r} must be sequences of ints, "
+                "e.g. RaggedShard(dims=(0,), local_units=(1, 2, 1))"
+            ) from e
         if len(dims) == 0 or dims != tuple(range(len(dims))):
             raise ValueError(
                 f"RaggedShard: dims={dims} must be a non-empty prefix (0, 1, ..., k-1) of the tensor dims; "
@@ -37,7 +60,8 @@ class RaggedShard(Placement):
             )
         if len(local_units) == 0 or any(u < 0 for u in local_units) or sum(local_units) == 0:
             raise ValueError(
-                f"RaggedShard: local_units={local_units} must be non-negative with at least one positive entry"
+                f"RaggedShard: local_units={local_units} must be non-negative with at least one positive "
+                "entry and one entry per rank of the mesh dim, e.g. local_units=(1,) * world_size"
             )
         self.dims = dims
         self.local_units = local_units
@@ -58,6 +82,25 @@ class RaggedShard(Placement):
     def __reduce__(self):
         return (type(self), (self.dims, self.local_units))
 
+    def __fx_repr__(self) -> str:  # used by torch.fx codegen; the pybind base raises
+        return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
+
+    # ---- DTensor duck typing (torch/distributed/tensor/_redistribute.py) -------------------
+    @property
+    def dim(self) -> int:
+        """The first flattened tensor dim (always 0): lets shard-like torch code read ``.dim``."""
+        return 0
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """True (for ``dim`` None or one of ``dims``): a RaggedShard is a sharding of those dims."""
+        return dim is None or dim in self.dims
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
     # ---- layout math (pure, no communication) -------------------------------------------
     def row_numel(self, shape: Sequence[int]) -> int:
         """Elements per row ``R = prod(shape[k:])``."""
@@ -69,8 +112,12 @@ class RaggedShard(Placement):
 
     def validate_shape(self, shape: Sequence[int], num_ranks: int | None = None) -> None:
         """Raise ``ValueError`` unless this placement can shard a tensor of ``shape`` over ``num_ranks``."""
+        shape = tuple(int(s) for s in shape)
         if len(self.dims) > len(shape):
-            raise ValueError(f"RaggedShard: dims={self.dims} has more dims than the tensor shape {tuple(shape)}")
+            raise ValueError(
+                f"RaggedShard: dims={self.dims} has more dims than the tensor shape {shape}; "
+                f"use dims=tuple(range(k)) with k <= {len(shape)}"
+            )
         if num_ranks is not None and len(self.local_units) != num_ranks:
             raise ValueError(
                 f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but the mesh "
@@ -79,8 +126,17 @@ class RaggedShard(Placement):
         n, u = self.num_rows(shape), sum(self.local_units)
         if n % u != 0:
             raise ValueError(
-                f"RaggedShard: sum(local_units)={u} must divide the number of rows N={n} of shape {tuple(shape)} "
-                f"over dims={self.dims}"
+                f"RaggedShard: sum(local_units)={u} must divide the number of rows N={n} of shape {shape} "
+                f"over dims={self.dims}; scale local_units so their sum divides {n}, or use finer dims"
+            )
+
+    def validate_mesh(self, mesh, mesh_dim: int) -> None:
+        """Raise ``ValueError`` unless ``len(local_units)`` equals ``mesh.size(mesh_dim)``."""
+        n = mesh.size(mesh_dim)
+        if len(self.local_units) != n:
+            raise ValueError(
+                f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but mesh dim "
+                f"{mesh_dim} of {mesh} has {n} ranks; give one unit count per rank of that mesh dim"
             )
 
     def row_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
@@ -95,6 +151,38 @@ class RaggedShard(Placement):
         a, b = self.row_range(shape, rank)
         return a * r, b * r
 
+    def flat_ranges(self, shape: Sequence[int]) -> list[tuple[int, int]]:
+        """``flat_range`` of every rank, in rank order (contiguous, covering ``[0, numel)``)."""
+        return [self.flat_range(shape, r) for r in range(len(self.local_units))]
+
     def local_numel(self, shape: Sequence[int], rank: int) -> int:
+        """Number of elements (not bytes) of ``rank``'s flat local tensor."""
         a, b = self.flat_range(shape, rank)
         return b - a
+
+    # ---- local (no communication) helpers --------------------------------------------------
+    def shard_full(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s flat contiguous piece (a fresh copy) of the full tensor ``full``. Not collective."""
+        self.validate_shape(full.shape)
+        a, b = self.flat_range(full.shape, rank)
+        return full.reshape(-1)[a:b].clone()
+
+    # ---- redistribute hooks used by torch's redistribute_local_tensor ---------------------
+    # torch/distributed/tensor/_redistribute.py dispatches on is_shard() and calls these through
+    # ``cast(Shard, placement)``. raggedfsdp routes any spec with a RaggedShard through its own
+    # redistribute (raggedfsdp/placement/_redistribute.py), but keeps these for direct callers.
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        """Collective over ``mesh_dim``: all ranks' flat pieces -> full tensor of ``current_logical_shape``."""
+        from raggedfsdp.placement._redistribute import gather_ragged
+
+        return gather_ragged(local_tensor, self, tuple(current_logical_shape), mesh, mesh_dim)
+
+    def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        """Local: slice this rank's flat piece out of a replicated tensor."""
+        return self.shard_full(local_tensor, int(shard_index))
+
+    def _reduce_shard_tensor(self, tensor, mesh, reduce_op, mesh_dim):
+        """Collective over ``mesh_dim``: reduce a Partial tensor and keep this rank's flat piece."""
+        from raggedfsdp.placement._redistribute import reduce_scatter_ragged
+
+        return reduce_scatter_ragged(tensor, self, reduce_op, mesh, mesh_dim)
