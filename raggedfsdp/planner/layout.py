@@ -3,11 +3,16 @@
 The buffer has ``world_size * shard_size`` elements; rank ``k`` owns ``[k*S, (k+1)*S)``. Each
 tensor ``t`` occupies the contiguous range ``[offsets[t], offsets[t] + numels[t])``; padding lies
 only between tensors; no rank boundary cuts a block of ``granularities[t]`` elements.
+
+Every size and offset in this module is counted in **elements** of the buffer's dtype, never bytes.
+:func:`validate_layout` re-checks the four invariants (equal shards, whole blocks, contiguous
+tensors, aligned shard size) from the stored numbers alone, independently of how they were planned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,12 +21,14 @@ class Layout:
 
     Attributes:
         world_size: number of ranks ``m`` of the shard mesh dim.
-        shard_size: per-rank shard size ``S`` (a multiple of ``align``).
+        shard_size: per-rank shard size ``S`` (a positive multiple of ``align``).
         numels: per-tensor element counts, in the caller's order.
         granularities: per-tensor block size in elements (divides the numel).
         offsets: per-tensor global offset in the ``m*S`` buffer, in the caller's order.
         order: the permutation of tensor indices as laid out in the buffer.
-        align: the collective alignment unit in elements.
+        align: the collective alignment unit in elements (``S % align == 0``).
+        shapes: optional per-tensor shapes (caller's order), carried for reports and ``dims``.
+        names: optional per-tensor names (caller's order), carried for reports and errors.
     """
 
     world_size: int
@@ -31,22 +38,51 @@ class Layout:
     offsets: tuple[int, ...]
     order: tuple[int, ...]
     align: int = 1
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    names: tuple[str, ...] | None = None
 
+    # ---- sizes and padding statistics -----------------------------------------------------
     @property
     def total_size(self) -> int:
         """``m * S``: elements of the unsharded flat buffer."""
         return self.world_size * self.shard_size
 
     @property
+    def total_numel(self) -> int:
+        """``E = sum(numels)``: real (non-padding) elements."""
+        return sum(self.numels)
+
+    @property
     def padding(self) -> int:
         """``m * S - sum(numels)``: padding elements in the unsharded buffer."""
-        return self.total_size - sum(self.numels)
+        return self.total_size - self.total_numel
 
     @property
     def padding_ratio(self) -> float:
+        """Padding as a fraction of the unsharded buffer, ``(m*S - E) / (m*S)``."""
         total = self.total_size
         return self.padding / total if total else 0.0
 
+    @property
+    def lower_bound(self) -> int:
+        """Smallest conceivable shard size: ``ceil(E/m)`` rounded up to ``align`` (and at least ``align``).
+
+        This is what flat element-wise sharding (FSDP1 / DeepSpeed ZeRO-3 with the same alignment)
+        needs; ``shard_size - lower_bound`` is the price of whole blocks and contiguous tensors.
+        """
+        per_rank = max(-(-self.total_numel // self.world_size), 1)
+        return -(-per_rank // self.align) * self.align
+
+    @property
+    def excess_padding(self) -> int:
+        """Padding beyond the flat lower bound, ``m * (S - lower_bound)``."""
+        return self.world_size * (self.shard_size - self.lower_bound)
+
+    def name(self, i: int) -> str:
+        """Tensor ``i``'s name for messages (``"tensor <i>"`` when no names were given)."""
+        return self.names[i] if self.names is not None else f"tensor {i}"
+
+    # ---- per-rank pieces -------------------------------------------------------------------
     def piece(self, i: int, rank: int) -> tuple[int, int]:
         """Tensor ``i``'s piece on ``rank`` as ``(start, end)`` element offsets *within the tensor*."""
         lo = max(self.offsets[i], rank * self.shard_size)
@@ -70,3 +106,107 @@ class Layout:
             a, b = self.piece(i, k)
             units.append((b - a) // g if g else 0)
         return tuple(units)
+
+    def ranks_of(self, i: int) -> range:
+        """Ranks holding a non-empty piece of tensor ``i`` (empty range for a zero-size tensor)."""
+        if self.numels[i] == 0:
+            return range(0)
+        first = self.offsets[i] // self.shard_size
+        last = (self.offsets[i] + self.numels[i] - 1) // self.shard_size
+        return range(first, last + 1)
+
+    # ---- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; :meth:`from_dict` restores an equal ``Layout``."""
+        d: dict[str, Any] = {
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "align": self.align,
+            "numels": list(self.numels),
+            "granularities": list(self.granularities),
+            "offsets": list(self.offsets),
+            "order": list(self.order),
+        }
+        if self.shapes is not None:
+            d["shapes"] = [list(s) for s in self.shapes]
+        if self.names is not None:
+            d["names"] = list(self.names)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Layout":
+        shapes = d.get("shapes")
+        names = d.get("names")
+        return cls(
+            world_size=int(d["world_size"]),
+            shard_size=int(d["shard_size"]),
+            numels=tuple(int(x) for x in d["numels"]),
+            granularities=tuple(int(x) for x in d["granularities"]),
+            offsets=tuple(int(x) for x in d["offsets"]),
+            order=tuple(int(x) for x in d["order"]),
+            align=int(d.get("align", 1)),
+            shapes=None if shapes is None else tuple(tuple(int(v) for v in s) for s in shapes),
+            names=None if names is None else tuple(str(n) for n in names),
+        )
+
+
+def validate_layout(layout: Layout) -> None:
+    """Check a layout's invariants from its numbers alone; raise ``ValueError`` naming the violation.
+
+    Checked (paper section 2.2): (a) ``m * S`` buffer split into equal shards with ``S >= 1``;
+    (b) no rank boundary ``k*S`` (``0 < k < m``) strictly inside a tensor at an offset that is not a
+    multiple of its granularity; (c) each tensor is one contiguous in-bounds range, ranges are
+    disjoint and follow ``layout.order``; (d) ``S % align == 0``. Also: lengths agree, ``order`` is
+    a permutation, numels are non-negative and granularities positive divisors of their numels.
+
+    Cost: O(n + sum over tensors of the boundaries they cross) -- at most O(n + m).
+    """
+    m, S, a = layout.world_size, layout.shard_size, layout.align
+    n = len(layout.numels)
+    if m < 1:
+        raise ValueError(f"invalid layout: world_size={m} must be >= 1")
+    if a < 1:
+        raise ValueError(f"invalid layout: align={a} must be >= 1")
+    if S < 1 or S % a != 0:
+        raise ValueError(f"invalid layout: shard_size={S} must be a positive multiple of align={a}")
+    for field in ("granularities", "offsets", "order"):
+        if len(getattr(layout, field)) != n:
+            raise ValueError(f"invalid layout: len({field})={len(getattr(layout, field))} != len(numels)={n}")
+    for field in ("shapes", "names"):
+        val = getattr(layout, field)
+        if val is not None and len(val) != n:
+            raise ValueError(f"invalid layout: len({field})={len(val)} != len(numels)={n}")
+    if sorted(layout.order) != list(range(n)):
+        raise ValueError(f"invalid layout: order={layout.order} is not a permutation of range({n})")
+    cap = m * S
+    cursor = 0
+    for i in layout.order:
+        e, g, x = layout.numels[i], layout.granularities[i], layout.offsets[i]
+        who = layout.name(i)
+        if e < 0:
+            raise ValueError(f"invalid layout: {who} has negative numel={e}")
+        if g < 1 or e % g != 0:
+            raise ValueError(f"invalid layout: {who} granularity={g} must be >= 1 and divide numel={e}")
+        if layout.shapes is not None:
+            prod = 1
+            for d in layout.shapes[i]:
+                prod *= d
+            if prod != e:
+                raise ValueError(f"invalid layout: {who} shape={layout.shapes[i]} has {prod} elements, numel={e}")
+        if x < 0 or x + e > cap:
+            raise ValueError(f"invalid layout: {who} range [{x}, {x + e}) is outside the buffer [0, {cap})")
+        if e == 0:
+            continue
+        if x < cursor:
+            raise ValueError(
+                f"invalid layout: {who} starts at {x} before the previous tensor in order ends at {cursor}"
+            )
+        cursor = x + e
+        k = x // S + 1  # first boundary strictly after x
+        while k < m and k * S < x + e:
+            if (k * S - x) % g != 0:
+                raise ValueError(
+                    f"invalid layout: rank boundary {k * S} (k={k}, S={S}) cuts {who} at element "
+                    f"{k * S - x}, not a multiple of its granularity {g}"
+                )
+            k += 1
