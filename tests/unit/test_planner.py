@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from planner_reference import check_layout
+from test_planner_reference import check_layout
 
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import Layout, plan_layout, validate_layout

@@ -6,7 +6,7 @@ import itertools
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_reference import brute_feasible, brute_min_shard_size, check_layout
+from test_planner_reference import brute_feasible, brute_min_shard_size, check_layout
 
 from raggedfsdp.planner import plan_layout, validate_layout
 from raggedfsdp.planner.planner import ORDERS, _resolve_order

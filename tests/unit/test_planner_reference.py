@@ -66,3 +66,21 @@ def brute_min_shard_size(numels, grans, perm, m, align) -> int:
     while not brute_feasible(numels, grans, perm, m, S):
         S += align
     return S
+
+
+# ---- the oracle's own sanity checks (hand-worked cases) -------------------------------------
+def test_oracle_hand_cases():
+    # one tensor of 3 blocks of 4 on 3 ranks: S=4 puts one block per rank
+    assert brute_feasible([12], [4], [0], 3, 4)
+    # S=5: every start crosses 5 or 10 off a block edge
+    assert not brute_feasible([12], [4], [0], 3, 5)
+    assert brute_min_shard_size([12, 1], [4, 1], [0, 1], 3, 1) == 8
+    assert brute_min_shard_size([5, 7, 11], [1, 1, 1], [0, 1, 2], 4, 1) == 6
+    assert brute_min_shard_size([100, 4, 4], [100, 1, 1], [0, 1, 2], 4, 1) == 100
+    check_layout([8, 6, 3], [4, 3, 1], 3, 1, 7, (3, 11, 17), (0, 1, 2))
+    import pytest
+
+    with pytest.raises(AssertionError, match="spans ranks"):
+        check_layout([8, 6, 3], [4, 3, 1], 3, 1, 7, (2, 11, 17), (0, 1, 2))
+    with pytest.raises(AssertionError, match="overlaps"):
+        check_layout([8, 6, 3], [4, 3, 1], 3, 1, 7, (3, 10, 17), (0, 1, 2))
