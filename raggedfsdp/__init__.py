@@ -7,7 +7,26 @@ placement -> planner -> buffer -> fsdp -> optim/checkpoint -> models -> train/cl
 import raggedfsdp._torch_patches  # noqa
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import Layout, plan_layout
+from raggedfsdp.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["RaggedShard", "Layout", "plan_layout", "__version__"]
+__all__ = [
+    "RaggedShard",
+    "Layout",
+    "plan_layout",
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "__version__",
+]

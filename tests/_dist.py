@@ -50,16 +50,40 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
         for p in procs:
             p.start()
         failures: list[tuple[int, str]] = []
-        done = 0
+        reported: set[int] = set()
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout
         try:
-            while done < world_size:
+            while len(reported) < world_size:
                 try:
-                    rank, tb = err_q.get(timeout=timeout)
-                except Exception as e:  # queue.Empty
-                    raise TimeoutError(
-                        f"distributed test timed out after {timeout}s ({done}/{world_size} ranks finished)"
-                    ) from e
-                done += 1
+                    rank, tb = err_q.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [
+                        r for r, p in enumerate(procs)
+                        if r not in reported and p.exitcode is not None
+                    ]
+                    if dead:
+                        time.sleep(1.0)  # a report may still be in flight
+                        while not err_q.empty():
+                            rank, tb = err_q.get()
+                            reported.add(rank)
+                            if tb is not None:
+                                failures.append((rank, tb))
+                        dead = [r for r in dead if r not in reported]
+                        if dead or failures:
+                            if not failures:
+                                failures.append(
+                                    (dead[0], f"process exited with code {procs[dead[0]].exitcode} without a report")
+                                )
+                            break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"distributed test timed out after {timeout}s ({len(reported)}/{world_size} ranks finished)"
+                        )
+                    continue
+                reported.add(rank)
                 if tb is not None:
                     failures.append((rank, tb))
                     break  # one failing rank ends the job: the others would hang in a collective

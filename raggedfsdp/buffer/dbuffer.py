@@ -1,0 +1,164 @@
+"""DBuffer: one FSDP unit's flat storage for one role (veScale-FSDP paper, section 3).
+
+Note [DBuffer roles]
+    Per FSDP unit the runtime keeps up to four DBuffers laid out by one planner ``Layout``
+    (``m`` ranks, shard size ``S`` elements):
+
+    * sharded params   ``(S,)``   original dtype, persistent master copy; each optimizer-facing
+      parameter is a RaggedShard DTensor whose local tensor is a 1-D *view* into it;
+    * unsharded params ``(m*S,)`` ``param_dtype``; filled by one in-place all-gather whose input is
+      the sharded buffer (or, with ``param_dtype`` set, this rank's slice after one fused cast); the
+      module's unsharded parameters are views ``[offset, offset+numel)``; freed after use by
+      resizing the storage to 0 (the views and autograd's saved aliases stay valid);
+    * unsharded grads  ``(m*S,)`` ``param_dtype``; autograd accumulates into views of it (they are
+      pre-set as ``param.grad``), then it is reduce-scattered in place;
+    * sharded grads    ``(S,)``   original dtype, persistent; the optimizer-facing ``.grad``
+      DTensors are views into it.
+
+    Every collective is even-sized (``S`` elements per rank), so it runs as one
+    ``all_gather_single`` / ``reduce_scatter_single`` on gloo and NCCL alike, with no copy-in or
+    copy-out. Padding lies only between tensors (planner guarantee) and is kept at zero.
+"""
+
+from __future__ import annotations
+
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.planner import Layout
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s storage (all views of it keep their metadata). Not collective."""
+    st = t.untyped_storage()
+    if st.size() != 0:
+        st.resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> bool:
+    """Re-allocate ``t``'s storage to its full size; returns True if it had been freed. Not collective."""
+    st = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if st.size() != nbytes:
+        st.resize_(nbytes)
+        return True
+    return False
+
+
+class DBuffer:
+    """A flat 1-D buffer laid out by a planner :class:`Layout`: either one rank's shard or the global buffer.
+
+    Args:
+        layout: the unit's plan (sizes in elements).
+        sharded: ``True`` for a rank-local ``(S,)`` shard, ``False`` for the global ``(m*S,)`` buffer.
+        rank: this rank's index on the shard mesh dim.
+        dtype, device: of the storage.
+        shapes: per-tensor global shapes (same order as ``layout.numels``).
+        allocate: allocate storage now (``False`` creates it freed; call :meth:`alloc`).
+
+    Collective methods (``all_gather_from``, ``reduce_scatter_``, ``all_reduce_``) must be called by
+    every rank of the given process group in the same order; all others are local.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        sharded: bool,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        shapes: Sequence[torch.Size],
+        allocate: bool = True,
+    ):
+        self.layout = layout
+        self.sharded = sharded
+        self.rank = rank
+        self.shapes = [torch.Size(s) for s in shapes]
+        numel = layout.shard_size if sharded else layout.total_size
+        self.data = torch.empty(numel, dtype=dtype, device=device)  # 1D flat
+        if not allocate and device.type != "meta":
+            free_storage(self.data)
+
+    # ---- memory -------------------------------------------------------------------------
+    @property
+    def is_allocated(self) -> bool:
+        return self.data.untyped_storage().size() == self.data.numel() * self.data.element_size()
+
+    def alloc(self, zero: bool = False) -> bool:
+        """Allocate the storage if freed (optionally zero-filled); returns True if it was (re)allocated."""
+        fresh = alloc_storage(self.data)
+        if fresh and zero:
+            self.data.zero_()
+        return fresh
+
+    def free(self) -> None:
+        free_storage(self.data)
+
+    # ---- views ---------------------------------------------------------------------------
+    def tensor_view(self, i: int) -> torch.Tensor:
+        """Global buffer only: tensor ``i`` as a contiguous view of its global shape."""
+        assert not self.sharded
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        return self.data.narrow(0, off, n).view(self.shapes[i])
+
+    def local_view(self, i: int) -> torch.Tensor:
+        """Sharded buffer only: this rank's 1-D piece of tensor ``i`` (possibly empty)."""
+        assert self.sharded
+        a, b = self.layout.piece(i, self.rank)
+        return self.data.narrow(0, self.layout.shard_offset(i, self.rank), b - a)
+
+    def rank_slice(self) -> torch.Tensor:
+        """Global buffer only: this rank's ``(S,)`` slice ``[rank*S, (rank+1)*S)``."""
+        assert not self.sharded
+        S = self.layout.shard_size
+        return self.data.narrow(0, self.rank * S, S)
+
+    # ---- group-wide fused ops (one kernel for the whole unit) ----------------------------
+    def zero_(self) -> DBuffer:
+        self.data.zero_()
+        return self
+
+    def scale_(self, factor: float) -> DBuffer:
+        self.data.mul_(factor)
+        return self
+
+    # ---- collectives (in place, even-sized) ------------------------------------------------
+    def all_gather_from(self, shard: torch.Tensor, group, async_op: bool = False):
+        """Fill this global buffer from every rank's ``(S,)`` ``shard``. Collective over ``group``.
+
+        Same dtype: ``shard`` is the all-gather input directly (no copy-in). Other dtype: one fused cast
+        into this rank's slice, then an in-place all-gather with that slice as input.
+        """
+        assert not self.sharded and shard.numel() == self.layout.shard_size
+        if shard.dtype == self.data.dtype:
+            inp = shard
+        else:
+            inp = self.rank_slice()
+            inp.copy_(shard)
+        if self.layout.world_size == 1:
+            if inp.data_ptr() != self.data.data_ptr():
+                self.data.copy_(inp)
+            return None
+        return _all_gather_single(self.data, inp, group=group, async_op=async_op)
+
+    def reduce_scatter_(self, out: torch.Tensor | None, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Reduce this global buffer over ``group`` into ``out`` ((S,), same dtype) or, if ``None``, in place
+        into :meth:`rank_slice`. Collective over ``group``."""
+        assert not self.sharded
+        if out is None:
+            out = self.rank_slice()
+        if self.layout.world_size == 1:
+            if out.data_ptr() != self.data.data_ptr():
+                out.copy_(self.data)
+            return None
+        return _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
+
+
+__all__ = ["DBuffer", "alloc_storage", "free_storage"]

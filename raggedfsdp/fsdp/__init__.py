@@ -1,0 +1,14 @@
+"""Layer 3: ``fully_shard`` (torch 2.13 FSDP2 API) on RaggedShard + planner + DBuffer."""
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]

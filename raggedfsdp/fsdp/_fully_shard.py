@@ -1,0 +1,330 @@
+"""``fully_shard``: torch 2.13's FSDP2 API on RaggedShard + planner + DBuffer.
+
+Source of the API and semantics: ``torch/distributed/fsdp/_fully_shard/_fully_shard.py`` (torch 2.13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.fsdp._state import FSDPState
+
+_cls_cache: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None):
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixin swapped into a ``fully_shard``'ed module's class (like torch's ``FSDPModule``)."""
+
+    def __new__(cls, *args, **kwargs):
+        # indexing into e.g. a fully_shard'ed ModuleList builds the original class, not the FSDP one
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fsdp_state(self) -> FSDPState:
+        return self._raggedfsdp_state  # type: ignore[attr-defined]
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        out = []
+        for m in self.modules():  # type: ignore[attr-defined]
+            st = getattr(m, "_raggedfsdp_state", None)
+            if st is not None and st not in out:
+                out.append(st)
+        return out
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded params (not recursive). Local."""
+        g = self._fsdp_state().group
+        if g is not None:
+            g.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's params (collective over its shard group); ``async_op`` returns a handle."""
+        st = self._fsdp_state()
+        st._lazy_init() if st.is_root is None and not _has_fsdp_ancestor_state(self) else None
+        g = st.group
+        if g is None:
+            return UnshardHandle(None) if async_op else None
+        g.unshard(async_op=async_op)
+        handle = UnshardHandle(g)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn reduce-scatter (and HSDP all-reduce) on or off; off accumulates unsharded grads locally."""
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.reduce_grads = requires_gradient_sync
+                st.group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
+        for st in self._fsdp_states(recurse):
+            st.reshard_after_forward = reshard_after_forward
+            st._auto_reshard = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Unshard ``modules`` (async) right after this module's own unshard in forward."""
+        _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
+        self._fsdp_state().forward_prefetch = [m._fsdp_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Unshard ``modules`` (async) right after this module's own unshard in backward."""
+        _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
+        self._fsdp_state().backward_prefetch = [m._fsdp_state() for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Kept for API parity; the final callback always completes reduce-scatters that were launched."""
+        self._fsdp_state()._is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced grads by ``factor`` instead of the data-parallel world size (recursive)."""
+        if factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor={factor} must be > 0")
+        for st in self._fsdp_states(True):
+            if st.group is not None:
+                st.group.gradient_divide_factor = float(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        self._fsdp_state().unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event) -> None:  # CPU/gloo: ordering is program order
+        self._fsdp_state()._post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception mid-iteration: reshard everything and drop pending state."""
+        for st in self._fsdp_states(True):
+            st.forward_order.clear()
+            st._final_callback_queued = False
+            if st.group is not None:
+                st.group.pending_reduce = None
+                st.group.reshard()
+
+    def _apply(self, *args, **kwargs):
+        # `.to()`, `.to_empty()`, `.float()` replace local tensors: reshard, then re-point sharded params
+        # at a fresh flat buffer (torch's FSDP2 does the same via reset_sharded_param)
+        for st in self._fsdp_states(True):
+            if st.group is not None:
+                st.group.reshard()
+        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for st in self._fsdp_states(True):
+            if st.group is not None:
+                st.group.reset_sharded_storage()
+        return ret
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError("raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before")
+
+
+def _has_fsdp_ancestor_state(module) -> bool:
+    st = module._raggedfsdp_state
+    return st.is_root is False
+
+
+def _check_fsdp_modules(modules, name: str) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{name}: {type(m).__name__} is not a fully_shard'ed module; call fully_shard on it first")
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s parameters (those not already managed by a nested ``fully_shard``) as one FSDP unit.
+
+    Same signature and semantics as torch 2.13's ``torch.distributed.fsdp.fully_shard``: call it
+    bottom-up (each transformer block, then the root). Afterwards ``module.parameters()`` are
+    ``nn.Parameter(DTensor)`` with placement ``RaggedShard`` (HSDP: ``(Replicate(), RaggedShard)``)
+    whose local tensors are 1-D views into the unit's flat sharded buffer; a stock optimizer trains
+    them. Before forward the unit is all-gathered in place into one flat buffer (params are views of
+    it); after backward its flat grad buffer is reduce-scattered in place and averaged.
+
+    Args:
+        module: module or list of modules forming one unit (a list shares one communication group).
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP). Default: all ranks, 1-D,
+            on CUDA if NCCL is the default backend else CPU.
+        reshard_after_forward: ``True`` frees params after forward, ``False`` keeps them for backward,
+            ``None`` means ``True`` except for the root. An ``int`` (reshard to a smaller group) is
+            not supported and raises ``NotImplementedError``.
+        shard_placement_fn: ``fn(param) -> None | Shard(0) | int``: ``None``/``Shard(0)`` give row
+            granularity (blocks of ``prod(shape[1:])`` elements); an ``int`` is the block size in
+            elements (e.g. ``32 * shape[1]`` for 32-row quantization tiles) that no rank boundary cuts.
+        mp_policy: ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``.
+        offload_policy: only ``OffloadPolicy()`` (no offload) is supported yet.
+        ignored_params: parameters left unsharded and unreduced.
+
+    Which ranks: every rank of ``mesh`` must call it, in the same order, on the same module tree.
+
+    Raises:
+        ValueError: module already fully_shard'ed, mesh of the wrong dims, params on several devices,
+            mixed dtypes in one unit, 0-dim params, bad granularity.
+        NotImplementedError: int ``reshard_after_forward``, CPU offload, ``Shard(dim>0)`` placements.
+    """
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not modules:
+        raise ValueError("fully_shard: got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: expects nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} has no forward, so its hooks would never run; "
+                "call fully_shard on each child module instead"
+            )
+        if getattr(m, "_raggedfsdp_state", None) is not None:
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} is already fully_shard'ed; call fully_shard once per module"
+            )
+    if not isinstance(reshard_after_forward, (bool, type(None))):
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward!r} (int, reshard to a smaller group) is "
+            "not supported yet; use True or False"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("fully_shard: CPUOffloadPolicy is not supported yet; use OffloadPolicy()")
+    mesh = _init_mesh(mesh)
+    ignored = set(ignored_params or ())
+    params = _managed_params(modules, ignored)
+    device = _device_of(params, mesh)
+    gran_fn = _granularity_fn(shard_placement_fn)
+    group = FSDPParamGroup(params, mesh, mp_policy, device, gran_fn) if params else None
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward)
+    for m in modules:
+        m._raggedfsdp_state = state
+        m.register_forward_pre_hook(lambda mod, a, k: state._pre_forward(mod, a, k), prepend=True, with_kwargs=True)
+        m.register_forward_hook(lambda mod, a, o: state._post_forward(mod, a, o))
+        cls = type(m)
+        if cls not in _cls_cache:
+            _cls_cache[cls] = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _cls_cache[cls]
+    return list(modules) if isinstance(module, (list, tuple)) else module
+
+
+def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_initialized():
+            raise ValueError("fully_shard: no mesh given and torch.distributed is not initialized; "
+                             "call dist.init_process_group(...) first or pass mesh=")
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(dev, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+    return mesh
+
+
+def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]]:
+    """Params under ``modules`` not managed by a nested ``fully_shard``, in registration order, with owners."""
+    out: dict[int, tuple[nn.Parameter, str, list]] = {}
+    order: list[int] = []
+
+    def visit(mod: nn.Module, prefix: str, top: bool):
+        if not top and getattr(mod, "_raggedfsdp_state", None) is not None:
+            return
+        for name, p in mod._parameters.items():
+            if p is None or p in ignored:
+                continue
+            fqn = f"{prefix}{name}"
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} is already a DTensor (managed by another fully_shard unit, "
+                    "e.g. a weight tied across units); tie parameters within one unit or untie them"
+                )
+            if id(p) not in out:
+                out[id(p)] = (p, fqn, [])
+                order.append(id(p))
+            out[id(p)][2].append((mod, name))
+        for cname, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{cname}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, "" if len(modules) == 1 else f"{i}.", True)
+    return [out[k] for k in order]
+
+
+def _device_of(params, mesh: DeviceMesh) -> torch.device:
+    devices = {p.device.type for p, _, _ in params} - {"meta"}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard: parameters are on several devices {sorted(devices)}; move the module to one device first"
+        )
+    if params and all(p.device.type == "meta" for p, _, _ in params):
+        return torch.device("meta")
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _granularity_fn(shard_placement_fn):
+    if shard_placement_fn is None:
+        return None
+    from torch.distributed.tensor import Shard
+
+    def fn(p: nn.Parameter):
+        r = shard_placement_fn(p)
+        if r is None:
+            return None
+        if isinstance(r, int):
+            return r
+        if isinstance(r, Shard):
+            if r.dim != 0:
+                raise NotImplementedError(
+                    f"fully_shard: shard_placement_fn returned {r} for a parameter of shape {tuple(p.shape)}; only "
+                    "Shard(0) (row granularity) or an int block size in elements is supported"
+                )
+            return None
+        raise TypeError(f"fully_shard: shard_placement_fn must return None, Shard(0) or an int, got {r!r}")
+
+    return fn
