@@ -1,10 +1,38 @@
 """Layer 1: structure-aware planning of a unit's tensors into one balanced flat buffer.
 
-Public API: :func:`plan_layout` (exact minimum shard size for a fixed order), :class:`Layout` and
-:func:`validate_layout` (pure data + invariant check). All sizes are in elements.
+Public API (all sizes in elements):
+
+- :func:`plan_layout` -- exact minimum shard size for a fixed (or the best named) tensor order;
+- :class:`Layout`, :func:`validate_layout` -- the plan and an independent invariant check;
+- :class:`BlockSpec`, :func:`granularity_for`, :func:`make_policy`, :func:`plan_params` -- the
+  per-parameter granularity policy (``orig_param_policy``) and the ``RaggedShard`` dims it implies.
+
+Pure Python + stdlib (``torch`` only to recognise tensors); no process group anywhere.
 """
 
 from raggedfsdp.planner.layout import Layout, validate_layout
 from raggedfsdp.planner.planner import plan_layout
+from raggedfsdp.planner.policy import (
+    BlockSpec,
+    ParamBlock,
+    Policy,
+    granularity_for,
+    make_policy,
+    plan_params,
+    ragged_dims,
+    resolve_blocks,
+)
 
-__all__ = ["Layout", "plan_layout", "validate_layout"]
+__all__ = [
+    "Layout",
+    "plan_layout",
+    "validate_layout",
+    "BlockSpec",
+    "ParamBlock",
+    "Policy",
+    "granularity_for",
+    "make_policy",
+    "plan_params",
+    "ragged_dims",
+    "resolve_blocks",
+]

@@ -1,0 +1,278 @@
+"""Granularity policy: from a parameter's block shape to the planner's block size and ``RaggedShard`` dims.
+
+This is the paper's per-parameter hook ``orig_param_policy`` (veScale-FSDP, sections 4 and 5.1),
+shaped like FSDP2's ``shard_placement_fn``: a callable ``fn(param_or_shape) -> BlockSpec | str | None``
+that says which block of the parameter must never be cut by a rank boundary. ``None`` means the
+default, ``"row"`` (which is ``"element"`` for vectors).
+
+Block kinds (all sizes in **elements**; "rows" are rows of the trailing dim, i.e. the tensor viewed
+row-major as ``(numel // shape[-1], shape[-1])``; a vector's rows are its elements):
+
+=================  =====================================  ======================================
+spec               block size ``g``                       must hold
+=================  =====================================  ======================================
+``element``        1                                      --
+``row``            ``shape[-1]`` (1 for a vector)          --
+``rows:K``         ``K * shape[-1]``                       ``K`` divides the number of rows
+``tile:RxC``       ``R * shape[-1]`` (a row-major tile    ``ndim >= 2``; ``R`` divides
+                   spans whole rows; edge tiles of a      ``shape[-2]`` (tiles never straddle
+                   width not divisible by C are partial   two matrices of a stack)
+                   but stay on one rank)
+``slice``          ``prod(shape[1:])`` (one dim-0 slice,  --
+                   e.g. one expert of a fused stack)
+``matrix``         ``numel`` (the whole tensor)           --
+=================  =====================================  ======================================
+
+Composition with a ``Shard(dim > 0)`` placement (paper section 1.3): the block becomes
+``lcm(g, tensor.stride(dim))`` so a ragged cut never falls inside the sharded dim.
+
+``dims`` for ``RaggedShard``: the shortest prefix ``(0, ..., k-1)``, ``k >= 1``, whose trailing
+block ``prod(shape[k:])`` divides ``g`` -- ``(0,)`` when ``g`` is a multiple of a dim-0 slice,
+``(0, ..., ndim-2)`` for row multiples of a stack, all dims for element granularity. Each local
+unit is then ``g / prod(shape[k:])`` flattened-prefix rows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raggedfsdp.planner.layout import Layout
+from raggedfsdp.planner.planner import plan_layout
+
+KINDS = ("element", "row", "rows", "tile", "slice", "matrix")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """The atomic block of one parameter (see the module table).
+
+    Attributes:
+        kind: one of ``element``, ``row``, ``rows``, ``tile``, ``slice``, ``matrix``.
+        rows: rows per block for ``rows`` / ``tile`` (1 otherwise).
+        cols: tile width for ``tile`` (informational: tiles span whole rows; 0 otherwise).
+    """
+
+    kind: str
+    rows: int = 1
+    cols: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"BlockSpec: kind={self.kind!r} must be one of {KINDS}")
+        if self.rows < 1 or self.cols < 0:
+            raise ValueError(f"BlockSpec: rows={self.rows} must be >= 1 and cols={self.cols} >= 0")
+
+    @classmethod
+    def parse(cls, spec: "BlockSpec | str | tuple[int, int]") -> "BlockSpec":
+        """``"element"``, ``"row"``, ``"rows:32"``, ``"tile:32x32"``, ``"slice"``, ``"matrix"``, or ``(R, C)``."""
+        if isinstance(spec, BlockSpec):
+            return spec
+        if isinstance(spec, tuple) and len(spec) == 2:
+            return cls("tile", int(spec[0]), int(spec[1]))
+        if not isinstance(spec, str):
+            raise ValueError(f"BlockSpec: cannot parse {spec!r}; use a string like 'rows:32' or a (R, C) tile")
+        s = spec.strip().lower()
+        if s in ("element", "row", "slice", "matrix"):
+            return cls(s)
+        mt = re.fullmatch(r"rows:(\d+)", s)
+        if mt:
+            return cls("rows", int(mt.group(1)))
+        mt = re.fullmatch(r"tile:(\d+)x(\d+)", s)
+        if mt:
+            return cls("tile", int(mt.group(1)), int(mt.group(2)))
+        raise ValueError(
+            f"BlockSpec: cannot parse {spec!r}; expected element | row | rows:K | tile:RxC | slice | matrix"
+        )
+
+    def __str__(self) -> str:
+        if self.kind == "rows":
+            return f"rows:{self.rows}"
+        if self.kind == "tile":
+            return f"tile:{self.rows}x{self.cols}"
+        return self.kind
+
+
+Policy = Callable[[Any], "BlockSpec | str | None"]
+"""``orig_param_policy``: ``fn(param_or_shape) -> BlockSpec | str | None`` (``None``: default ``row``)."""
+
+
+def ragged_dims(shape: Sequence[int], granularity: int) -> tuple[int, ...]:
+    """Shortest non-empty dims prefix ``(0..k-1)`` with ``prod(shape[k:])`` dividing ``granularity``.
+
+    A 0-d tensor gets ``()`` (it is never split). O(ndim).
+    """
+    nd = len(shape)
+    if nd == 0:
+        return ()
+    for k in range(1, nd + 1):
+        tail = math.prod(shape[k:])
+        if tail == 0 or granularity % tail == 0:
+            return tuple(range(k))
+    return tuple(range(nd))  # pragma: no cover - k = nd always matches (tail 1)
+
+
+def _shape_of(param_or_shape: Any) -> tuple[int, ...]:
+    shape = getattr(param_or_shape, "shape", param_or_shape)
+    try:
+        return tuple(int(d) for d in shape)
+    except TypeError:
+        raise ValueError(f"expected a tensor or a shape, got {param_or_shape!r}") from None
+
+
+def granularity_for(
+    shape: Sequence[int] | Any,
+    block: BlockSpec | str | tuple[int, int] | None = None,
+    *,
+    strides: Iterable[int] = (),
+    name: str | None = None,
+) -> tuple[int, tuple[int, ...]]:
+    """Block size in elements and ``RaggedShard`` dims for a tensor of ``shape`` and a block spec.
+
+    Args:
+        shape: the tensor shape (or a tensor; its ``.shape`` is used).
+        block: a :class:`BlockSpec`, its string form, a ``(R, C)`` tile, or ``None`` for ``"row"``.
+        strides: element strides of dims carrying a ``Shard(dim > 0)`` placement; the block becomes
+            the LCM with each (paper section 1.3).
+        name: tensor name for error messages.
+
+    Returns:
+        ``(granularity_elements, dims)``; the granularity divides the numel (1 for empty tensors).
+
+    Raises:
+        ValueError: negative dims, a block that does not tile the tensor, or a bad stride -- naming
+            the tensor, its shape and the offending values.
+    """
+    shape = _shape_of(shape)
+    who = f"tensor {name!r}" if name else f"tensor of shape {shape}"
+    if any(d < 0 for d in shape):
+        raise ValueError(f"granularity_for: {who} has a negative dim in shape={shape}")
+    spec = BlockSpec("row") if block is None else BlockSpec.parse(block)
+    numel = math.prod(shape)
+    if numel == 0:
+        return 1, ragged_dims(shape, 1)
+    width = shape[-1] if len(shape) >= 2 else 1  # a vector's rows are its elements
+    nrows = numel // width
+    if spec.kind == "element":
+        g = 1
+    elif spec.kind == "row":
+        g = width
+    elif spec.kind == "rows":
+        if nrows % spec.rows:
+            raise ValueError(
+                f"granularity_for: {who} shape={shape} has {nrows} rows of {width} elements, "
+                f"not a multiple of the block's {spec.rows} rows ({spec})"
+            )
+        g = spec.rows * width
+    elif spec.kind == "tile":
+        if len(shape) < 2:
+            raise ValueError(f"granularity_for: {who} shape={shape} is not a matrix; {spec} tiles need ndim >= 2")
+        if shape[-2] % spec.rows:
+            raise ValueError(
+                f"granularity_for: {who} shape={shape} has {shape[-2]} rows per matrix, not a multiple "
+                f"of the tile height {spec.rows} ({spec})"
+            )
+        g = spec.rows * width
+    elif spec.kind == "slice":
+        g = math.prod(shape[1:]) if len(shape) >= 1 else 1
+    else:  # matrix
+        g = numel
+    for st in strides:
+        st = int(st)
+        if st < 1:
+            raise ValueError(f"granularity_for: {who} shape={shape} has Shard stride={st}; strides must be >= 1")
+        g = math.lcm(g, st)
+    if numel % g:
+        raise ValueError(
+            f"granularity_for: {who} shape={shape} (numel={numel}) is not a whole number of blocks of "
+            f"{g} elements ({spec}, strides={tuple(strides)})"
+        )
+    return g, ragged_dims(shape, g)
+
+
+def make_policy(matrix: BlockSpec | str = "row", vector: BlockSpec | str = "element") -> Policy:
+    """A policy giving ``matrix`` blocks to tensors with ``ndim >= 2`` and ``vector`` blocks to the rest."""
+    m_spec, v_spec = BlockSpec.parse(matrix), BlockSpec.parse(vector)
+
+    def policy(param_or_shape: Any) -> BlockSpec:
+        return m_spec if len(_shape_of(param_or_shape)) >= 2 else v_spec
+
+    policy.__name__ = f"policy(matrix={m_spec}, vector={v_spec})"
+    return policy
+
+
+@dataclass(frozen=True)
+class ParamBlock:
+    """A parameter resolved by a policy: what the planner and ``RaggedShard`` need."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    granularity: int
+    dims: tuple[int, ...]
+    block: str
+
+
+def _auto_strides(param: Any) -> tuple[int, ...]:
+    """Strides of ``Shard(dim > 0)`` dims of a DTensor-like ``param`` (contiguous local layout)."""
+    placements = getattr(param, "placements", None)
+    if not placements:
+        return ()
+    local = param.to_local() if hasattr(param, "to_local") else param
+    shape = _shape_of(local)
+    out = []
+    for pl in placements:
+        dim = getattr(pl, "dim", None)
+        if type(pl).__name__ == "Shard" and dim is not None and dim > 0:
+            out.append(math.prod(shape[dim + 1:]))
+    return tuple(out)
+
+
+def resolve_blocks(
+    named_params: Iterable[tuple[str, Any]],
+    policy: Policy | None = None,
+    *,
+    shard_strides: Mapping[str, Sequence[int]] | None = None,
+) -> list[ParamBlock]:
+    """Apply ``policy`` to ``(name, param_or_shape)`` pairs; DTensor ``Shard(dim>0)`` strides are added.
+
+    For a DTensor the *local* shape is used (FSDP lays out the TP-local tensor). O(#params).
+    """
+    out = []
+    for name, p in named_params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        shape = _shape_of(local)
+        spec = policy(p) if policy is not None else None
+        spec = BlockSpec("row") if spec is None else BlockSpec.parse(spec)
+        strides = tuple(_auto_strides(p)) + tuple((shard_strides or {}).get(name, ()))
+        g, dims = granularity_for(shape, spec, strides=strides, name=name)
+        out.append(ParamBlock(name, shape, math.prod(shape), g, dims, str(spec)))
+    return out
+
+
+def plan_params(
+    named_params: Iterable[tuple[str, Any]],
+    world_size: int,
+    *,
+    policy: Policy | None = None,
+    align: int = 1,
+    order: str | Sequence[int] = "default",
+    shard_strides: Mapping[str, Sequence[int]] | None = None,
+) -> Layout:
+    """Resolve blocks with ``policy`` and plan one unit: :func:`plan_layout` with names and shapes.
+
+    The ``dims`` of each parameter are :func:`ragged_dims` of its shape and granularity.
+    """
+    blocks = resolve_blocks(named_params, policy, shard_strides=shard_strides)
+    return plan_layout(
+        [b.numel for b in blocks],
+        [b.granularity for b in blocks],
+        world_size,
+        align=align,
+        order=order,
+        shapes=[b.shape for b in blocks],
+        names=[b.name for b in blocks],
+    )
