@@ -1,0 +1,282 @@
+"""A small LLaMA-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+Shape legend (used in comments and names below):
+    B batch, T sequence length, D model dim, H query heads, K key/value heads (H % K == 0),
+    E head dim (D // H), F MLP hidden dim, V vocab size.
+
+Structure (what FSDP sees):
+    Llama
+      tok_embeddings  nn.Embedding(V, D)
+      layers          nn.ModuleList of TransformerBlock  <- one ``fully_shard`` per block
+      norm            RMSNorm(D)
+      output          nn.Linear(D, V, bias=False)         (absent when the embedding is tied)
+    The root ``fully_shard`` then owns the embedding, the final norm and the output projection.
+
+Embedding tying: ``tie_embeddings=False`` by default. Untied is what LLaMA does and it keeps every
+parameter owned by exactly one module, which is the simple case for FSDP. With ``True`` the output
+projection reuses ``tok_embeddings.weight`` (fewer parameters, the usual choice for tiny models);
+both uses sit in the root FSDP group, so sharding stays valid.
+
+Initialisation is a separate step, ``init_weights(seed)``, so the model can be built on the meta
+device, sharded, materialised with ``to_empty`` and then initialised. Every parameter is drawn
+from its own generator, seeded from ``seed`` and the parameter's name, as a full (global) tensor:
+the result does not depend on module construction order, on the device or on sharding. For DTensor
+parameters the full tensor is distributed with ``distribute_tensor`` (each rank keeps its shard).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LlamaConfig", "LLAMA_FLAVORS", "Llama", "TransformerBlock", "RMSNorm", "precompute_rope"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Model hyperparameters. Named sizes live in ``LLAMA_FLAVORS``; see ``LlamaConfig.flavor``."""
+
+    dim: int = 128
+    """Model (residual stream) width D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads H; the head dim is ``dim // n_heads``."""
+    n_kv_heads: int = 2
+    """Key/value heads K for grouped-query attention; must divide ``n_heads`` (K == H: plain MHA)."""
+    vocab_size: int = 256
+    """V; 256 for the byte-level tokenizer used by ``raggedfsdp train``."""
+    ffn_dim: int = 0
+    """SwiGLU hidden width F; 0 means the LLaMA rule 8/3 * D rounded up to ``multiple_of``."""
+    multiple_of: int = 32
+    """Rounding for the default ``ffn_dim``."""
+    max_seq_len: int = 1024
+    """Length of the precomputed RoPE table (longest sequence the model accepts)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Reuse the input embedding as the output projection (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim must be divisible by n_heads, got {self.dim=} {self.n_heads=}")
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_kv_heads must divide n_heads, got {self.n_heads=} {self.n_kv_heads=}")
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError(f"head dim must be even for RoPE, got {self.dim // self.n_heads=}")
+        for name in ("n_layers", "vocab_size", "max_seq_len", "multiple_of"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden width F actually used."""
+        if self.ffn_dim > 0:
+            return self.ffn_dim
+        f = int(8 * self.dim / 3)
+        return self.multiple_of * math.ceil(f / self.multiple_of)
+
+    @classmethod
+    def flavor(cls, name: str, **overrides) -> LlamaConfig:
+        """The named size ``name`` with some fields replaced, e.g. ``flavor("tiny", n_layers=2)``."""
+        if name not in LLAMA_FLAVORS:
+            raise ValueError(f"unknown llama flavor {name!r}; choose one of {sorted(LLAMA_FLAVORS)}")
+        valid = {f.name for f in fields(cls)}
+        for key in overrides:
+            if key not in valid:
+                raise ValueError(f"unknown LlamaConfig field {key!r}; valid fields: {sorted(valid)}")
+        return replace(LLAMA_FLAVORS[name], **overrides)
+
+    def num_params(self) -> int:
+        """Parameter count (the tied output projection counted once)."""
+        d, f, e = self.dim, self.hidden_dim, self.head_dim
+        attn = d * self.n_heads * e + 2 * d * self.n_kv_heads * e + self.n_heads * e * d
+        block = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * block + emb + d
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LLAMA_FLAVORS: dict[str, LlamaConfig] = {
+    # Unit tests and smoke runs: a few thousand parameters, uneven-ish shapes.
+    "debug": LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=256),
+    # The `raggedfsdp train` default: trains in a few minutes on 2 CPU ranks.
+    "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512),
+    "small": LlamaConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=1024),
+    "base": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=2048),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in fp32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))  # (D,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, both (max_seq_len, head_dim // 2), fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (E/2,)
+    pos = torch.arange(max_seq_len, dtype=torch.float64)  # (T,)
+    angles = torch.outer(pos, inv_freq)  # (T, E/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (B, T, heads, E) by the angles in cos/sin (T, E/2)."""
+    x32 = x.float().unflatten(-1, (-1, 2))  # (B, T, h, E/2, 2)
+    x0, x1 = x32.unbind(-1)  # each (B, T, h, E/2)
+    cos = cos[None, :, None, :]  # (1, T, 1, E/2)
+    sin = sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, h, E/2, 2)
+    return out.flatten(-2).type_as(x)  # (B, T, h, E)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: H query heads share K key/value heads."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)  # D -> H*E
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)  # D -> K*E
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)  # D -> K*E
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)  # H*E -> D
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, D)
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, E)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, E), (B, K, T, E), (B, K, T, E)
+        # enable_gqa: query head h attends with kv head h // (H // K), without materialising copies.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, H, T, E)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*E)
+        return self.wo(y)  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # D -> F (gate)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # D -> F (up)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # F -> D (down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # via (B, T, F)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, D)
+        return h + self.feed_forward(self.ffn_norm(h))  # (B, T, D)
+
+
+class Llama(nn.Module):
+    """Decoder-only LM. ``forward(tokens (B, T) int64) -> logits (B, T, V)``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)  # (V, D)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # RoPE tables are buffers (moved with the module, never sharded: FSDP only manages
+        # parameters). Non-persistent: they are recomputed, not checkpointed.
+        cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, E/2)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, E/2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]  # tokens: (B, T)
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, E/2)
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        for layer in self.layers:
+            h = layer(h, cos, sin)  # (B, T, D)
+        h = self.norm(h)  # (B, T, D)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)  # (B, T, V)
+        return self.output(h)  # (B, T, V)
+
+    # -- initialisation ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init from ``seed``; works after ``to_empty`` and on sharded (DTensor) params.
+
+        Embedding: N(0, 1) (N(0, 1/sqrt(D)) when tied). Linear weights: N(0, 1/sqrt(fan_in)); the projections that write into
+        the residual stream (``wo``, ``w2``) are further scaled by 1/sqrt(2 * n_layers). Output
+        projection: N(0, 1/D), so the initial logits are small and the first loss is about ln(V). RMSNorm gains: 1. The RoPE buffers are recomputed.
+        """
+        cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        depth_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                _fill_(p, lambda shape: torch.ones(shape))
+                continue
+            if name == "tok_embeddings.weight":
+                # Tied: the same matrix makes the logits, so keep it at the output scale.
+                std = 1.0 / math.sqrt(self.cfg.dim) if self.cfg.tie_embeddings else 1.0
+            elif name == "output.weight":
+                std = 1.0 / self.cfg.dim  # small logits at init: the first loss is about ln(V)
+            else:
+                std = 1.0 / math.sqrt(p.shape[1])
+                if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                    std *= depth_scale
+            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            _fill_(p, lambda shape, std=std, gen=gen: torch.randn(shape, generator=gen) * std)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _fill_(p: torch.Tensor, make_full) -> None:
+    """Copy ``make_full(global_shape)`` (a CPU fp32 tensor) into ``p``; DTensors keep their shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = make_full(tuple(p.shape))
+    if isinstance(p, DTensor):
+        full = distribute_tensor(full.to(p.device, p.dtype), p.device_mesh, p.placements)
+        p.copy_(full)
+    else:
+        p.copy_(full.to(p.device, p.dtype))

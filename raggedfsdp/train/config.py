@@ -1,0 +1,356 @@
+"""Training configuration: a tree of dataclasses, TOML files and command-line overrides.
+
+Precedence: command line > ``--config FILE.toml`` > the defaults below.
+
+Every field can be set in TOML under its section (``[training] steps = 100``) and on the command
+line as ``--section.key VALUE`` (``--training.steps 100``); the common ones also have a short flag
+(``--steps 100``). Unknown sections and keys are a ``ValueError`` naming the valid ones, so typos do
+not go unnoticed.
+
+Batch semantics: ``training.global_batch_size`` counts sequences per optimizer step over all ranks
+and accumulation micro-steps, so the same config gives the same optimisation at any world size.
+Each rank processes ``global_batch_size // (world_size * grad_accum)`` sequences per micro-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "TrainConfig",
+    "add_config_args",
+    "load_config",
+    "overrides_from_args",
+    "override_argv",
+]
+
+
+def _f(default: Any, help: str, *, flag: str | None = None, hidden: bool = False) -> Any:
+    """A dataclass field with its help text (and optional short command-line flag)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "hidden": hidden})
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    out: str = _f("outputs/run", "output folder (metrics.jsonl, config.json)", flag="--out")
+    seed: int = _f(0, "seed for the model init and the data order", flag="--seed")
+    device: str = _f("auto", "auto | cpu | cuda (auto: cuda with nccl if available, else cpu with gloo)")
+    pg_timeout_s: float = _f(120.0, "process-group timeout in seconds (a stuck collective errors out after this)")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = _f("llama", "model family (see raggedfsdp.models.MODELS)")
+    flavor: str = _f("tiny", "named size: debug | tiny | small | base", flag="--model")
+    dim: int | None = _f(None, "override the flavor's model dim")
+    n_layers: int | None = _f(None, "override the flavor's number of blocks")
+    n_heads: int | None = _f(None, "override the flavor's query heads")
+    n_kv_heads: int | None = _f(None, "override the flavor's key/value heads (GQA)")
+    ffn_dim: int | None = _f(None, "override the flavor's SwiGLU hidden dim (0: 8/3 * dim)")
+    tie_embeddings: bool | None = _f(None, "tie the output projection to the input embedding")
+    init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = _f("", "text file or folder of text files; empty: the Python stdlib's .py sources", flag="--data")
+    max_bytes: int = _f(4_000_000, "use at most this many bytes of the corpus (0: no cap)")
+    val_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for evaluation")
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    steps: int = _f(300, "optimizer steps", flag="--steps")
+    global_batch_size: int = _f(
+        16, "sequences per optimizer step, summed over ranks and micro-steps", flag="--batch-size"
+    )
+    seq_len: int = _f(128, "tokens (bytes) per sequence", flag="--seq-len")
+    grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step", flag="--grad-accum")
+    max_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping, norm still logged)")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: str = _f("adamw", "optimizer (adamw: torch.optim.AdamW, foreach)")
+    lr: float = _f(3e-3, "peak learning rate", flag="--lr")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW eps")
+    weight_decay: float = _f(0.1, "decoupled weight decay, applied to matrices and embeddings only")
+    schedule: str = _f("cosine", "cosine (linear warmup, cosine decay) | constant (warmup, then flat)")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    min_lr_ratio: float = _f(0.1, "cosine decays to lr * min_lr_ratio at the last step")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    backend: str = _f("ragged", "ragged (raggedfsdp.fully_shard) | torch (torch FSDP2, reference)", flag="--backend")
+    param_dtype: str = _f("fp32", "compute dtype of all-gathered params: fp32 | bf16", flag="--param-dtype")
+    reduce_dtype: str = _f("fp32", "gradient reduce-scatter dtype: fp32 | bf16", flag="--reduce-dtype")
+    reshard_after_forward: bool = _f(True, "free gathered block params after forward (ZeRO-3)")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    log_every: int = _f(10, "print and record metrics every N steps (and at the last step)", flag="--log-every")
+    eval_every: int = _f(0, "evaluate on the held-out split every N steps (0: only at the end)")
+    eval_batches: int = _f(4, "evaluation size, in global batches of the held-out split")
+    jsonl: bool = _f(True, "write OUT/metrics.jsonl on rank 0")
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    fail_rank: int = _f(-1, "raise on this rank (testing failure handling)", hidden=True)
+    fail_step: int = _f(-1, "... at this step", hidden=True)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The ``[model]`` fields that replace the flavor's values (those that are set)."""
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+        return {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Cross-field checks; with ``world_size`` also the batch split. Raises ``ValueError``."""
+        t, o, f, m = self.training, self.optimizer, self.fsdp, self.metrics
+        positive = {
+            "training.steps": t.steps,
+            "training.global_batch_size": t.global_batch_size,
+            "training.seq_len": t.seq_len,
+            "training.grad_accum": t.grad_accum,
+            "metrics.log_every": m.log_every,
+            "metrics.eval_batches": m.eval_batches,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        nonneg = {
+            "training.max_norm": t.max_norm,
+            "optimizer.lr": o.lr,
+            "optimizer.warmup_steps": o.warmup_steps,
+            "optimizer.weight_decay": o.weight_decay,
+            "metrics.eval_every": m.eval_every,
+            "data.max_bytes": self.data.max_bytes,
+        }
+        for key, value in nonneg.items():
+            if value < 0:
+                raise ValueError(f"{key} must be >= 0, got {value}")
+        if not 0.0 < self.data.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.data.val_fraction}")
+        if not 0.0 <= o.min_lr_ratio <= 1.0:
+            raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+        choices = {
+            "optimizer.name": (o.name, ("adamw",)),
+            "optimizer.schedule": (o.schedule, ("cosine", "constant")),
+            "fsdp.backend": (f.backend, ("ragged", "torch")),
+            "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
+            "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
+            "model.init_device": (self.model.init_device, ("cpu", "meta")),
+            "job.device": (self.job.device, ("auto", "cpu", "cuda")),
+        }
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+        if self.job.pg_timeout_s <= 0:
+            raise ValueError(f"job.pg_timeout_s must be > 0, got {self.job.pg_timeout_s}")
+        # Model: builds the flavor with the overrides (raises on bad names or shapes).
+        from raggedfsdp.models import build_model_config
+
+        mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
+        if t.seq_len > mcfg.max_seq_len:
+            raise ValueError(
+                f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={mcfg.max_seq_len} "
+                f"(flavor {self.model.flavor!r})"
+            )
+        if world_size is not None:
+            denom = world_size * t.grad_accum
+            if t.global_batch_size % denom != 0:
+                raise ValueError(
+                    f"training.global_batch_size={t.global_batch_size} must be divisible by "
+                    f"world_size * grad_accum = {world_size} * {t.grad_accum} = {denom}"
+                )
+
+
+# -- schema helpers ----------------------------------------------------------------------------
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+def _section_fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """``(type, optional)`` of a field annotation such as ``int`` or ``int | None``."""
+    args = typing.get_args(tp)
+    if args and type(None) in args:
+        (inner,) = (a for a in args if a is not type(None))
+        return inner, True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert a TOML value (or a command-line string) to the field's type."""
+    base, optional = _base_type(tp)
+    if isinstance(value, str) and base is not str:
+        return _parse_str(value, base, where)
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be a boolean, got {value!r}")
+        return value
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        return value
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where} must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {tp} for {where}")
+
+
+def _parse_str(text: str, base: type, where: str) -> Any:
+    try:
+        if base is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            return int(text.replace("_", ""))
+        if base is float:
+            return float(text)
+    except ValueError:
+        kind = {bool: "a boolean (true/false)", int: "an integer", float: "a number"}[base]
+        raise ValueError(f"{where} must be {kind}, got {text!r}") from None
+    raise AssertionError(f"unsupported config type {base} for {where}")
+
+
+def config_from_dict(data: dict[str, Any], *, source: str = "config") -> TrainConfig:
+    """Build a ``TrainConfig`` from nested ``{section: {key: value}}``; strict about names and types."""
+    sections = _sections()
+    cfg = TrainConfig()
+    for sec_name, values in data.items():
+        if sec_name not in sections:
+            raise ValueError(
+                f"unknown section [{sec_name}] in {source}; valid sections: {sorted(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ValueError(f"[{sec_name}] in {source} must be a table, got {values!r}")
+        fields_ = _section_fields(sections[sec_name])
+        section = getattr(cfg, sec_name)
+        for key, value in values.items():
+            if key not in fields_:
+                raise ValueError(
+                    f"unknown key {key!r} in [{sec_name}] of {source}; valid keys: {sorted(fields_)}"
+                )
+            setattr(section, key, _coerce(value, fields_[key][1], f"{sec_name}.{key}"))
+    return cfg
+
+
+def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """Apply ``{"section.key": value}`` (values may be strings from the command line) in place."""
+    sections = _sections()
+    for path, value in overrides.items():
+        sec_name, _, key = path.partition(".")
+        if sec_name not in sections or not key:
+            raise ValueError(f"unknown config option {path!r}; valid sections: {sorted(sections)}")
+        fields_ = _section_fields(sections[sec_name])
+        if key not in fields_:
+            raise ValueError(f"unknown config option {path!r}; valid keys of [{sec_name}]: {sorted(fields_)}")
+        setattr(getattr(cfg, sec_name), key, _coerce(value, fields_[key][1], path))
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated (no world size)."""
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ValueError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"invalid TOML in {path}: {e}") from None
+        cfg = config_from_dict(data, source=str(path))
+    else:
+        cfg = TrainConfig()
+    apply_overrides(cfg, overrides or {})
+    cfg.validate()
+    return cfg
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one ``--section.key`` option per field (plus the short aliases)."""
+    parser.add_argument("--config", metavar="FILE.toml", default=None, help="TOML config file")
+    for sec_name, sec_cls in _sections().items():
+        group = parser.add_argument_group(f"[{sec_name}]") if sec_name != "debug" else parser
+        defaults = sec_cls()
+        for key, (fld, tp) in _section_fields(sec_cls).items():
+            base, _ = _base_type(tp)
+            flags = [f"--{sec_name}.{key}"]
+            if fld.metadata.get("flag"):
+                flags.insert(0, fld.metadata["flag"])
+            if fld.metadata.get("hidden"):
+                help_ = argparse.SUPPRESS
+            else:
+                help_ = f"{fld.metadata['help']} (default: {getattr(defaults, key)!r})"
+            metavar = {bool: "BOOL", int: "N", float: "X", str: "STR"}[base]
+            group.add_argument(*flags, dest=f"{sec_name}.{key}", default=None, metavar=metavar, help=help_)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """The ``{"section.key": raw string}`` options given on the command line."""
+    out = {}
+    for sec_name, sec_cls in _sections().items():
+        for key in _section_fields(sec_cls):
+            value = getattr(args, f"{sec_name}.{key}", None)
+            if value is not None:
+                out[f"{sec_name}.{key}"] = value
+    return out
+
+
+def override_argv(config_path: str | None, overrides: dict[str, Any]) -> list[str]:
+    """Command-line arguments that reproduce ``config_path`` + ``overrides`` (for the worker)."""
+    argv = ["--config", str(config_path)] if config_path else []
+    for path, value in overrides.items():
+        argv.append(f"--{path}={value}")
+    return argv
+
+
+def print_config(cfg: TrainConfig, file=sys.stdout) -> None:  # pragma: no cover - cosmetic
+    for sec, values in cfg.to_dict().items():
+        print(f"[{sec}] " + " ".join(f"{k}={v!r}" for k, v in values.items()), file=file)

@@ -1,0 +1,176 @@
+"""Byte-level text data and the per-rank batch sampler.
+
+Tokens are bytes (vocab 256): no tokenizer to download or train, any file works.
+
+Corpus: by default the Python standard library's own ``.py`` sources (found via
+``sysconfig.get_paths()["stdlib"]``; ``site-packages`` and caches are skipped). It is present on every
+machine that runs Python, and it is deterministic for a given Python version. ``path`` may instead
+name a text file or a folder of text files (binary files, detected by a NUL byte in the first 8 KiB,
+are skipped).
+
+The file list is sorted by path, then permuted with a fixed seed (``FILE_ORDER_SEED``, independent
+of the run's seed) so that a capped corpus samples the whole tree instead of the alphabetically
+first packages. Files are concatenated in that order (each ending in a newline) and the stream is
+cut at ``max_bytes``. The tail ``val_fraction`` of the stream, which is a few whole files that the
+model never trains on, is held out for evaluation.
+
+Sampling (see ``BatchSampler``): a batch is a set of random windows of ``seq_len + 1`` bytes. The
+window offsets of optimizer step ``s`` are a pure function of ``(seed, s)``, so a run can resume at
+any step, and runs at different world sizes see exactly the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["Corpus", "BatchSampler", "stdlib_source_files", "load_corpus", "eval_windows"]
+
+FILE_ORDER_SEED = 1234
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_source_files() -> list[Path]:
+    """The stdlib's ``.py`` files, sorted by path relative to the stdlib root."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"Python standard library not found at {root}")
+    return _walk(root, suffix=".py")
+
+
+def _walk(root: Path, suffix: str | None = None) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in filenames:
+            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
+                continue
+            files.append(Path(dirpath) / name)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _is_text(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return b"\0" not in fh.read(8192)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A byte corpus split into train and validation token streams."""
+
+    train: torch.Tensor  # (N_train,) uint8
+    val: torch.Tensor  # (N_val,) uint8
+    source: str  # description: where the bytes came from
+    num_files: int
+
+
+def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: float = 0.05) -> Corpus:
+    """Read the corpus (see the module docstring) and split off the tail as validation data."""
+    if path:
+        p = Path(path).expanduser()
+        if p.is_file():
+            files = [p]
+        elif p.is_dir():
+            files = [f for f in _walk(p) if _is_text(f)]
+        else:
+            raise FileNotFoundError(f"data path {path!r} is neither a file nor a folder")
+        source = str(p)
+    else:
+        files = stdlib_source_files()
+        source = f"python stdlib ({sysconfig.get_paths()['stdlib']})"
+    order = np.random.default_rng(FILE_ORDER_SEED).permutation(len(files))
+    chunks, total, used = [], 0, 0
+    for f in (files[i] for i in order):
+        data = f.read_bytes()
+        if max_bytes and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+        if data:
+            chunks.append(data if data.endswith(b"\n") else data + b"\n")
+            total += len(chunks[-1])
+            used += 1
+        if max_bytes and total >= max_bytes:
+            break
+    blob = b"".join(chunks)[: max_bytes or None]
+    tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # (N,)
+    n_val = int(len(tokens) * val_fraction)
+    if len(tokens) - n_val < 2 or n_val < 2:
+        raise ValueError(f"corpus {source} is too small ({len(tokens)} bytes) to split into train/val")
+    return Corpus(train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :], source=source, num_files=used)
+
+
+class BatchSampler:
+    """Deterministic per-rank slices of a global batch of random windows.
+
+    Global batch of step ``s``: ``G = global_batch_size`` window offsets drawn uniformly from
+    ``[0, N - seq_len - 1]`` by a NumPy generator seeded with ``(seed, s)``. Row ``i`` is the window
+    at offset ``offsets[i]``: inputs ``tokens[o : o + T]``, targets ``tokens[o + 1 : o + T + 1]``.
+
+    Split: with ``W`` ranks and ``A`` accumulation micro-steps, each micro-batch has
+    ``b = G / (W * A)`` rows. Rank ``r`` owns the contiguous rows ``[r * G/W, (r + 1) * G/W)`` and its
+    micro-step ``m`` takes rows ``r * G/W + m * b`` onward. The slices of all ranks are disjoint and
+    together cover the global batch.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,  # (N,) uint8
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        world_size: int = 1,
+        rank: int = 0,
+        grad_accum: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if global_batch_size % (world_size * grad_accum) != 0:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"world_size * grad_accum = {world_size} * {grad_accum}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"need at least seq_len + 2 = {seq_len + 2} tokens, got {len(tokens)}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.world_size = world_size
+        self.rank = rank
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self.micro_batch_size = global_batch_size // (world_size * grad_accum)
+
+    def global_offsets(self, step: int) -> np.ndarray:  # (G,) int64
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch_size, endpoint=True)
+
+    def rows(self, micro_step: int = 0, rank: int | None = None) -> range:
+        """Indices into the global batch of ``rank``'s micro-batch ``micro_step``."""
+        rank = self.rank if rank is None else rank
+        start = rank * (self.global_batch_size // self.world_size) + micro_step * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
+
+    def get(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(inputs, targets)`` for ``step``/``micro_step``, both (b, T) int64."""
+        offsets = self.global_offsets(step)[self.rows(micro_step).start : self.rows(micro_step).stop]
+        return windows(self.tokens, offsets, self.seq_len)
+
+
+def windows(tokens: torch.Tensor, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (both (len(offsets), seq_len) int64) for windows starting at ``offsets``."""
+    idx = torch.as_tensor(offsets, dtype=torch.int64)[:, None] + torch.arange(seq_len + 1)  # (b, T+1)
+    chunk = tokens[idx].long()  # (b, T+1)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def eval_windows(num_tokens: int, *, seq_len: int, count: int) -> np.ndarray:
+    """``count`` evenly spaced window offsets over a stream of ``num_tokens`` tokens (a fixed eval set)."""
+    last = num_tokens - seq_len - 1
+    if last < 0:
+        raise ValueError(f"validation split ({num_tokens} tokens) is shorter than seq_len + 1 = {seq_len + 1}")
+    return np.linspace(0, last, num=count).round().astype(np.int64)

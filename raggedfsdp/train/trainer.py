@@ -1,0 +1,240 @@
+"""The training loop: build (data, model, FSDP, optimizer), ``train_step``, ``evaluate``, ``train``.
+
+One code path for any world size, including 1 (a single process still gets a gloo process group
+and a 1-rank mesh, so FSDP is applied the same way).
+
+Loss normalisation: every micro-batch has the same number of tokens, so each rank's loss is the
+mean over its tokens divided by ``grad_accum``; FSDP's reduce-scatter averages over ranks. The
+gradient is therefore the gradient of the mean loss over the global batch, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
+from raggedfsdp.train.config import TrainConfig
+from raggedfsdp.train.data import BatchSampler, eval_windows, load_corpus, windows
+from raggedfsdp.train.lr_schedule import lr_at
+from raggedfsdp.train.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Owns everything of one run. Needs an initialised default process group."""
+
+    def __init__(self, cfg: TrainConfig, *, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        cfg.validate(world_size=self.world_size)
+        self.out_dir = Path(cfg.job.out)
+        t = cfg.training
+
+        # Data.
+        self.corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
+        self.sampler = BatchSampler(
+            self.corpus.train,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            grad_accum=t.grad_accum,
+            seed=cfg.job.seed,
+        )
+
+        # Model + FSDP.
+        self.model_cfg = build_model_config(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
+        mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",))
+        mp_policy = make_mp_policy(
+            cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
+        )
+        fsdp_kw = dict(backend=cfg.fsdp.backend, mp_policy=mp_policy,
+                       reshard_after_forward=cfg.fsdp.reshard_after_forward)
+        if cfg.model.init_device == "meta":
+            with torch.device("meta"):
+                model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
+            apply_fsdp(model, mesh, **fsdp_kw)
+            model.to_empty(device=device)
+            model.init_weights(cfg.job.seed)
+        else:
+            model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
+            model.init_weights(cfg.job.seed)
+            model.to(device)
+            apply_fsdp(model, mesh, **fsdp_kw)
+        self.model = model
+
+        # Optimizer: decay matrices and embeddings, not norm gains.
+        o = cfg.optimizer
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            foreach=True,
+        )
+        self.metrics = MetricsLogger(
+            self.out_dir, enabled=self.rank == 0, jsonl=cfg.metrics.jsonl, total_steps=t.steps
+        )
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def lr(self, step: int) -> float:
+        o = self.cfg.optimizer
+        return lr_at(step, lr=o.lr, total_steps=self.cfg.training.steps, warmup_steps=o.warmup_steps,
+                     schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step. Returns (this rank's loss (0-d), global grad norm (0-d), lr)."""
+        t, dbg = self.cfg.training, self.cfg.debug
+        if step == dbg.fail_step and self.rank == dbg.fail_rank:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (debug.fail_rank/fail_step)")
+        accum = t.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        sync_toggle = accum > 1 and hasattr(self.model, "set_requires_gradient_sync")
+        for micro in range(accum):
+            inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            if sync_toggle:  # reduce-scatter gradients only after the last micro-batch
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            logits = self.model(inputs)  # (b, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        max_norm = t.max_norm if t.max_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over a fixed set of held-out windows (the same at any world size)."""
+        t = self.cfg.training
+        count = self.cfg.metrics.eval_batches * t.global_batch_size
+        offsets = eval_windows(len(self.corpus.val), seq_len=t.seq_len, count=count)
+        per_rank = count // self.world_size
+        mine = offsets[self.rank * per_rank : (self.rank + 1) * per_rank]
+        b = self.sampler.micro_batch_size
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)
+        for i in range(0, per_rank, b):  # same number of forwards on every rank (FSDP collectives)
+            inputs, targets = windows(self.corpus.val, mine[i : i + b], t.seq_len)
+            logits = self.model(inputs.to(self.device))  # (b, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(), reduction="sum")
+            total[0] += loss.double()
+            total[1] += targets.numel()
+        self.model.train()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def write_config(self) -> None:
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        import raggedfsdp
+
+        resolved = self.cfg.to_dict()
+        resolved["resolved"] = {
+            "world_size": self.world_size,
+            "micro_batch_size": self.sampler.micro_batch_size,
+            "tokens_per_step": self.cfg.training.global_batch_size * self.cfg.training.seq_len,
+            "model": self.model_cfg.to_dict(),
+            "num_params": self.model_cfg.num_params(),
+            "data": {
+                "source": self.corpus.source,
+                "num_files": self.corpus.num_files,
+                "train_tokens": len(self.corpus.train),
+                "val_tokens": len(self.corpus.val),
+            },
+            "device": str(self.device),
+            "torch_version": torch.__version__,
+            "raggedfsdp_version": raggedfsdp.__version__,
+            "num_threads": torch.get_num_threads(),
+        }
+        with open(self.out_dir / "config.json", "w") as fh:
+            json.dump(resolved, fh, indent=2)
+
+    def train(self) -> dict[str, Any]:
+        """Run all steps, log, evaluate at the end. Returns a summary (the same on every rank)."""
+        cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
+        self.write_config()
+        logger.info(
+            "model %s/%s: %s params | data: %s (%d files, %d train / %d val bytes) | world size %d, "
+            "micro-batch %d x %d, grad_accum %d | fsdp backend %s, param %s, reduce %s",
+            cfg.model.name, cfg.model.flavor, f"{self.model_cfg.num_params():,}", self.corpus.source,
+            self.corpus.num_files, len(self.corpus.train), len(self.corpus.val), self.world_size,
+            self.sampler.micro_batch_size, t.seq_len, t.grad_accum, cfg.fsdp.backend,
+            cfg.fsdp.param_dtype, cfg.fsdp.reduce_dtype,
+        )
+        tokens_per_step = t.global_batch_size * t.seq_len
+        start = time.perf_counter()
+        mark, mark_step = start, 0
+        first_loss = last_loss = float("nan")
+        self.model.train()
+        for step in range(1, t.steps + 1):
+            loss, grad_norm, lr = self.train_step(step)
+            is_last = step == t.steps
+            if step == 1 or step % m.log_every == 0 or is_last:
+                stats = torch.stack([loss, grad_norm.to(loss.device)])
+                dist.all_reduce(stats)  # sum of per-rank losses (grad_norm is already global)
+                loss_val = stats[0].item() / self.world_size
+                grad_val = stats[1].item() / self.world_size
+                now = time.perf_counter()
+                n = step - mark_step
+                dt = (now - mark) / n
+                self.metrics.log({
+                    "step": step,
+                    "loss": loss_val,
+                    "grad_norm": grad_val,
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "tokens_per_s_per_rank": tokens_per_step / dt / self.world_size,
+                    "step_time_s": dt,
+                    "tokens_seen": step * tokens_per_step,
+                    "elapsed_s": now - start,
+                })
+                if step == 1:
+                    first_loss = loss_val
+                last_loss = loss_val
+                mark, mark_step = time.perf_counter(), step
+            if (m.eval_every and step % m.eval_every == 0) or is_last:
+                eval_loss = self.evaluate()
+                self.metrics.log({"step": step, "eval_loss": eval_loss, "elapsed_s": time.perf_counter() - start})
+                mark = time.perf_counter()  # exclude eval time from the next throughput figure
+        elapsed = time.perf_counter() - start
+        summary = {"steps": t.steps, "first_loss": first_loss, "last_loss": last_loss,
+                   "eval_loss": eval_loss, "train_time_s": elapsed}
+        if self.rank == 0:
+            print(
+                f"done: {t.steps} steps in {elapsed:.1f}s | loss {first_loss:.4f} -> {last_loss:.4f} | "
+                f"eval_loss {eval_loss:.4f} | metrics: {self.out_dir / 'metrics.jsonl'}",
+                flush=True,
+            )
+        self.metrics.close()
+        return summary
