@@ -297,8 +297,8 @@ def redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTens
                 out = alltoall_intervals(local, sr, dr, mesh, i)
                 if isinstance(dst[i], RaggedShard):
                     return out
-                rows = -1 if out.numel() else 0
-                return out.view((rows, *base[1:])) if len(base) > 1 else out
+                a, b = _chunk_rows(base[0], world, _coord(mesh, i))
+                return out.view((b - a, *base[1:]))
             if isinstance(dst[i], RaggedShard) and type(src[i]) is Partial and src[i].reduce_op in _REDUCE_OPS:
                 return reduce_scatter_ragged(local.reshape(base), dst[i], src[i].reduce_op, mesh, i)
 
