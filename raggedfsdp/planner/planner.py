@@ -178,6 +178,45 @@ def _min_shard_size(numels: list[int], grans: list[int], perm: Sequence[int], m:
     return best
 
 
+def shard_size_lower_bound(numels: Sequence[int], granularities: Sequence[int] | None, world_size: int,
+                           align: int = 1) -> int:
+    """A lower bound on the shard size valid for *every* order (elements); inputs as :func:`plan_layout`.
+
+    Three necessary conditions for any layout with shard size ``S``:
+
+    - ``m * S >= E`` and ``S % align == 0`` (the flat FSDP1 bound);
+    - ``S >= g_t`` for every non-empty tensor (a block lives on one rank; a tensor with ``g_t > S``
+      would have ``e_t > S`` and need a cut);
+    - ``g_t | S`` for every tensor with ``e_t > 2S`` (an open range longer than ``2S`` holds two
+      boundaries, i.e. the tensor contains a whole shard).
+
+    The set ``{t : e_t > 2S}`` only shrinks as ``S`` grows, so the smallest ``S`` meeting all three
+    is found by walking the O(n) intervals on which that set is constant. When the planner's result
+    equals this bound it is optimal over all orders; when the bound already exceeds a padding
+    target, no order (and no planner) can meet it for this unit. Cost: O(n log n).
+    """
+    n = len(numels)
+    grans = [1] * n if granularities is None else list(granularities)
+    E = sum(numels)
+    m = world_size
+    S = max(-(-E // m), 1, max((g for e, g in zip(numels, grans) if e), default=1))
+    S = -(-S // align) * align
+    items = sorted(((e, g) for e, g in zip(numels, grans) if e > 0), reverse=True)
+    while True:
+        a = align
+        nxt = None  # smallest S' > S at which some tensor leaves {e > 2S'}
+        for e, g in items:
+            if e <= 2 * S:
+                break
+            a = math.lcm(a, g)
+            c = (e + 1) // 2  # e <= 2*S'  <=>  S' >= ceil(e/2)
+            nxt = c if nxt is None else min(nxt, c)
+        cand = -(-S // a) * a
+        if nxt is None or cand < nxt:
+            return cand
+        S = -(-nxt // align) * align
+
+
 def _resolve_order(order, numels, grans, shapes) -> list[int]:
     n = len(numels)
     if isinstance(order, str):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_planner_reference import brute_feasible, brute_min_shard_size, check_layout
 
 from raggedfsdp.planner import plan_layout, validate_layout
-from raggedfsdp.planner.planner import ORDERS, _resolve_order
+from raggedfsdp.planner.planner import ORDERS, _resolve_order, shard_size_lower_bound
 
 
 @st.composite
@@ -91,3 +91,17 @@ def test_feasibility_is_not_monotone():
     lay = plan_layout([12, 1], [4, 1], 3)
     assert lay.shard_size == brute_min_shard_size([12, 1], [4, 1], [0, 1], 3, 1) == 8
     assert lay.padding == 3 * 8 - 13
+
+
+@settings(max_examples=1500, **_SETTINGS)
+@given(cases(max_tensors=4, max_units=6, max_gran=6, max_world=6))
+def test_order_free_lower_bound_is_valid(case):
+    """shard_size_lower_bound <= the exact minimum of every order (and is a multiple of align)."""
+    numels, grans, m, align, _ = case
+    bound = shard_size_lower_bound(numels, grans, m, align)
+    assert bound % align == 0 and bound >= 1
+    best = min(
+        plan_layout(numels, grans, m, align=align, order=list(p)).shard_size
+        for p in itertools.permutations(range(len(numels)))
+    )
+    assert bound <= best
