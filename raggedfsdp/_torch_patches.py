@@ -74,6 +74,8 @@ def _set(module_name: str, attr: str, new) -> None:
     mod = importlib.import_module(module_name)
     old = getattr(mod, attr)  # AttributeError here == torch moved the symbol: fail loudly
     if getattr(old, "__ragged_patched__", False):
+        # already ours (e.g. a module imported after the patch picked up the patched name)
+        _PATCHED.setdefault(f"{module_name}:{attr}", getattr(old, "__ragged_original__", old))
         return
     new.__ragged_patched__ = True
     new.__ragged_original__ = old

@@ -66,6 +66,14 @@ def _save(rank, ws, path):
     ref = [p.full_tensor() for p in m.parameters()]
     if rank == 0:
         torch.save(ref, path + ".ref.pt")
+    # 2-D meshes: HSDP (Replicate, RS) and (RS, Shard(last)); replicas are deduplicated by DCP
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    sd2 = {"a": distribute_tensor(fulls[0], mesh2, [Replicate(), RaggedShard((0,), (1, 3))]),
+           "b": distribute_tensor(fulls[2], mesh2, [RaggedShard((0,), (3, 1)), Shard(2)]),
+           "c": distribute_tensor(fulls[3], mesh2, [Shard(2), RaggedShard((0, 1), (5, 1))])}
+    dcp.save(sd2, checkpoint_id=path + "_2d")
     vol = sum(torch.Size(s).numel() for f, o, s in Rec.items if f.startswith("model."))
     assert vol == sum(p.to_local().numel() for p in m.parameters()), (vol, Rec.items)
 
@@ -122,6 +130,13 @@ def _load(rank, ws, path):
             assert prm.placements == (pls[i],)
             assert torch.equal(prm.full_tensor(), full_sd[f"p{i}"])
             assert torch.equal(prm.to_local(), pls[i].shard_full(full_sd[f"p{i}"], rank))
+    # the 2-D-mesh checkpoint loads into 1-D ragged layouts at 3 ranks, exactly
+    sd2 = {"a": distribute_tensor(torch.zeros(SHAPES[0]), mesh, [RaggedShard((0, 1), (1, 1, 4))]),
+           "b": distribute_tensor(torch.zeros(SHAPES[2]), mesh, [RaggedShard((0,), (0, 1, 1))]),
+           "c": distribute_tensor(torch.zeros(SHAPES[3]), mesh, [Replicate()])}
+    dcp.load(sd2, checkpoint_id=path + "_2d")
+    for k, i in (("a", 0), ("b", 2), ("c", 3)):
+        assert torch.equal(sd2[k].full_tensor(), fulls[i]), k
     # the optimizer state dict API sees the ragged placement too
     osd = get_optimizer_state_dict(m, torch.optim.AdamW(m.parameters()))
     assert isinstance(osd, dict)

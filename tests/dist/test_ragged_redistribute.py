@@ -13,7 +13,7 @@ from _dist import run_distributed
 SHAPES = [(7,), (6, 3), (4, 2, 3), (2, 3, 2, 2), (0, 3), (3, 0)]
 
 
-def _layouts(shape, ws, seed):
+def _layouts(shape, ws, seed, per_k=2):
     """A few (dims, local_units) for ``shape``: row, element and block granularity, with empty pieces."""
     from raggedfsdp import RaggedShard
 
@@ -32,7 +32,7 @@ def _layouts(shape, ws, seed):
             cands.append((1,) * ws)  # even, block = n/ws rows
         if not cands:
             cands.append((1,) + (0,) * (ws - 1))
-        for u in cands[:2]:
+        for u in cands[:per_k]:
             out.append(RaggedShard(tuple(range(k)), u))
     return out
 
@@ -46,7 +46,7 @@ def _counts(comm):
     return {str(k).split("'")[1] if "'" in str(k) else str(k): v for k, v in comm.get_comm_counts().items()}
 
 
-def _cases_1d(rank, ws):
+def _cases_1d(rank, ws, light=False):
     import raggedfsdp  # noqa: F401
     from raggedfsdp import RaggedShard
     from torch.distributed.device_mesh import init_device_mesh
@@ -55,9 +55,10 @@ def _cases_1d(rank, ws):
 
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
-    for si, shape in enumerate(SHAPES):
+    shapes = [SHAPES[i] for i in (1, 2, 3, 4)] if light else SHAPES
+    for si, shape in enumerate(shapes):
         full = torch.randn(shape)
-        layouts = _layouts(shape, ws, si)
+        layouts = _layouts(shape, ws, si, per_k=1 if light else 2)
         for rs in layouts:
             d = distribute_tensor(full, mesh, [rs])
             exp = _expected_local(full, rs, rank)
@@ -119,6 +120,49 @@ def _cases_1d(rank, ws):
             b = distribute_tensor(full * 2, mesh, [layouts[-1]])
             assert torch.equal((a + b).full_tensor(), full * 3)
     _autograd(rank, ws, mesh)
+    if ws == 2:
+        _errors(rank, ws, mesh)
+
+
+def _errors(rank, ws, mesh):
+    """Bad input raises ValueError naming the argument; unsupported ops raise naming the op."""
+    from raggedfsdp import RaggedShard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    full = torch.arange(12.0).reshape(4, 3)
+    rs = RaggedShard((0,), (1, 3))
+    d = distribute_tensor(full, mesh, [rs])
+    with pytest.raises(ValueError, match=r"pass shape=<global shape> and stride="):
+        DTensor.from_local(d.to_local(), mesh, [rs])
+    with pytest.raises(ValueError, match=r"local_tensor must be 1-D with \d+ elements"):
+        DTensor.from_local(torch.zeros(5), mesh, [rs], shape=full.shape, stride=full.stride())
+    with pytest.raises(ValueError, match=r"local_units=\(1, 1, 1\) has 3 entries but mesh dim 0"):
+        distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1))])
+    with pytest.raises(ValueError, match=r"sum\(local_units\)=3 must divide the number of rows N=4"):
+        distribute_tensor(full, mesh, [RaggedShard((0,), (1, 2))])
+    with pytest.raises(ValueError, match=r"has 3 entries but mesh dim 0"):
+        d.redistribute(mesh, [RaggedShard((0, 1), (1, 1, 1))])
+    rep = distribute_tensor(torch.ones(3), mesh, [Replicate()])
+    mat = distribute_tensor(torch.ones(3, 3), mesh, [Replicate()])
+    cases = {
+        "aten.t.default": lambda: d.t(),
+        "aten.view.default": lambda: d.view(12),
+        "aten.permute.default": lambda: d.permute(1, 0),
+        "aten.slice.Tensor": lambda: d[1:3],
+        "aten.select.int": lambda: d[1],
+        "aten.mm.default": lambda: d @ mat,
+        "aten.mean.default": lambda: d.mean(),
+        "aten.sum.dim_IntList": lambda: d.sum(0),
+        "aten.add.Tensor": lambda: d + rep,  # broadcasting
+        "aten.linalg_vector_norm.default": lambda: torch.linalg.vector_norm(d, float("inf")),
+        "aten.transpose.int": lambda: d.transpose(0, 1),
+        "aten.index.Tensor": lambda: d[distribute_tensor(torch.tensor([0, 1]), mesh, [Replicate()])],
+    }
+    for name, fn in cases.items():
+        with pytest.raises(RuntimeError, match=r"RaggedShard: " + name.replace(".", r"\.") + " is not supported"):
+            fn()
+    # the supported counterparts still work
+    assert torch.equal(d.redistribute(mesh, [Shard(0)]).t().full_tensor(), full.t())
 
 
 def _autograd(rank, ws, mesh):
@@ -148,7 +192,7 @@ def _autograd(rank, ws, mesh):
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 5])
 def test_redistribute_1d(ws):
-    run_distributed(_cases_1d, ws)
+    run_distributed(_cases_1d, ws, ws > 3)
 
 
 def _cases_2d(rank, ws):
@@ -157,7 +201,7 @@ def _cases_2d(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    _cases_1d(rank, ws)
+    _cases_1d(rank, ws, True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     torch.manual_seed(1)
     for shape in [(6, 4), (4, 3, 2), (2, 2, 5)]:
