@@ -67,7 +67,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainingConfig:
-    steps: int = _f(300, "optimizer steps", flag="--steps")
+    steps: int = _f(600, "optimizer steps", flag="--steps")
     global_batch_size: int = _f(
         16, "sequences per optimizer step, summed over ranks and micro-steps", flag="--batch-size"
     )
@@ -99,7 +99,7 @@ class FSDPConfig:
 
 @dataclass(kw_only=True)
 class MetricsConfig:
-    log_every: int = _f(10, "print and record metrics every N steps (and at the last step)", flag="--log-every")
+    log_every: int = _f(25, "print and record metrics every N steps (and at the last step)", flag="--log-every")
     eval_every: int = _f(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "evaluation size, in global batches of the held-out split")
     jsonl: bool = _f(True, "write OUT/metrics.jsonl on rank 0")
@@ -109,6 +109,7 @@ class MetricsConfig:
 class DebugConfig:
     fail_rank: int = _f(-1, "raise on this rank (testing failure handling)", hidden=True)
     fail_step: int = _f(-1, "... at this step", hidden=True)
+    fail_mode: str = _f("raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever)", hidden=True)
 
 
 @dataclass(kw_only=True)
@@ -167,6 +168,7 @@ class TrainConfig:
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
+            "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:

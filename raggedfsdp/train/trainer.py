@@ -106,7 +106,7 @@ class Trainer:
         """One optimizer step. Returns (this rank's loss (0-d), global grad norm (0-d), lr)."""
         t, dbg = self.cfg.training, self.cfg.debug
         if step == dbg.fail_step and self.rank == dbg.fail_rank:
-            raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (debug.fail_rank/fail_step)")
+            self._inject_failure(step)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         sync_toggle = accum > 1 and hasattr(self.model, "set_requires_gradient_sync")
@@ -129,6 +129,17 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, lr
+
+    def _inject_failure(self, step: int) -> None:
+        """Testing aid (hidden ``--debug.*`` flags): make this rank fail the way ``fail_mode`` says."""
+        mode = self.cfg.debug.fail_mode
+        logger.warning("debug: injecting a %r failure at step %d", mode, step)
+        if mode == "exit":
+            os._exit(3)
+        if mode == "hang":
+            while True:
+                time.sleep(3600)
+        raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (debug.fail_rank/fail_step)")
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -25,12 +25,15 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
+
+
+# Substrings of collective errors that are consequences of a failure elsewhere.
+_PEER_FAILURE_HINTS = ("closed by peer", "reset by peer", "Timed out", "Broken pipe", "Connection refused")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -80,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return _run(cfg, rank, world_size, local_rank, local_world_size)
-    except BaseException as e:
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            print(f"{tag} error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            if rank != 0 or world_size == 1:
-                traceback.print_exc()
+    except Exception as e:
+        # One tagged line per failing rank; the traceback follows (torch prefixes it with the rank
+        # once the process group exists) and torchrun's summary names the first failing rank.
+        msg = f"{tag} error: {type(e).__name__}: {e}"
+        if world_size > 1 and any(s in str(e) for s in _PEER_FAILURE_HINTS):
+            msg += "\n" + f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
+        print(msg, file=sys.stderr, flush=True)
         raise
 
 
@@ -110,6 +115,7 @@ def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         Trainer(cfg, device=device).train()
+        dist.barrier()  # every rank is done with its collectives before any tears the group down
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,169 @@
+"""End-to-end: `raggedfsdp train` launches 2 gloo ranks through torchrun and writes metrics.
+
+These tests run real subprocesses (each costs a few seconds of torchrun start-up and imports), so
+they use the "debug" flavor and a handful of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raggedfsdp.cli import main as cli_main
+
+try:
+    from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
+
+    HAVE_RAGGED = True
+except ImportError:
+    HAVE_RAGGED = False
+
+BACKENDS = ["torch", pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard"))]
+
+# Small and fast: ~40k params, 8 x 64 tokens per step, 300 kB of the stdlib corpus.
+SMALL = ["--model", "debug", "--steps", "12", "--log-every", "3", "--batch-size", "8", "--seq-len", "64",
+         "--data.max_bytes", "300000", "--optimizer.warmup_steps", "3", "--metrics.eval_batches", "1"]
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("raggedfsdp")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+
+
+def _run(cmd: list[str], timeout: float, **env) -> tuple[subprocess.CompletedProcess, float]:
+    full_env = {**os.environ, **env}
+    full_env.pop("RANK", None)  # never inherit a launcher's environment
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return proc, time.monotonic() - start
+
+
+def _records(out: Path) -> tuple[list[dict], list[dict]]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if "loss" in r], [r for r in recs if "eval_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
+    """One 2-rank run per available backend, shared by the tests below."""
+    runs = {}
+    for backend in ("torch", "ragged") if HAVE_RAGGED else ("torch",):
+        out = tmp_path_factory.mktemp(f"run_{backend}")
+        proc, _ = _run([*_cli(), "train", "--nproc", "2", *SMALL, "--backend", backend, "--out", str(out)], 180)
+        assert proc.returncode == 0, f"{backend} run failed:\n{proc.stdout}\n{proc.stderr}"
+        assert "step 12/12 | loss" in proc.stdout  # rank 0's console line
+        runs[backend] = out
+    return runs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_train_two_ranks_writes_metrics_and_loss_falls(two_rank_runs, backend):
+    out = two_rank_runs[backend]
+    train, evals = _records(out)
+    assert [r["step"] for r in train] == [1, 3, 6, 9, 12]
+    for r in train:
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s"} <= set(r)
+        assert r["tokens_per_s"] > 0
+    assert train[0]["loss"] == pytest.approx(5.55, abs=0.15)  # ~ln(256) at init
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert len(evals) == 1 and evals[0]["step"] == 12 and evals[0]["eval_loss"] < train[0]["loss"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["resolved"]["world_size"] == 2
+    assert config["fsdp"]["backend"] == backend and config["training"]["steps"] == 12
+
+
+def test_backends_agree(two_rank_runs):
+    if "ragged" not in two_rank_runs:
+        pytest.skip("no raggedfsdp.fully_shard")
+    torch_train, torch_eval = _records(two_rank_runs["torch"])
+    ragged_train, ragged_eval = _records(two_rank_runs["ragged"])
+    for a, b in zip(torch_train, ragged_train):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4), a["step"]
+    assert torch_eval[0]["eval_loss"] == pytest.approx(ragged_eval[0]["eval_loss"], abs=1e-4)
+
+
+def test_single_process_worker_matches_two_ranks(two_rank_runs, tmp_path):
+    """`python -m raggedfsdp.train.worker` (no torchrun, world size 1) sees the same global batches."""
+    proc, _ = _run([sys.executable, "-m", "raggedfsdp.train.worker", *SMALL, "--backend", "torch",
+                    "--out", str(tmp_path)], 120)
+    assert proc.returncode == 0, proc.stderr
+    one, one_eval = _records(tmp_path)
+    two, two_eval = _records(two_rank_runs["torch"])
+    assert json.loads((tmp_path / "config.json").read_text())["resolved"]["world_size"] == 1
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], abs=2e-4), a["step"]
+    assert one_eval[0]["eval_loss"] == pytest.approx(two_eval[0]["eval_loss"], abs=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
+    """Rank 1 raises (or hangs) at step 2: the job must exit non-zero, quickly, naming rank 1 (or
+    the timed-out rank 0), instead of leaving rank 0 blocked in a collective."""
+    cmd = [*_cli(), "train", "--nproc", "2", *SMALL, "--backend", "torch", "--out", str(tmp_path),
+           "--debug.fail_rank", "1", "--debug.fail_step", "2", "--debug.fail_mode", mode,
+           "--job.pg_timeout_s", "5"]
+    proc, elapsed = _run(cmd, timeout=90)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert "the 2-rank job failed" in output and "Root Cause" in output
+    if mode == "raise":
+        assert "[rank 1/2] error: RuntimeError: injected failure on rank 1 at step 2" in output
+        assert "rank      : 1 (local_rank: 1)" in output
+    else:
+        assert "[rank 0/2] error:" in output and "another rank failed or hung" in output
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "training.steps must be >= 1"),
+        (["--nproc", "2", "--batch-size", "3"], "divisible by world_size * grad_accum"),
+        (["--backend", "deepspeed"], "fsdp.backend must be one of"),
+        (["--param-dtype", "fp8"], "fsdp.param_dtype must be one of"),
+        (["--model", "huge"], "unknown llama flavor 'huge'"),
+        (["--steps", "ten"], "training.steps must be an integer, got 'ten'"),
+    ],
+)
+def test_bad_flags_fail_before_launch(argv, message, capsys):
+    assert cli_main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_toml_key_fails_before_launch(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[optimizer]\nlearning_rate = 1e-3\n")
+    assert cli_main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'learning_rate' in [optimizer]" in err and "'lr'" in err
+
+
+def test_unknown_flag_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["train", "--stepz", "3"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --stepz" in capsys.readouterr().err
+
+
+def test_plot(two_rank_runs, tmp_path, capsys):
+    metrics = two_rank_runs["torch"] / "metrics.jsonl"
+    png = tmp_path / "loss.png"
+    rc = cli_main(["plot", str(metrics), "-o", str(png)])
+    if _have_matplotlib():
+        assert rc == 0 and png.stat().st_size > 1000
+    else:
+        assert rc == 1 and "pip install" in capsys.readouterr().err
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
