@@ -66,7 +66,7 @@ def test_deterministic_and_pure():
     assert a == b and hash(a) == hash(b)
 
 
-@pytest.mark.parametrize("order", ["default", "granularity", "shape", "best"])
+@pytest.mark.parametrize("order", ["default", "granularity", "shape", "size", "best"])
 def test_named_orders(order):
     lay = plan_layout(NUMELS, ROWG, 12, align=8, order=order, shapes=SHAPES)
     validate_layout(lay)

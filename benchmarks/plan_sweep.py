@@ -1,0 +1,122 @@
+"""Padding and planning-time sweep of the structure-aware planner over models and FSDP sizes.
+
+Prints, per model and granularity, one markdown table with a row per world size M:
+
+- ``plan``: padding of the planner (sum over units of ``m*S - E`` over ``sum m*S``);
+- ``bound``: padding at the order-free lower bound (``shard_size_lower_bound``) -- no tensor order
+  and no planner under the same contract (equal shards, whole blocks, contiguous tensors) can pad less;
+- ``FSDP2``: per-parameter dim-0 padding ``ceil(d0/M)*M`` (block-unaware);
+- ``FSDP2+blk``: even ``Shard(0)`` chunks that keep the same blocks whole;
+- ``FSDP1``: flat element-wise buffer (the planner's flat lower bound);
+- ``worst unit``: the largest single-unit padding;
+- ``note``: ``>3%`` / ``>FSDP2`` flags; "unavoidable: bound" when the order-free bound alone already
+  exceeds the target / FSDP2's padding (so no order, no planner under the contract can do better),
+  and "plan = bound" when the planner reaches the bound (optimal over all orders).
+
+Then the whole-model planning time of ``moe-2.4t`` (best of ``--repeat``). Usage::
+
+    python benchmarks/plan_sweep.py                        # the README tables
+    python benchmarks/plan_sweep.py --models gpt-oss-120b --granularities rows:128 --breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from raggedfsdp.planner.archs import model_units
+from raggedfsdp.planner.modelplan import ModelPlan, gcd_fallback, plan_model
+
+WORLD_SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000, 1024, 1536, 2048, 3072, 4096,
+               6144, 8192, 10240)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3f}"
+
+
+def _row(m: int, p: ModelPlan, target: float) -> str:
+    pad, bound, f2 = p.padding_ratio, p.bound_padding_ratio, p.fsdp2_padding_ratio
+    pad_n = p.padding
+    bound_n = sum(m * u.bound_shard_size - u.layout.total_numel for u in p.units)
+    f2_n = sum(u.fsdp2_padding for u in p.units)
+    notes = []
+    if pad > target:
+        notes.append(f">{100 * target:g}% ({'unavoidable: bound' if bound > target else 'bound below target'})")
+    if pad_n > f2_n:
+        notes.append(f">FSDP2 ({'unavoidable: bound' if bound_n > f2_n else 'not proven unavoidable'})")
+    if notes and pad_n == bound_n:
+        notes.append("plan = bound")
+    return (f"| {m:>6} | {_pct(pad):>8} | {_pct(bound):>8} | {_pct(f2):>8} | {_pct(p.fsdp2_block_padding_ratio):>9} "
+            f"| {_pct(p.fsdp1_padding_ratio):>7} | {_pct(p.max_unit_padding_ratio):>8} | {p.plan_seconds:6.3f} "
+            f"| {'; '.join(notes)} |")
+
+
+def _breakdown(p: ModelPlan) -> str:
+    seen, out = {}, []
+    for u in p.units:
+        key = (u.layout.numels, u.layout.granularities)
+        if key in seen:
+            seen[key][1] += 1
+            continue
+        seen[key] = [u, 1]
+    for u, n in seen.values():
+        lay = u.layout
+        out.append(f"    {u.name:<10} x{n:<3} S={lay.shard_size:<10} pad={_pct(lay.padding_ratio)}% "
+                   f"bound={_pct((p.world_size * u.bound_shard_size - lay.total_numel) / (p.world_size * u.bound_shard_size))}%")
+    return "\n".join(out)
+
+
+def sweep(models, granularities, world_sizes, order, align, unit, target, breakdown) -> None:
+    for model in models:
+        units = model_units(model, unit)
+        for gran in granularities:
+            print(f"\n### {model}, granularity {gran}, order {order}, align {align}, unit {unit}\n")
+            print("|      M |  plan % | bound % |  FSDP2 % | FSDP2+blk % | FSDP1 % | worst unit % | plan s | note |")
+            print("|-------:|--------:|--------:|---------:|------------:|--------:|-------------:|-------:|------|")
+            for m in world_sizes:
+                p = plan_model(units, m, policy=gcd_fallback(gran), align=align, order=order)
+                print(_row(m, p, target))
+                if breakdown:
+                    print(_breakdown(p))
+
+
+def timing(model: str, m: int, granularities, orders, align: int, repeat: int) -> None:
+    print(f"\n### planning time, {model} at M={m} (best of {repeat}; distinct units planned once)\n")
+    t0 = time.perf_counter()
+    units = model_units(model)
+    t_tables = time.perf_counter() - t0
+    print(f"shape tables: {len(units)} units, {sum(len(u.params) for u in units)} tensors, built in {t_tables:.3f} s\n")
+    print("| granularity | order | plan s | padding % |")
+    print("|---|---|---:|---:|")
+    for gran in granularities:
+        for order in orders:
+            runs = [plan_model(units, m, policy=gcd_fallback(gran), align=align, order=order) for _ in range(repeat)]
+            best = min(r.plan_seconds for r in runs)
+            print(f"| {gran} | {order} | {best:.3f} | {_pct(runs[0].padding_ratio)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="llama3-70b,deepseek-v3-671b,gpt-oss-120b")
+    ap.add_argument("--granularities", default="row,rows:32")
+    ap.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)))
+    ap.add_argument("--order", default="best")
+    ap.add_argument("--align", type=int, default=8)
+    ap.add_argument("--unit", default="layer")
+    ap.add_argument("--target", type=float, default=0.03, help="padding target flagged in the notes")
+    ap.add_argument("--breakdown", action="store_true", help="per distinct unit S and padding under each row")
+    ap.add_argument("--timing-model", default="moe-2.4t")
+    ap.add_argument("--timing-world-size", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-timing", action="store_true")
+    a = ap.parse_args()
+    sweep(a.models.split(","), a.granularities.split(","), [int(x) for x in a.world_sizes.split(",")], a.order,
+          a.align, a.unit, a.target, a.breakdown)
+    if not a.no_timing:
+        timing(a.timing_model, a.timing_world_size, ["element", "row", "rows:32"], ["default", "best"], a.align,
+               a.repeat)
+
+
+if __name__ == "__main__":
+    main()
