@@ -33,9 +33,12 @@ Note: exactness for a fixed order
    contain a whole shard at ``S >= S_R``; let G be their distinct granularities. For the optimum
    S*, ``a* = lcm(align, {g in G : g | S*})`` divides S* and H_a*(S*) holds, and every H_a-feasible
    S is feasible, so ``S* = min over a in lcm-closure(align, G) of min{S in aZ, S >= S_R : H_a(S)}``.
-   Candidates are visited by their lower bound ``ceil(S_R/a)*a`` and pruned against the best S
-   found (a multiple of ``a`` cannot beat a bound that ``a``'s own round-up already exceeds), each
-   needing one O(n) check plus, rarely, a binary search over multiples of ``a``.
+   Candidates are visited best-first by their lower bound ``ceil(S_R/a)*a`` and pruned against the
+   best S found (a multiple of ``a`` cannot beat a bound that ``a``'s own round-up already
+   exceeds), each needing one O(n) check plus, rarely, a binary search over multiples of ``a``.
+   Should a pathological input make more than ``_MAX_CANDIDATES`` candidates look promising, the
+   search finishes by checking every multiple of ``align`` from the smallest open bound upward --
+   slower, still exact.
 
 Complexity: O(n log(E/align)) for the relaxation plus O(n) per candidate visited (O(n log) if one
 needs a binary search). Transformer units have one to three relevant granularities, so one to a
@@ -44,10 +47,13 @@ few candidates; a 1,500-tensor MoE layer plans in a few milliseconds per order.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
 from raggedfsdp.planner.layout import Layout
+
+_MAX_CANDIDATES = 512  # lcm candidates visited before the exact scan fallback (never hit by real models)
 
 ORDERS = ("default", "granularity", "shape", "size")
 """Named orders tried by ``order="best"`` (ties go to the earlier name). The first three are the
@@ -162,21 +168,30 @@ def _min_shard_size(numels: list[int], grans: list[int], perm: Sequence[int], m:
     assert best is not None
     if best == s_relax:
         return best
-    # lcm-closure of align and the relevant granularities, pruned by the bound
-    cands = {align}
-    for g in relevant:
-        new = set()
-        for a in cands:
-            b = math.lcm(a, g)
-            if b not in cands and bound(b) < best:
-                new.add(b)
-        cands |= new
-    for a in sorted(cands, key=lambda a: (bound(a), a)):
-        if bound(a) >= best:
+    # best-first walk of the lcm-closure of align and the relevant granularities by lower bound;
+    # a child lcm(a, g) is a multiple of a, so its bound is >= a's and pruning a prunes its subtree
+    heap = [(s_relax, align)]
+    seen = {align}
+    visited = 0
+    while heap:
+        lb_a, a = heapq.heappop(heap)
+        if lb_a >= best:
             break
+        visited += 1
+        if visited > _MAX_CANDIDATES:
+            # pathological closure: every optimum below `best` is >= lb_a, so scan exactly from there
+            for S in range(lb_a, best, align):
+                if _feasible(numels, grans, perm, m, S, [S % g == 0 for g in grans]):
+                    return S
+            return best
         s = _min_multiple(h(a), a, s_relax, best)
         if s is not None and s < best:
             best = s
+        for g in relevant:
+            b = math.lcm(a, g)
+            if b not in seen and bound(b) < best:
+                seen.add(b)
+                heapq.heappush(heap, (bound(b), b))
     return best
 
 

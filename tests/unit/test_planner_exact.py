@@ -105,3 +105,17 @@ def test_order_free_lower_bound_is_valid(case):
         for p in itertools.permutations(range(len(numels)))
     )
     assert bound <= best
+
+
+@settings(max_examples=600, **_SETTINGS)
+@given(cases(max_tensors=4, max_units=6, max_gran=6, max_world=5))
+def test_exact_scan_fallback_matches_brute_force(case):
+    """With the candidate budget forced to 0 the planner takes its scan fallback: still exact."""
+    from raggedfsdp.planner import planner as planner_mod
+
+    old = planner_mod._MAX_CANDIDATES
+    planner_mod._MAX_CANDIDATES = 0
+    try:
+        _check(*case)
+    finally:
+        planner_mod._MAX_CANDIDATES = old
