@@ -156,6 +156,13 @@ def _mlp(p: str, H: int, inter: int, names=("gate_proj", "up_proj", "down_proj")
     return _lin(f"{p}.{g}", inter, H) + _lin(f"{p}.{u}", inter, H) + _lin(f"{p}.{d}", H, inter)
 
 
+def _experts(p: str, H: int, inter: int, E: int, names=("gate_proj", "up_proj", "down_proj")):
+    """``E`` separate experts (one comprehension: MoE tables hold ~10^5 tensors)."""
+    up, down = (inter, H), (H, inter)
+    trio = tuple(zip(names, (up, up, down)))
+    return [(f"{p}.{j}.{n}.weight", s) for j in range(E) for n, s in trio]
+
+
 def _is_moe_layer(cfg: dict, mt: str, i: int) -> bool:
     if mt == "gpt_oss" or mt == "mixtral":
         return True
@@ -180,25 +187,19 @@ def _ffn(cfg: dict, p: str, H: int, mt: str, i: int) -> list[tuple[str, Shape]]:
         ]
     if mt == "mixtral":
         E, inter = _req(cfg, "num_local_experts"), _req(cfg, "intermediate_size")
-        out = _lin(f"{p}.gate", E, H)
-        for j in range(E):
-            out += _mlp(f"{p}.experts.{j}", H, inter, ("w1", "w3", "w2"))
-        return out
+        return _lin(f"{p}.gate", E, H) + _experts(f"{p}.experts", H, inter, E, ("w1", "w3", "w2"))
     inter = _req(cfg, "moe_intermediate_size")
     if mt in _MLA_TYPES:
         E = _req(cfg, "n_routed_experts")
         out = _lin(f"{p}.gate", E, H)
         if mt != "deepseek_v2":
             out.append((f"{p}.gate.e_score_correction_bias", (E,)))
-        for j in range(E):
-            out += _mlp(f"{p}.experts.{j}", H, inter)
+        out += _experts(f"{p}.experts", H, inter, E)
         if cfg.get("n_shared_experts"):
             out += _mlp(f"{p}.shared_experts", H, inter * int(cfg["n_shared_experts"]))
         return out
     E = _req(cfg, "num_experts")  # qwen2_moe / qwen3_moe / qwen3-next MoE
-    out = _lin(f"{p}.gate", E, H)
-    for j in range(E):
-        out += _mlp(f"{p}.experts.{j}", H, inter)
+    out = _lin(f"{p}.gate", E, H) + _experts(f"{p}.experts", H, inter, E)
     if cfg.get("shared_expert_intermediate_size"):
         out += _mlp(f"{p}.shared_expert", H, int(cfg["shared_expert_intermediate_size"]))
         out += _lin(f"{p}.shared_expert_gate", 1, H)
