@@ -226,6 +226,16 @@ def _patch_checkpoint() -> None:
     _checkpoint.install(_set, original, _PATCHED)
 
 
+def _patch_random_ops() -> None:
+    from torch.distributed.tensor import DTensor
+
+    from raggedfsdp.placement import _random
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _random.install(handlers):
+        _PATCHED[f"torch.distributed.tensor._dispatch:OpDispatcher._custom_op_handlers[{op}]"] = None
+
+
 _APPLIED = False
 
 
@@ -241,6 +251,7 @@ def apply() -> None:
     _patch_propagation()
     _patch_strategies()
     _patch_checkpoint()
+    _patch_random_ops()
     _APPLIED = True
 
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.fsdp._param_group import FSDPParamGroup, bump_master_epoch
 from raggedfsdp.fsdp._state import FSDPState
 
 _cls_cache: dict[type, type] = {}
@@ -179,6 +179,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    zero_stage: int = 3,
 ):
     """Shard ``module``'s parameters (those not already managed by a nested ``fully_shard``) as one FSDP unit.
 
@@ -202,6 +203,13 @@ def fully_shard(
         mp_policy: ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``.
         offload_policy: only ``OffloadPolicy()`` (no offload) is supported yet.
         ignored_params: parameters left unsharded and unreduced.
+        zero_stage: raggedfsdp extension (keyword-only, default 3). ``3`` shards params, grads and
+            optimizer state (ZeRO-3). ``2`` keeps params unsharded from forward to backward
+            (``reshard_after_forward=False``: no all-gather in backward). ``1`` keeps params
+            unsharded between steps too; they are re-gathered once per step, after the optimizer
+            changed the sharded master (detected through its version counter). Grads are always
+            reduce-scattered (RS + AG moves the same bytes as ZeRO-1's all-reduce) and optimizer
+            state is always sharded.
 
     Which ranks: every rank of ``mesh`` must call it, in the same order, on the same module tree.
 
@@ -230,6 +238,15 @@ def fully_shard(
             f"fully_shard: reshard_after_forward={reshard_after_forward!r} (int, reshard to a smaller group) is "
             "not supported yet; use True or False"
         )
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"fully_shard: zero_stage={zero_stage!r} must be 1, 2 or 3")
+    if zero_stage < 3:
+        if reshard_after_forward:
+            raise ValueError(
+                f"fully_shard: zero_stage={zero_stage} keeps params unsharded after forward, which contradicts "
+                "reshard_after_forward=True; drop one of the two"
+            )
+        reshard_after_forward = False
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("fully_shard: CPUOffloadPolicy is not supported yet; use OffloadPolicy()")
     mesh = _init_mesh(mesh)
@@ -238,11 +255,21 @@ def fully_shard(
     device = _device_of(params, mesh)
     gran_fn = _granularity_fn(shard_placement_fn)
     group = FSDPParamGroup(params, mesh, mp_policy, device, gran_fn) if params else None
+    unit = type(modules[0]).__name__
+    for p, fqn, _ in params:
+        p._raggedfsdp_owner = f"{unit}:{fqn}"  # the original tensor, now replaced by a DTensor
+    if group is not None and zero_stage == 1:
+        group.reshard_after_backward = False
     state = FSDPState(modules, group, mp_policy, reshard_after_forward)
     for m in modules:
         m._raggedfsdp_state = state
         m.register_forward_pre_hook(lambda mod, a, k: state._pre_forward(mod, a, k), prepend=True, with_kwargs=True)
         m.register_forward_hook(lambda mod, a, o: state._post_forward(mod, a, o))
+        if group is not None:
+            # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
+            m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))
+            m.register_load_state_dict_pre_hook(lambda mod, *a, g=group: g.reshard(free=False))
+            m.register_load_state_dict_post_hook(lambda mod, keys: bump_master_epoch())
         cls = type(m)
         if cls not in _cls_cache:
             _cls_cache[cls] = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), {})
@@ -277,9 +304,18 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 continue
             fqn = f"{prefix}{name}"
             if isinstance(p, DTensor):
+                other = _owner_of(p, modules)
                 raise ValueError(
-                    f"fully_shard: parameter {fqn!r} is already a DTensor (managed by another fully_shard unit, "
-                    "e.g. a weight tied across units); tie parameters within one unit or untie them"
+                    f"fully_shard: parameter {fqn!r} is already sharded by another fully_shard unit ({other}): "
+                    "a parameter shared (tied) across units cannot be sharded twice; apply fully_shard so that "
+                    "both owners are in one unit (e.g. skip the inner call), or untie the parameter"
+                )
+            prev = getattr(p, "_raggedfsdp_owner", None)
+            if prev is not None:
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} was already sharded by another fully_shard unit (owner {prev}); "
+                    "it is shared (tied) across units and would be silently untied. Apply fully_shard so that both "
+                    "owners are in one unit (e.g. skip the inner call), or untie the parameter"
                 )
             if id(p) not in out:
                 out[id(p)] = (p, fqn, [])
@@ -294,6 +330,17 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
     return [out[k] for k in order]
 
 
+def _owner_of(p: nn.Parameter, modules) -> str:
+    for top in modules:
+        for name, mod in top.named_modules():
+            st = getattr(mod, "_raggedfsdp_state", None)
+            if st is not None and st.group is not None:
+                for fp in st.group.fsdp_params:
+                    if fp.sharded is p:
+                        return f"owner {name + '.' if name else ''}{fp.fqn}"
+    return "an unknown unit"
+
+
 def _device_of(params, mesh: DeviceMesh) -> torch.device:
     devices = {p.device.type for p, _, _ in params} - {"meta"}
     if len(devices) > 1:
@@ -302,6 +349,11 @@ def _device_of(params, mesh: DeviceMesh) -> torch.device:
         )
     if params and all(p.device.type == "meta" for p, _, _ in params):
         return torch.device("meta")
+    if devices and devices != {mesh.device_type}:
+        raise ValueError(
+            f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; move the "
+            f"module with module.to({mesh.device_type!r}) or build the mesh on the parameters' device"
+        )
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)

@@ -31,12 +31,29 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from raggedfsdp.buffer import DBuffer
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import plan_layout
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
+
+# Epoch of the sharded masters: bumped after every torch.optim step (global public hook) and every
+# load_state_dict, so a gather kept across steps (ZeRO-1) is known to be stale. In-place edits by hand
+# are not seen: call ``module.reshard()`` after them.
+_EPOCH = [0]
+
+
+def _master_epoch() -> int:
+    return _EPOCH[0]
+
+
+def bump_master_epoch(*_args, **_kwargs) -> None:
+    _EPOCH[0] += 1
+
+
+register_optimizer_step_post_hook(bump_master_epoch)
 
 
 @dataclass
@@ -165,6 +182,7 @@ class FSDPParamGroup:
 
         # runtime state
         self.is_unsharded = False
+        self._gathered_version = -1
         self.pending_unshard = None  # async all-gather work
         self.grads_pending = False  # unsharded grads hold data not yet reduce-scattered
         self.pending_reduce = None  # (work, post-processing closure)
@@ -224,6 +242,7 @@ class FSDPParamGroup:
             fp.unsharded = nn.Parameter(view, requires_grad=fp.requires_grad)
             if fp.requires_grad:
                 fp.grad_view = self.grad_buf.tensor_view(i)
+                fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: fp.extra.__setitem__("got", True))
         self.unsharded_buf.free()
         self.grad_buf.free()
 
@@ -250,12 +269,21 @@ class FSDPParamGroup:
         self.grad_buf = DBuffer(self.layout, sharded=False, rank=self.shard_rank, dtype=self.param_dtype,
                                 device=device, shapes=shapes, allocate=False)
         self.sharded_grad_buf = None
+        self._gathered_version = -1
         self._init_unsharded()
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """All-gather the unit's params into the unsharded DBuffer. Collective over the shard group."""
-        if self.is_unsharded or self.pending_unshard is not None:
+        """All-gather the unit's params into the unsharded DBuffer. Collective over the shard group.
+
+        If the buffer still holds a gather of the current sharded master (kept by
+        ``reshard_after_backward=False`` / ZeRO-1), no communication happens. Any ``torch.optim``
+        step or ``load_state_dict`` since the gather invalidates it (see :func:`_master_epoch`).
+        """
+        if self.pending_unshard is not None:
+            return
+        if self.unsharded_buf.is_allocated and _master_epoch() == self._gathered_version:
+            self.pending_unshard = True
             return
         self.unsharded_buf.alloc()
         # The in-place all-gather must not bump the version counter that autograd's saved aliases of the
@@ -264,6 +292,7 @@ class FSDPParamGroup:
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.unsharded_buf.data)
         with torch.no_grad():
             work = self.unsharded_buf.all_gather_from(self.sharded_buf.data, self.shard_group, async_op=async_op)
+        self._gathered_version = _master_epoch()
         if work is None:
             self._version_guard.__exit__(None, None, None)
         self.pending_unshard = work if work is not None else True
@@ -271,10 +300,9 @@ class FSDPParamGroup:
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather and register the unsharded params on their modules. Local."""
         if self.pending_unshard is None:
-            if not self.is_unsharded:
-                self.unshard()
-            else:
+            if self.is_unsharded and _master_epoch() == self._gathered_version:
                 return
+            self.unshard()
         work = self.pending_unshard
         if work is not True and work is not None:
             work.wait()
@@ -284,22 +312,26 @@ class FSDPParamGroup:
             fp.set_on_owners(fp.unsharded)
         self.is_unsharded = True
 
-    def reshard(self) -> None:
-        """Free the unsharded params and register the sharded DTensor params. Local."""
+    def reshard(self, free: bool = True) -> None:
+        """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local."""
         if self.pending_unshard is not None:
             self.wait_for_unshard()
-        if not self.is_unsharded:
-            return
-        for fp in self.fsdp_params:
-            fp.set_on_owners(fp.sharded)
-        self.unsharded_buf.free()
-        self.is_unsharded = False
+        if self.is_unsharded:
+            for fp in self.fsdp_params:
+                fp.set_on_owners(fp.sharded)
+            self.is_unsharded = False
+        if free and self.unsharded_buf.is_allocated:
+            self.unsharded_buf.free()
+            self._gathered_version = -1
 
     # ---- backward ------------------------------------------------------------------------
     def prepare_grads(self) -> None:
         """Allocate (zeroed) the unsharded grad DBuffer and pre-set ``.grad`` views. Local."""
         if not self.any_trainable:
             return
+        # a module used twice in forward runs backward twice: the first reduce-scatter still reads the
+        # grad buffer, so complete it (it frees the buffer) before accumulating the next pass
+        self.finish_reduce()
         if self.grad_buf.alloc(zero=False):
             if not self.grads_pending:
                 self.grad_buf.zero_()
@@ -324,14 +356,14 @@ class FSDPParamGroup:
                     self.grad_buf.zero_()
                 fp.grad_view.add_(g)
                 fp.unsharded.grad = fp.grad_view
+                fp.extra["got"] = True
             any_grad = True
         return any_grad
 
     def post_backward(self) -> None:
         """Reduce-scatter (and HSDP all-reduce) the unit's grads if sync is on; reshard. Collective."""
         any_grad = self._collect_stray_grads() if self.any_trainable else False
-        if self.reshard_after_backward:
-            self.reshard()
+        self.reshard(free=self.reshard_after_backward)
         if not any_grad:
             self._drop_unsharded_grads()
             return
@@ -375,10 +407,22 @@ class FSDPParamGroup:
         else:
             out = rs_buf.rank_slice()
         work = rs_buf.reduce_scatter_(out, self.shard_group, op=op, async_op=True)
+        # Which params received a gradient on ANY data-parallel rank (single-process semantics: a param
+        # used by part of the global batch, e.g. an MoE expert, has a grad; one used by none has None).
+        trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        flags = torch.tensor([int(fp.extra.pop("got", False)) for fp in trainable], dtype=torch.int32,
+                             device=self.device)
+        flag_works = []
+        if ws > 1 and len(flags):
+            flag_works.append(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.shard_group, async_op=True))
 
         def finish():
             if work is not None:
                 work.wait()
+            for w in flag_works:
+                w.wait()
+            if self.is_hsdp and self.replicate_world > 1 and len(flags):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.replicate_group)
             if self.is_hsdp and self.replicate_world > 1:
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group)
             if not use_avg and factor != 1.0:
@@ -391,7 +435,8 @@ class FSDPParamGroup:
                     sg.add_(out)
             rs_buf.free()
             self.grad_buf.free()
-            self._attach_sharded_grads(fresh)
+            used = {id(fp) for fp, f in zip(trainable, flags.tolist()) if f}
+            self._attach_sharded_grads(fresh, used)
 
         self.pending_reduce = finish
         self.grads_pending = False
@@ -443,10 +488,10 @@ class FSDPParamGroup:
         fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
         fp.sharded.grad = fp.sharded_grad
 
-    def _attach_sharded_grads(self, fresh: bool) -> None:
+    def _attach_sharded_grads(self, fresh: bool, used: set[int]) -> None:
         buf = self._sharded_grad_buffer()
         for i, fp in enumerate(self.fsdp_params):
-            if not fp.requires_grad:
+            if not fp.requires_grad or (id(fp) not in used and fp.sharded.grad is None):
                 continue
             if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != buf.local_view(i).data_ptr():
                 fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)

@@ -1,0 +1,217 @@
+"""fully_shard features against single-process references: frozen + trainable params in one unit,
+params unused on some steps, a module called twice, activation checkpointing, zero-numel params,
+tied params, meta-device init, ZeRO-1/2, explicit prefetch, gradient divide factor; and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from _dist import run_distributed
+from _toy_models import DIM, VOCAB, Block, batches, full_params
+
+
+class FeatureLM(nn.Module):
+    def __init__(self, freeze=False, unused=False, twice=False, zero_numel=False, tie=False, ac=False):
+        super().__init__()
+        self.opts = dict(unused=unused, twice=twice, zero_numel=zero_numel, ac=ac)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+        self.extra = nn.Linear(DIM, DIM)  # used only on odd steps when `unused`
+        self.empty = nn.Parameter(torch.zeros(0, 5))
+        self.head = nn.Linear(DIM, VOCAB)
+        if tie:
+            self.head.weight = self.emb.weight
+        if freeze:
+            for p in self.layers[0].norm.parameters():
+                p.requires_grad_(False)
+            self.layers[1].up.bias.requires_grad_(False)
+
+    def forward(self, tokens, step=0):
+        x = self.emb(tokens)
+        for i, layer in enumerate(self.layers):
+            reps = 2 if (self.opts["twice"] and i == 1) else 1
+            for _ in range(reps):
+                x = checkpoint(layer, x, use_reentrant=False) if self.opts["ac"] else layer(x)
+        if self.opts["unused"] and step % 2 == 1:
+            x = x + self.extra(x)
+        if self.opts["zero_numel"]:
+            x = x + self.empty.sum()
+        return self.head(x)
+
+
+def _loss(model, tok, tgt, step):
+    return F.cross_entropy(model(tok, step).flatten(0, 1), tgt.flatten())
+
+
+def _run(model, data, rank, ws, sharded):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step, (tok, tgt) in enumerate(data):
+        if sharded:
+            per = tok.shape[0] // ws
+            tok, tgt = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
+        loss = _loss(model, tok, tgt, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        if sharded and ws > 1:
+            dist.all_reduce(loss)
+            loss /= ws
+        losses.append(loss.item())
+    return losses
+
+
+def _shard(model, mesh, **kw):
+    from raggedfsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def _check(case, ref, model, data, rank, ws):
+    ref_losses = _run(ref, data, 0, 1, sharded=False)
+    losses = _run(model, data, rank, ws, sharded=True)
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{case}: step {i} loss {a} != reference {b}"
+    got = full_params(model)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
+
+
+CASES = {
+    "frozen+trainable": dict(freeze=True),
+    "unused-on-odd-steps": dict(unused=True),
+    "called-twice": dict(twice=True),
+    "activation-checkpointing": dict(ac=True),
+    "zero-numel": dict(zero_numel=True),
+    "tied-within-unit": dict(tie=True),
+}
+
+
+def _features(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    data = batches(4, 2 * ws)
+    for case, opts in CASES.items():
+        torch.manual_seed(0)
+        ref = FeatureLM(**opts)
+        model = _shard(copy.deepcopy(ref), mesh)
+        _check(case, ref, model, data, rank, ws)
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        ref = FeatureLM()
+        model = _shard(copy.deepcopy(ref), mesh, zero_stage=stage)
+        _check(f"zero_stage={stage}", ref, model, data, rank, ws)
+    # explicit prefetch lists (forward: next block; backward: previous block)
+    torch.manual_seed(0)
+    ref = FeatureLM()
+    model = _shard(copy.deepcopy(ref), mesh)
+    layers = list(model.layers)
+    for a, b in zip(layers, layers[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
+    _check("explicit-prefetch", ref, model, data, rank, ws)
+
+
+@pytest.mark.parametrize("ws", [3])
+def test_features_match_single_process(ws):
+    run_distributed(_features, ws)
+
+
+def _meta_init(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    with torch.device("meta"):
+        model = FeatureLM()
+    _shard(model, mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            m.reset_parameters()
+    init = full_params(model)
+    for n, p in init.items():
+        assert p.device.type == "cpu" and torch.isfinite(p).all(), n
+    ref = FeatureLM()
+    ref.load_state_dict({**ref.state_dict(), **init})
+    _check("meta-init", ref, model, batches(3, 2 * ws), rank, ws)
+
+
+def test_meta_device_init_then_model_init():
+    """Meta-device build -> fully_shard -> to_empty -> model's own init, then train with parity."""
+    run_distributed(_meta_init, 2)
+
+
+def _divide_factor(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    ref = FeatureLM()
+    model = _shard(copy.deepcopy(ref), mesh)
+    model.set_gradient_divide_factor(1.0)  # sum of per-rank mean losses
+    tok, tgt = batches(1, 2 * ws)[0]
+    per = 2
+    _loss(model, tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per], 0).backward()
+    ref_total = sum(_loss(ref, tok[r * per : (r + 1) * per], tgt[r * per : (r + 1) * per], 0) for r in range(ws))
+    ref_total.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:  # unused param: no grad on any rank, as in single-process training
+            assert p.grad is None, n
+            continue
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_gradient_divide_factor():
+    run_distributed(_divide_factor, 3)
+
+
+def _bad_input(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    m = FeatureLM()
+    fully_shard(m.layers[0], mesh=mesh)
+    with pytest.raises(ValueError, match="already fully_shard"):
+        fully_shard(m.layers[0], mesh=mesh)
+    # tied across units: the inner unit owns it, the root must not shard it again
+    t = FeatureLM()
+    t.layers[1].up.weight = nn.Parameter(torch.randn(7, 13))
+    t.extra2 = nn.Linear(13, 7)
+    t.extra2.weight = t.layers[1].up.weight
+    fully_shard(t.layers[1], mesh=mesh)
+    with pytest.raises(ValueError, match="up.weight"):
+        fully_shard(t, mesh=mesh)
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    with pytest.raises(ValueError, match="one dtype"):
+        fully_shard(mixed, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="reshard_after_forward"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)
+    with pytest.raises(ValueError, match="zero_stage"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, zero_stage=4)
+    with pytest.raises(ValueError, match="ModuleList"):
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)
+    with pytest.raises(ValueError, match="0-dimensional"):
+        mod = nn.Module()
+        mod.s = nn.Parameter(torch.tensor(1.0))
+        fully_shard(mod, mesh=mesh)
+    with pytest.raises(ValueError, match="mesh must be 1-D"):
+        fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (ws, 1, 1)))
+
+
+def test_bad_input_raises_clear_errors():
+    run_distributed(_bad_input, 2)
