@@ -4,7 +4,7 @@ torch has no extension point for a new DTensor placement type (fsdp2-internals.m
 pytorch issue #169320), so RaggedShard needs these small, guarded patches. Each one delegates to
 torch's original function whenever no RaggedShard is involved, so non-ragged DTensors behave
 exactly as before. Supported torch: 2.13.x and 2.14.x (checked at import; other versions raise
-``RuntimeError``). :func:`apply` is idempotent; :func:`patched_symbols` lists what was replaced
+``RuntimeError``); the full RaggedShard test suite passes on 2.13.0+cpu and 2.14.1. :func:`apply` is idempotent; :func:`patched_symbols` lists what was replaced
 and ``tests/unit/test_ragged_patches.py`` fails loudly if an upgrade moves or changes them.
 
 Patched internals and why
