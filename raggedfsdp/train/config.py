@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -351,8 +350,3 @@ def override_argv(config_path: str | None, overrides: dict[str, Any]) -> list[st
     for path, value in overrides.items():
         argv.append(f"--{path}={value}")
     return argv
-
-
-def print_config(cfg: TrainConfig, file=sys.stdout) -> None:  # pragma: no cover - cosmetic
-    for sec, values in cfg.to_dict().items():
-        print(f"[{sec}] " + " ".join(f"{k}={v!r}" for k, v in values.items()), file=file)
