@@ -27,8 +27,30 @@ import time
 from raggedfsdp.planner.archs import model_units
 from raggedfsdp.planner.modelplan import ModelPlan, gcd_fallback, plan_model
 
-WORLD_SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000, 1024, 1536, 2048, 3072, 4096,
-               6144, 8192, 10240)
+WORLD_SIZES = (
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1000,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+    10240,
+)
 
 
 def _pct(x: float) -> str:
@@ -42,14 +64,18 @@ def _row(m: int, p: ModelPlan, target: float) -> str:
     f2_n = sum(u.fsdp2_padding for u in p.units)
     notes = []
     if pad > target:
-        notes.append(f">{100 * target:g}% ({'unavoidable: bound' if bound > target else 'bound below target'})")
+        notes.append(
+            f">{100 * target:g}% ({'unavoidable: bound' if bound > target else 'bound below target'})"
+        )
     if pad_n > f2_n:
         notes.append(f">FSDP2 ({'unavoidable: bound' if bound_n > f2_n else 'not proven unavoidable'})")
     if notes and pad_n == bound_n:
         notes.append("plan = bound")
-    return (f"| {m:>6} | {_pct(pad):>8} | {_pct(bound):>8} | {_pct(f2):>8} | {_pct(p.fsdp2_block_padding_ratio):>9} "
-            f"| {_pct(p.fsdp1_padding_ratio):>7} | {_pct(p.max_unit_padding_ratio):>8} | {p.plan_seconds:6.3f} "
-            f"| {'; '.join(notes)} |")
+    return (
+        f"| {m:>6} | {_pct(pad):>8} | {_pct(bound):>8} | {_pct(f2):>8} | {_pct(p.fsdp2_block_padding_ratio):>9} "
+        f"| {_pct(p.fsdp1_padding_ratio):>7} | {_pct(p.max_unit_padding_ratio):>8} | {p.plan_seconds:6.3f} "
+        f"| {'; '.join(notes)} |"
+    )
 
 
 def _breakdown(p: ModelPlan) -> str:
@@ -62,8 +88,10 @@ def _breakdown(p: ModelPlan) -> str:
         seen[key] = [u, 1]
     for u, n in seen.values():
         lay = u.layout
-        out.append(f"    {u.name:<10} x{n:<3} S={lay.shard_size:<10} pad={_pct(lay.padding_ratio)}% "
-                   f"bound={_pct((p.world_size * u.bound_shard_size - lay.total_numel) / (p.world_size * u.bound_shard_size))}%")
+        out.append(
+            f"    {u.name:<10} x{n:<3} S={lay.shard_size:<10} pad={_pct(lay.padding_ratio)}% "
+            f"bound={_pct((p.world_size * u.bound_shard_size - lay.total_numel) / (p.world_size * u.bound_shard_size))}%"
+        )
     return "\n".join(out)
 
 
@@ -72,8 +100,12 @@ def sweep(models, granularities, world_sizes, order, align, unit, target, breakd
         units = model_units(model, unit)
         for gran in granularities:
             print(f"\n### {model}, granularity {gran}, order {order}, align {align}, unit {unit}\n")
-            print("|      M |  plan % | bound % |  FSDP2 % | FSDP2+blk % | FSDP1 % | worst unit % | plan s | note |")
-            print("|-------:|--------:|--------:|---------:|------------:|--------:|-------------:|-------:|------|")
+            print(
+                "|      M |  plan % | bound % |  FSDP2 % | FSDP2+blk % | FSDP1 % | worst unit % | plan s | note |"
+            )
+            print(
+                "|-------:|--------:|--------:|---------:|------------:|--------:|-------------:|-------:|------|"
+            )
             for m in world_sizes:
                 p = plan_model(units, m, policy=gcd_fallback(gran), align=align, order=order)
                 print(_row(m, p, target))
@@ -89,12 +121,17 @@ def timing(model: str, m: int, granularities, orders, align: int, repeat: int) -
         units = model_units(model)
         t_tables.append(time.perf_counter() - t0)
     tab = min(t_tables)
-    print(f"shape tables: {len(units)} units, {sum(len(u.params) for u in units)} tensors, built in {tab:.3f} s\n")
+    print(
+        f"shape tables: {len(units)} units, {sum(len(u.params) for u in units)} tensors, built in {tab:.3f} s\n"
+    )
     print("| granularity | order | plan s | tables + plan s | padding % |")
     print("|---|---|---:|---:|---:|")
     for gran in granularities:
         for order in orders:
-            runs = [plan_model(units, m, policy=gcd_fallback(gran), align=align, order=order) for _ in range(repeat)]
+            runs = [
+                plan_model(units, m, policy=gcd_fallback(gran), align=align, order=order)
+                for _ in range(repeat)
+            ]
             best = min(r.plan_seconds for r in runs)
             print(f"| {gran} | {order} | {best:.3f} | {tab + best:.3f} | {_pct(runs[0].padding_ratio)} |")
 
@@ -114,11 +151,25 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-timing", action="store_true")
     a = ap.parse_args()
-    sweep(a.models.split(","), a.granularities.split(","), [int(x) for x in a.world_sizes.split(",")], a.order,
-          a.align, a.unit, a.target, a.breakdown)
+    sweep(
+        a.models.split(","),
+        a.granularities.split(","),
+        [int(x) for x in a.world_sizes.split(",")],
+        a.order,
+        a.align,
+        a.unit,
+        a.target,
+        a.breakdown,
+    )
     if not a.no_timing:
-        timing(a.timing_model, a.timing_world_size, ["element", "row", "rows:32"], ["default", "best"], a.align,
-               a.repeat)
+        timing(
+            a.timing_model,
+            a.timing_world_size,
+            ["element", "row", "rows:32"],
+            ["default", "best"],
+            a.align,
+            a.repeat,
+        )
 
 
 if __name__ == "__main__":

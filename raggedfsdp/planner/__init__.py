@@ -24,15 +24,15 @@ from raggedfsdp.planner.policy import (
 )
 
 __all__ = [
-    "Layout",
-    "plan_layout",
-    "validate_layout",
     "BlockSpec",
+    "Layout",
     "ParamBlock",
     "Policy",
     "granularity_for",
     "make_policy",
+    "plan_layout",
     "plan_params",
     "ragged_dims",
     "resolve_blocks",
+    "validate_layout",
 ]

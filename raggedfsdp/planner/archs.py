@@ -49,33 +49,83 @@ class Unit:
         return sum(math.prod(s) for _, s in self.params)
 
 
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, num_key_value_heads=8, head_dim=128,
-               tie_word_embeddings=False)
+_LLAMA3 = dict(
+    model_type="llama", vocab_size=128256, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False
+)
 
 BUILTIN: dict[str, dict] = {
-    "llama3-8b": dict(_LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                      intermediate_size=14336),
-    "llama3-70b": dict(_LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                       intermediate_size=28672),
-    "gpt-oss-120b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=36,
-                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880,
-                         num_local_experts=128, tie_word_embeddings=False),
-    "deepseek-v3-671b": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
-                             num_hidden_layers=61, num_attention_heads=128, intermediate_size=18432,
-                             moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
-                             first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
-                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                             tie_word_embeddings=False),
-    "hybrid-27b": dict(model_type="qwen3_next", vocab_size=248320, hidden_size=5120, num_hidden_layers=64,
-                       num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
-                       full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=48,
-                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                       num_experts=0, tie_word_embeddings=False),
-    "moe-2.4t": dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=8192, num_hidden_layers=95,
-                     num_attention_heads=128, intermediate_size=32768, moe_intermediate_size=2048,
-                     n_routed_experts=512, n_shared_experts=1, first_k_dense_replace=3, q_lora_rank=2048,
-                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                     tie_word_embeddings=False),
+    "llama3-8b": dict(
+        _LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336
+    ),
+    "llama3-70b": dict(
+        _LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672
+    ),
+    "gpt-oss-120b": dict(
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=128,
+        tie_word_embeddings=False,
+    ),
+    "deepseek-v3-671b": dict(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "hybrid-27b": dict(
+        model_type="qwen3_next",
+        vocab_size=248320,
+        hidden_size=5120,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=17408,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        tie_word_embeddings=False,
+    ),
+    "moe-2.4t": dict(
+        model_type="deepseek_v3",
+        vocab_size=163840,
+        hidden_size=8192,
+        num_hidden_layers=95,
+        num_attention_heads=128,
+        intermediate_size=32768,
+        moe_intermediate_size=2048,
+        n_routed_experts=512,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -90,7 +140,9 @@ def load_config(model: str) -> dict:
         with open(model) as f:
             cfg = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"unknown model {model!r}: not one of {sorted(BUILTIN)} and no such config.json") from None
+        raise ValueError(
+            f"unknown model {model!r}: not one of {sorted(BUILTIN)} and no such config.json"
+        ) from None
     if "text_config" in cfg and "hidden_size" not in cfg:
         cfg = dict(cfg["text_config"], model_type=cfg["text_config"].get("model_type", cfg.get("model_type")))
     return cfg
@@ -144,9 +196,14 @@ def _gated_deltanet(cfg: dict, p: str, H: int) -> list[tuple[str, Shape]]:
     kern = int(cfg.get("linear_conv_kernel_dim", 4))
     key, val = nk * dk, nv * dv
     return (
-        _lin(f"{p}.in_proj_qkvz", 2 * key + 2 * val, H) + _lin(f"{p}.in_proj_ba", 2 * nv, H)
-        + [(f"{p}.conv1d.weight", (2 * key + val, 1, kern)), (f"{p}.dt_bias", (nv,)), (f"{p}.A_log", (nv,)),
-           (f"{p}.norm.weight", (dv,))]
+        _lin(f"{p}.in_proj_qkvz", 2 * key + 2 * val, H)
+        + _lin(f"{p}.in_proj_ba", 2 * nv, H)
+        + [
+            (f"{p}.conv1d.weight", (2 * key + val, 1, kern)),
+            (f"{p}.dt_bias", (nv,)),
+            (f"{p}.A_log", (nv,)),
+            (f"{p}.norm.weight", (dv,)),
+        ]
         + _lin(f"{p}.out_proj", H, val)
     )
 
@@ -168,7 +225,11 @@ def _is_moe_layer(cfg: dict, mt: str, i: int) -> bool:
         return True
     if mt in _MLA_TYPES:
         n = cfg.get("n_routed_experts") or 0
-        return bool(n) and i >= int(cfg.get("first_k_dense_replace", 0)) and i % int(cfg.get("moe_layer_freq", 1)) == 0
+        return (
+            bool(n)
+            and i >= int(cfg.get("first_k_dense_replace", 0))
+            and i % int(cfg.get("moe_layer_freq", 1)) == 0
+        )
     n = cfg.get("num_experts") or 0
     if not n or i in (cfg.get("mlp_only_layers") or []):
         return False
@@ -182,8 +243,10 @@ def _ffn(cfg: dict, p: str, H: int, mt: str, i: int) -> list[tuple[str, Shape]]:
         E, inter = _req(cfg, "num_local_experts"), _req(cfg, "intermediate_size")
         e = f"{p}.experts"
         return _lin(f"{p}.router", E, H, True) + [
-            (f"{e}.gate_up_proj", (E, H, 2 * inter)), (f"{e}.gate_up_proj_bias", (E, 2 * inter)),
-            (f"{e}.down_proj", (E, inter, H)), (f"{e}.down_proj_bias", (E, H)),
+            (f"{e}.gate_up_proj", (E, H, 2 * inter)),
+            (f"{e}.gate_up_proj_bias", (E, 2 * inter)),
+            (f"{e}.down_proj", (E, inter, H)),
+            (f"{e}.down_proj_bias", (E, H)),
         ]
     if mt == "mixtral":
         E, inter = _req(cfg, "num_local_experts"), _req(cfg, "intermediate_size")
@@ -225,9 +288,11 @@ def layer_params(cfg: dict, i: int) -> list[tuple[str, Shape]]:
     else:
         mixer = _gated_deltanet(cfg, f"{p}.linear_attn", H)
     ffn_name = "block_sparse_moe" if mt == "mixtral" else "mlp"
-    return mixer + _ffn(cfg, f"{p}.{ffn_name}", H, mt, i) + [
-        (f"{p}.input_layernorm.weight", (H,)), (f"{p}.post_attention_layernorm.weight", (H,))
-    ]
+    return (
+        mixer
+        + _ffn(cfg, f"{p}.{ffn_name}", H, mt, i)
+        + [(f"{p}.input_layernorm.weight", (H,)), (f"{p}.post_attention_layernorm.weight", (H,))]
+    )
 
 
 def layers_per_unit(cfg: dict, unit: str) -> int:
@@ -251,7 +316,6 @@ def model_units(model: str | dict, unit: str = "layer") -> list[Unit]:
         ValueError: unknown model, missing config keys, or ``unit="superblock"`` on a non-hybrid model.
     """
     cfg = load_config(model) if isinstance(model, str) else dict(model)
-    mt = str(cfg.get("model_type", "llama"))
     H, V, L = _req(cfg, "hidden_size"), _req(cfg, "vocab_size"), _req(cfg, "num_hidden_layers")
     per = layers_per_unit(cfg, unit)
     units = [Unit("embed", (("model.embed_tokens.weight", (V, H)),))]

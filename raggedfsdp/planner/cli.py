@@ -33,17 +33,35 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="plan a model's FSDP buffers (padding, shard sizes) from shapes only",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--model", required=True,
-                   help=f"built-in table ({', '.join(BUILTIN)}) or a Hugging Face config.json path")
-    p.add_argument("--world-size", "-m", type=int, required=True, help="FSDP group size M (ranks per shard group)")
-    p.add_argument("--granularity", default="row",
-                   help="block for matrices: element | row | rows:K | tile:RxC | slice | matrix (vectors: element)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"built-in table ({', '.join(BUILTIN)}) or a Hugging Face config.json path",
+    )
+    p.add_argument(
+        "--world-size", "-m", type=int, required=True, help="FSDP group size M (ranks per shard group)"
+    )
+    p.add_argument(
+        "--granularity",
+        default="row",
+        help="block for matrices: element | row | rows:K | tile:RxC | slice | matrix (vectors: element)",
+    )
     p.add_argument("--unit", default="layer", help="layer | superblock (hybrid models) | layers:K")
-    p.add_argument("--order", default="default", choices=ORDERS + ("best",), help="tensor order (default: module order)")
-    p.add_argument("--align", type=int, default=DEFAULT_ALIGN,
-                   help=f"shard size multiple in elements (default {DEFAULT_ALIGN} = 16 B of bf16)")
-    p.add_argument("--on-indivisible", choices=("error", "gcd"), default="error",
-                   help="a rows:K/tile block that does not tile a tensor: raise (default) or use gcd(K, rows) rows")
+    p.add_argument(
+        "--order", default="default", choices=(*ORDERS, "best"), help="tensor order (default: module order)"
+    )
+    p.add_argument(
+        "--align",
+        type=int,
+        default=DEFAULT_ALIGN,
+        help=f"shard size multiple in elements (default {DEFAULT_ALIGN} = 16 B of bf16)",
+    )
+    p.add_argument(
+        "--on-indivisible",
+        choices=("error", "gcd"),
+        default="error",
+        help="a rows:K/tile block that does not tile a tensor: raise (default) or use gcd(K, rows) rows",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with every unit and tensor")
     p.set_defaults(func=run)
     return p
@@ -53,13 +71,23 @@ def _pct(x: float) -> str:
     return f"{100 * x:.3f}%"
 
 
+def _ratio(pad: int, numel: int) -> str:
+    return _pct(pad / (numel + pad) if numel + pad else 0.0)
+
+
 def _text_report(args, plan: ModelPlan) -> str:
     m = plan.world_size
+    header = (
+        f"{'unit':<24} {'tensors':>7} {'shard_size':>12} {'padding':>9} {'bound':>9} {'FSDP2':>9} "
+        f"{'FSDP2+blk':>9}"
+    )
     lines = [
-        f"model {args.model}: {plan.numel / 1e9:.2f}B params in {len(plan.units)} units "
-        f"({plan.distinct_units} distinct); M={m}, granularity {args.granularity}, unit {args.unit}, "
-        f"order {args.order}, align {plan.align}",
-        f"{'unit':<24} {'tensors':>7} {'shard_size':>12} {'padding':>9} {'bound':>9} {'FSDP2':>9} {'FSDP2+blk':>9}",
+        (
+            f"model {args.model}: {plan.numel / 1e9:.2f}B params in {len(plan.units)} units "
+            f"({plan.distinct_units} distinct); M={m}, granularity {args.granularity}, unit {args.unit}, "
+            f"order {args.order}, align {plan.align}"
+        ),
+        header,
     ]
     i = 0
     units = plan.units
@@ -72,13 +100,10 @@ def _text_report(args, plan: ModelPlan) -> str:
         lay = u.layout
         name = u.name if i == j else f"{u.name} .. {units[j].name} (x{j - i + 1})"
         tot = lay.total_numel
-
-        def r(pad):
-            return _pct(pad / (tot + pad) if tot + pad else 0.0)
-
         lines.append(
             f"{name:<24} {len(lay.numels):>7} {lay.shard_size:>12} {_pct(lay.padding_ratio):>9} "
-            f"{r(m * u.bound_shard_size - tot):>9} {r(u.fsdp2_padding):>9} {r(u.fsdp2_block_padding):>9}"
+            f"{_ratio(m * u.bound_shard_size - tot, tot):>9} {_ratio(u.fsdp2_padding, tot):>9} "
+            f"{_ratio(u.fsdp2_block_padding, tot):>9}"
         )
         i = j + 1
     lines.append(

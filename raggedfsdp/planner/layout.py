@@ -134,7 +134,7 @@ class Layout:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Layout":
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
         shapes = d.get("shapes")
         names = d.get("names")
         return cls(
@@ -192,7 +192,9 @@ def validate_layout(layout: Layout) -> None:
             for d in layout.shapes[i]:
                 prod *= d
             if prod != e:
-                raise ValueError(f"invalid layout: {who} shape={layout.shapes[i]} has {prod} elements, numel={e}")
+                raise ValueError(
+                    f"invalid layout: {who} shape={layout.shapes[i]} has {prod} elements, numel={e}"
+                )
         if x < 0 or x + e > cap:
             raise ValueError(f"invalid layout: {who} range [{x}, {x + e}) is outside the buffer [0, {cap})")
         if e == 0:

@@ -37,7 +37,9 @@ def fsdp2_padding(shapes: Sequence[Sequence[int]], world_size: int) -> int:
     return pad
 
 
-def fsdp2_block_padding(shapes: Sequence[Sequence[int]], granularities: Sequence[int], world_size: int) -> int:
+def fsdp2_block_padding(
+    shapes: Sequence[Sequence[int]], granularities: Sequence[int], world_size: int
+) -> int:
     """Padding of even ``Shard(0)`` chunks that never cut a block: dim 0 to a multiple of ``m*k0``."""
     pad = 0
     for s, g in zip(shapes, granularities):
@@ -163,8 +165,14 @@ class ModelPlan:
             }
             if tensors:
                 d["tensors"] = [
-                    {"name": lay.names[i], "shape": list(lay.shapes[i]), "granularity": lay.granularities[i],
-                     "offset": lay.offsets[i], "dims": list(u.dims[i]), "block": u.blocks[i]}
+                    {
+                        "name": lay.names[i],
+                        "shape": list(lay.shapes[i]),
+                        "granularity": lay.granularities[i],
+                        "offset": lay.offsets[i],
+                        "dims": list(u.dims[i]),
+                        "block": u.blocks[i],
+                    }
                     for i in range(len(lay.numels))
                 ]
             units.append(d)

@@ -195,8 +195,9 @@ def _min_shard_size(numels: list[int], grans: list[int], perm: Sequence[int], m:
     return best
 
 
-def shard_size_lower_bound(numels: Sequence[int], granularities: Sequence[int] | None, world_size: int,
-                           align: int = 1) -> int:
+def shard_size_lower_bound(
+    numels: Sequence[int], granularities: Sequence[int] | None, world_size: int, align: int = 1
+) -> int:
     """A lower bound on the shard size valid for *every* order (elements); inputs as :func:`plan_layout`.
 
     Necessary conditions for any layout with shard size ``S`` (each tensor looked at alone):
@@ -305,7 +306,9 @@ def _check_inputs(numels, granularities, world_size, align, shapes, names):
                 f"plan_layout: {label(i)} granularity={g} does not divide its numel={e} (remainder {e % g})"
             )
         if shapes is not None and math.prod(shapes[i]) != e:
-            raise ValueError(f"plan_layout: {label(i)} shape={tuple(shapes[i])} does not have numel={e} elements")
+            raise ValueError(
+                f"plan_layout: {label(i)} shape={tuple(shapes[i])} does not have numel={e} elements"
+            )
         out_n.append(e)
         out_g.append(g)
     return out_n, out_g
@@ -347,6 +350,9 @@ def plan_layout(
         ValueError: ``world_size < 1``, ``align < 1``, a negative numel, a granularity < 1 or not
             dividing its numel (naming the tensor and values), mismatched lengths, a bad ``order``.
     """
+    granularities = None if granularities is None else list(granularities)
+    shapes = None if shapes is None else list(shapes)
+    names = None if names is None else list(names)
     numels_l, grans = _check_inputs(list(numels), granularities, world_size, align, shapes, names)
     m, align = int(world_size), int(align)
     shapes_t = None if shapes is None else tuple(tuple(int(d) for d in s) for s in shapes)

@@ -67,14 +67,16 @@ class BlockSpec:
             raise ValueError(f"BlockSpec: rows={self.rows} must be >= 1 and cols={self.cols} >= 0")
 
     @classmethod
-    def parse(cls, spec: "BlockSpec | str | tuple[int, int]") -> "BlockSpec":
+    def parse(cls, spec: BlockSpec | str | tuple[int, int]) -> BlockSpec:
         """``"element"``, ``"row"``, ``"rows:32"``, ``"tile:32x32"``, ``"slice"``, ``"matrix"``, or ``(R, C)``."""
         if isinstance(spec, BlockSpec):
             return spec
         if isinstance(spec, tuple) and len(spec) == 2:
             return cls("tile", int(spec[0]), int(spec[1]))
-        if not isinstance(spec, str):
-            raise ValueError(f"BlockSpec: cannot parse {spec!r}; use a string like 'rows:32' or a (R, C) tile")
+        if not isinstance(spec, str):  # a bad policy result is bad input: ValueError like the rest
+            raise ValueError(  # noqa: TRY004
+                f"BlockSpec: cannot parse {spec!r}; use a string like 'rows:32' or a (R, C) tile"
+            )
         s = spec.strip().lower()
         if s in ("element", "row", "slice", "matrix"):
             return cls(s)
@@ -169,7 +171,9 @@ def granularity_for(
         g = spec.rows * width
     elif spec.kind == "tile":
         if len(shape) < 2:
-            raise ValueError(f"granularity_for: {who} shape={shape} is not a matrix; {spec} tiles need ndim >= 2")
+            raise ValueError(
+                f"granularity_for: {who} shape={shape} is not a matrix; {spec} tiles need ndim >= 2"
+            )
         if shape[-2] % spec.rows:
             raise ValueError(
                 f"granularity_for: {who} shape={shape} has {shape[-2]} rows per matrix, not a multiple "
@@ -183,7 +187,9 @@ def granularity_for(
     for st in strides:
         st = int(st)
         if st < 1:
-            raise ValueError(f"granularity_for: {who} shape={shape} has Shard stride={st}; strides must be >= 1")
+            raise ValueError(
+                f"granularity_for: {who} shape={shape} has Shard stride={st}; strides must be >= 1"
+            )
         g = math.lcm(g, st)
     if numel % g:
         raise ValueError(
@@ -227,7 +233,7 @@ def _auto_strides(param: Any) -> tuple[int, ...]:
     for pl in placements:
         dim = getattr(pl, "dim", None)
         if type(pl).__name__ == "Shard" and dim is not None and dim > 0:
-            out.append(math.prod(shape[dim + 1:]))
+            out.append(math.prod(shape[dim + 1 :]))
     return tuple(out)
 
 

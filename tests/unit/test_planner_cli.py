@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -47,9 +48,9 @@ def _revalidate(d, rows=1):
                 k += 1
             dims = t["dims"]
             assert dims == list(range(len(dims))) and len(dims) >= 1
-            assert g % math.prod(t["shape"][len(dims):]) == 0
+            assert g % math.prod(t["shape"][len(dims) :]) == 0
         spans.sort()
-        for (a0, a1, n0), (b0, b1, n1) in zip(spans, spans[1:]):
+        for (_, a1, n0), (b0, _, n1) in itertools.pairwise(spans):
             assert a1 <= b0, f"{n0} overlaps {n1}"  # (c) disjoint, each tensor one range
         e_unit = sum(math.prod(t["shape"]) for t in u["tensors"])
         assert u["padding"] == m * S - e_unit
@@ -102,8 +103,14 @@ def test_fsdp2_padding_formula():
 
 
 def test_builtin_tables():
-    want = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "gpt-oss-120b": 116.83e9,
-            "deepseek-v3-671b": 671.03e9, "hybrid-27b": 26.90e9, "moe-2.4t": 2402.1e9}
+    want = {
+        "llama3-8b": 8.03e9,
+        "llama3-70b": 70.55e9,
+        "gpt-oss-120b": 116.83e9,
+        "deepseek-v3-671b": 671.03e9,
+        "hybrid-27b": 26.90e9,
+        "moe-2.4t": 2402.1e9,
+    }
     for name, n in want.items():
         units = model_units(name)
         assert sum(u.numel for u in units) == pytest.approx(n, rel=1e-3), name
@@ -115,13 +122,24 @@ def test_builtin_tables():
     assert dict(ds[4].params)["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == (576, 7168)
     hyb = model_units("hybrid-27b", "superblock")
     assert len(hyb) == 18 and hyb[1].name == "layers.0-3"
-    assert sum(".linear_attn." in n for n, _ in hyb[1].params) > 0 and sum(".self_attn." in n for n, _ in hyb[1].params) > 0
+    assert (
+        sum(".linear_attn." in n for n, _ in hyb[1].params) > 0
+        and sum(".self_attn." in n for n, _ in hyb[1].params) > 0
+    )
 
 
 def test_hf_config_path(tmp_path, capsys):
-    cfg = {"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "num_local_experts": 4,
-           "tie_word_embeddings": True}
+    cfg = {
+        "model_type": "mixtral",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "num_local_experts": 4,
+        "tie_word_embeddings": True,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     d = _plan_json(capsys, "--model", str(path), "-m", "8")
@@ -134,11 +152,17 @@ def test_hf_config_path(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--model", "gpt-oss-120b", "-m", "8", "--granularity", "rows:128"], r"o_proj.weight' shape=\(2880, 4096\)"),
+        (
+            ["--model", "gpt-oss-120b", "-m", "8", "--granularity", "rows:128"],
+            r"o_proj.weight' shape=\(2880, 4096\)",
+        ),
         (["--model", "llama3-8b", "-m", "0"], r"world_size=0"),
         (["--model", "llama3-8b", "-m", "8", "--unit", "superblock"], r"needs a hybrid model"),
         (["--model", "no-such-model", "-m", "8"], r"unknown model 'no-such-model'"),
-        (["--model", "llama3-8b", "-m", "8", "--granularity", "rows:5"], r"embed_tokens.weight. shape=\(128256, 4096\) has 128256 rows .* 5 rows"),
+        (
+            ["--model", "llama3-8b", "-m", "8", "--granularity", "rows:5"],
+            r"embed_tokens.weight. shape=\(128256, 4096\) has 128256 rows .* 5 rows",
+        ),
         (["--model", "llama3-8b", "-m", "8", "--granularity", "banana"], r"cannot parse 'banana'"),
     ],
 )
@@ -150,7 +174,9 @@ def test_bad_input_exits_2(capsys, argv, match):
 
 
 def test_gcd_fallback_for_sweeps(capsys):
-    d = _plan_json(capsys, "--model", "gpt-oss-120b", "-m", "64", "--granularity", "rows:128", "--on-indivisible", "gcd")
+    d = _plan_json(
+        capsys, "--model", "gpt-oss-120b", "-m", "64", "--granularity", "rows:128", "--on-indivisible", "gcd"
+    )
     o_proj = next(t for t in d["units"][1]["tensors"] if t["name"].endswith("o_proj.weight"))
     assert o_proj["granularity"] == 64 * 4096  # gcd(128, 2880) = 64 rows
 

@@ -73,7 +73,7 @@ def test_exhaustive_single_and_pairs():
     count = 0
     for m in (2, 3, 4):
         for align in (1, 2, 3):
-            for g1, u1 in itertools.product(range(1, 5), range(0, 5)):
+            for g1, u1 in itertools.product(range(1, 5), range(5)):
                 _check([g1 * u1], [g1], m, align, [0])
                 count += 1
                 for g2, u2 in itertools.product((1, 3, 4), (1, 3, 5)):

@@ -56,7 +56,7 @@ def test_dims_is_shortest_compatible_prefix():
             k = len(dims)
             assert dims == tuple(range(k)) and k >= 1
             assert g % math.prod(shape[k:]) == 0
-            assert k == 1 or g % math.prod(shape[k - 1:]) != 0
+            assert k == 1 or g % math.prod(shape[k - 1 :]) != 0
 
 
 def test_shard_stride_lcm():

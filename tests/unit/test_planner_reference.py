@@ -7,7 +7,7 @@ Both are deliberately naive: they are the oracle, so they must stay obviously co
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 
 def check_layout(numels, grans, world_size, align, shard_size, offsets, order) -> None:
@@ -32,7 +32,7 @@ def check_layout(numels, grans, world_size, align, shard_size, offsets, order) -
 
 def _valid_starts(e, g, m, S):
     out = []
-    for x in range(0, m * S - e + 1):
+    for x in range(m * S - e + 1):
         ok = True
         for k in range(1, m):
             b = k * S
@@ -49,7 +49,7 @@ def brute_feasible(numels, grans, perm, m, S) -> bool:
     items = [(numels[i], grans[i]) for i in perm if numels[i] > 0]
     starts = [_valid_starts(e, g, m, S) for e, g in items]
 
-    @lru_cache(maxsize=None)
+    @cache
     def go(k, cursor):
         if k == len(items):
             return True
