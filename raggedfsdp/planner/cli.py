@@ -108,7 +108,8 @@ def _text_report(args, plan: ModelPlan) -> str:
         i = j + 1
     lines.append(
         f"total padding {_pct(plan.padding_ratio)} (order-free bound {_pct(plan.bound_padding_ratio)}); "
-        f"FSDP2 {_pct(plan.fsdp2_padding_ratio)}, FSDP2 keeping blocks {_pct(plan.fsdp2_block_padding_ratio)}, "
+        f"FSDP2 {_pct(plan.fsdp2_padding_ratio)}, "
+        f"FSDP2 keeping blocks {_pct(plan.fsdp2_block_padding_ratio)}, "
         f"FSDP1/flat {_pct(plan.fsdp1_padding_ratio)}; worst unit {_pct(plan.max_unit_padding_ratio)}; "
         f"planning {plan.plan_seconds:.3f} s"
     )

@@ -84,7 +84,7 @@ class Layout:
 
     # ---- per-rank pieces -------------------------------------------------------------------
     def piece(self, i: int, rank: int) -> tuple[int, int]:
-        """Tensor ``i``'s piece on ``rank`` as ``(start, end)`` element offsets *within the tensor*."""
+        """Tensor ``i``'s piece on ``rank`` as ``(start, end)`` element offsets *within the tensor*. O(1)."""
         lo = max(self.offsets[i], rank * self.shard_size)
         hi = min(self.offsets[i] + self.numels[i], (rank + 1) * self.shard_size)
         if hi <= lo:
@@ -94,12 +94,12 @@ class Layout:
         return lo - self.offsets[i], hi - self.offsets[i]
 
     def shard_offset(self, i: int, rank: int) -> int:
-        """Offset of tensor ``i``'s piece inside ``rank``'s shard ``[0, S)``."""
+        """Offset of tensor ``i``'s piece inside ``rank``'s shard ``[0, S)`` (elements). O(1)."""
         start, _ = self.piece(i, rank)
         return min(max(self.offsets[i] + start - rank * self.shard_size, 0), self.shard_size)
 
     def local_units(self, i: int) -> tuple[int, ...]:
-        """Per-rank unit counts of tensor ``i`` (piece length / granularity) for ``RaggedShard``."""
+        """Per-rank unit counts of tensor ``i`` (piece length / granularity) for ``RaggedShard``. O(m)."""
         g = self.granularities[i]
         units = []
         for k in range(self.world_size):

@@ -28,7 +28,7 @@ from raggedfsdp.planner.policy import BlockSpec, Policy, granularity_for, make_p
 
 
 def fsdp2_padding(shapes: Sequence[Sequence[int]], world_size: int) -> int:
-    """Padding elements of FSDP2 per-parameter ``Shard(0)``: ``sum (ceil(d0/m)*m - d0) * row``."""
+    """Padding elements of FSDP2 per-parameter ``Shard(0)``: ``sum (ceil(d0/m)*m - d0) * row``. O(n)."""
     m = world_size
     pad = 0
     for s in shapes:

@@ -68,7 +68,8 @@ class BlockSpec:
 
     @classmethod
     def parse(cls, spec: BlockSpec | str | tuple[int, int]) -> BlockSpec:
-        """``"element"``, ``"row"``, ``"rows:32"``, ``"tile:32x32"``, ``"slice"``, ``"matrix"``, or ``(R, C)``."""
+        """Parse ``"element"``, ``"row"``, ``"rows:32"``, ``"tile:32x32"``, ``"slice"``, ``"matrix"``
+        or a ``(R, C)`` tile."""
         if isinstance(spec, BlockSpec):
             return spec
         if isinstance(spec, tuple) and len(spec) == 2:

@@ -137,3 +137,19 @@ def test_dtensor_like_shard_dim_strides_are_used():
 
     (b,) = resolve_blocks([("w", FakeDTensor())], make_policy("element"))
     assert b.shape == (8, 6, 4) and b.granularity == 4 and b.dims == (0, 1)
+
+
+@pytest.mark.parametrize("block", ["element", "row", "rows:16", "tile:32x8", "slice", "matrix"])
+def test_stacked_experts_units_match_ragged_shard(block):
+    """A fused (E, H, W) expert stack next to a matrix and a vector: RaggedShard(dims, units) agrees."""
+    params = [("experts", (4, 64, 32)), ("w", (96, 32)), ("b", (32,))]
+    for world_size in (3, 8):
+        lay = plan_params(params, world_size, policy=make_policy(block, "element"), align=4, order="best")
+        validate_layout(lay)
+        for i, b in enumerate(resolve_blocks(params, make_policy(block, "element"))):
+            units = lay.local_units(i)
+            rs = RaggedShard(b.dims, units)
+            rs.validate_shape(b.shape, world_size)
+            assert [rs.flat_range(b.shape, r) for r in range(world_size)] == [
+                lay.piece(i, r) for r in range(world_size)
+            ]
