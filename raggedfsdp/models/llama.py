@@ -241,9 +241,12 @@ class Llama(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init from ``seed``; works after ``to_empty`` and on sharded (DTensor) params.
 
-        Embedding: N(0, 1) (N(0, 1/sqrt(D)) when tied). Linear weights: N(0, 1/sqrt(fan_in)); the projections that write into
-        the residual stream (``wo``, ``w2``) are further scaled by 1/sqrt(2 * n_layers). Output
-        projection: N(0, 1/D), so the initial logits are small and the first loss is about ln(V). RMSNorm gains: 1. The RoPE buffers are recomputed.
+        - embedding: N(0, 1), or N(0, 1/sqrt(D)) when tied (it then also makes the logits);
+        - linear weights: N(0, 1/sqrt(fan_in)); ``wo`` and ``w2``, which write into the residual
+          stream, are further scaled by 1/sqrt(2 * n_layers);
+        - output projection: N(0, 1/D), so the initial logits are small and the first loss is
+          about ln(V);
+        - RMSNorm gains: 1. The RoPE buffers are recomputed.
         """
         cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)

@@ -1,4 +1,4 @@
-"""``python -m raggedfsdp.train`` == ``python -m raggedfsdp.train.worker`` (one rank; use torchrun for more)."""
+"""``python -m raggedfsdp.train``: same as ``python -m raggedfsdp.train.worker`` (torchrun for N ranks)."""
 
 import sys
 

@@ -37,12 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Validate the config, then launch N ranks of raggedfsdp.train.worker with torchrun\n"
             "(torch.distributed.run --standalone). Same as:\n"
-            "  OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N -m raggedfsdp.train.worker [flags]"
+            "  OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N \\\n"
+            "      -m raggedfsdp.train.worker [flags]"
         ),
         epilog=_TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks (processes) to launch (default: 2)")
+    p.add_argument(
+        "--nproc", type=int, default=2, metavar="N", help="ranks (processes) to launch (default: 2)"
+    )
     add_config_args(p)
     p.set_defaults(func=run_train)
 
@@ -78,6 +81,12 @@ def run_train(args: argparse.Namespace) -> int:
         "raggedfsdp.train.worker",
         *override_argv(args.config, overrides),
     ]
+    print(
+        f"raggedfsdp train: launching {args.nproc} rank(s) with torchrun --standalone "
+        f"(OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, backend {cfg.fsdp.backend}) -> {cfg.job.out}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         run(parse_args(torchrun_argv))
     except ChildFailedError as e:

@@ -41,7 +41,9 @@ class JobConfig:
     out: str = _f("outputs/run", "output folder (metrics.jsonl, config.json)", flag="--out")
     seed: int = _f(0, "seed for the model init and the data order", flag="--seed")
     device: str = _f("auto", "auto | cpu | cuda (auto: cuda with nccl if available, else cpu with gloo)")
-    pg_timeout_s: float = _f(120.0, "process-group timeout in seconds (a stuck collective errors out after this)")
+    pg_timeout_s: float = _f(
+        120.0, "process-group timeout in seconds (a stuck collective errors out after this)"
+    )
 
 
 @dataclass(kw_only=True)
@@ -59,7 +61,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: str = _f("", "text file or folder of text files; empty: the Python stdlib's .py sources", flag="--data")
+    path: str = _f(
+        "", "text file or folder of text files; empty: the Python stdlib's .py sources", flag="--data"
+    )
     max_bytes: int = _f(4_000_000, "use at most this many bytes of the corpus (0: no cap)")
     val_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for evaluation")
 
@@ -90,7 +94,9 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class FSDPConfig:
-    backend: str = _f("ragged", "ragged (raggedfsdp.fully_shard) | torch (torch FSDP2, reference)", flag="--backend")
+    backend: str = _f(
+        "ragged", "ragged (raggedfsdp.fully_shard) | torch (torch FSDP2, reference)", flag="--backend"
+    )
     param_dtype: str = _f("fp32", "compute dtype of all-gathered params: fp32 | bf16", flag="--param-dtype")
     reduce_dtype: str = _f("fp32", "gradient reduce-scatter dtype: fp32 | bf16", flag="--reduce-dtype")
     reshard_after_forward: bool = _f(True, "free gathered block params after forward (ZeRO-3)")
@@ -98,7 +104,9 @@ class FSDPConfig:
 
 @dataclass(kw_only=True)
 class MetricsConfig:
-    log_every: int = _f(25, "print and record metrics every N steps (and at the last step)", flag="--log-every")
+    log_every: int = _f(
+        25, "print and record metrics every N steps (and at the last step)", flag="--log-every"
+    )
     eval_every: int = _f(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "evaluation size, in global batches of the held-out split")
     jsonl: bool = _f(True, "write OUT/metrics.jsonl on rank 0")
@@ -263,9 +271,7 @@ def config_from_dict(data: dict[str, Any], *, source: str = "config") -> TrainCo
     cfg = TrainConfig()
     for sec_name, values in data.items():
         if sec_name not in sections:
-            raise ValueError(
-                f"unknown section [{sec_name}] in {source}; valid sections: {sorted(sections)}"
-            )
+            raise ValueError(f"unknown section [{sec_name}] in {source}; valid sections: {sorted(sections)}")
         if not isinstance(values, dict):
             raise ValueError(f"[{sec_name}] in {source} must be a table, got {values!r}")
         fields_ = _section_fields(sections[sec_name])
@@ -293,7 +299,9 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated (no world size)."""
     if path:
         try:

@@ -100,7 +100,9 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
     n_val = int(len(tokens) * val_fraction)
     if len(tokens) - n_val < 2 or n_val < 2:
         raise ValueError(f"corpus {source} is too small ({len(tokens)} bytes) to split into train/val")
-    return Corpus(train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :], source=source, num_files=used)
+    return Corpus(
+        train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :], source=source, num_files=used
+    )
 
 
 class BatchSampler:
@@ -147,7 +149,9 @@ class BatchSampler:
 
     def global_offsets(self, step: int) -> np.ndarray:  # (G,) int64
         rng = np.random.default_rng([self.seed, step])
-        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch_size, endpoint=True)
+        return rng.integers(
+            0, len(self.tokens) - self.seq_len - 1, size=self.global_batch_size, endpoint=True
+        )
 
     def rows(self, micro_step: int = 0, rank: int | None = None) -> range:
         """Indices into the global batch of ``rank``'s micro-batch ``micro_step``."""
@@ -172,5 +176,7 @@ def eval_windows(num_tokens: int, *, seq_len: int, count: int) -> np.ndarray:
     """``count`` evenly spaced window offsets over a stream of ``num_tokens`` tokens (a fixed eval set)."""
     last = num_tokens - seq_len - 1
     if last < 0:
-        raise ValueError(f"validation split ({num_tokens} tokens) is shorter than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(
+            f"validation split ({num_tokens} tokens) is shorter than seq_len + 1 = {seq_len + 1}"
+        )
     return np.linspace(0, last, num=count).round().astype(np.int64)

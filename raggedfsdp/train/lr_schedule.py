@@ -7,8 +7,15 @@ import math
 __all__ = ["lr_at"]
 
 
-def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int, schedule: str = "cosine",
-          min_lr_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int,
+    *,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int,
+    schedule: str = "cosine",
+    min_lr_ratio: float = 0.1,
+) -> float:
     """Learning rate for optimizer step ``step`` (1..total_steps).
 
     Linear warmup from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` steps; then

@@ -35,8 +35,15 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
 class MetricsLogger:
     """Prints and records metrics; a no-op unless ``enabled`` (rank 0)."""
 
-    def __init__(self, out_dir: str | os.PathLike, *, enabled: bool, jsonl: bool, total_steps: int,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        enabled: bool,
+        jsonl: bool,
+        total_steps: int,
+        stream: TextIO | None = None,
+    ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
         self.stream = stream

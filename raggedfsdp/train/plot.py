@@ -17,7 +17,9 @@ def _label(path: Path) -> str:
     return path.parent.name if path.name == "metrics.jsonl" and path.parent.name else path.stem
 
 
-def plot_metrics(paths: list[str | os.PathLike], output: str | os.PathLike, *, title: str | None = None) -> Path:
+def plot_metrics(
+    paths: list[str | os.PathLike], output: str | os.PathLike, *, title: str | None = None
+) -> Path:
     """Draw loss and grad norm of one or more runs (one color per file) into ``output`` (PNG, SVG, PDF)."""
     try:
         import matplotlib
@@ -38,11 +40,20 @@ def plot_metrics(paths: list[str | os.PathLike], output: str | os.PathLike, *, t
         color = f"C{i}"
         label = _label(p)
         if train:
-            ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=f"{label} train")
-            ax_norm.plot([r["step"] for r in train], [r["grad_norm"] for r in train], color=color, label=label)
+            ax_loss.plot(
+                [r["step"] for r in train], [r["loss"] for r in train], color=color, label=f"{label} train"
+            )
+            ax_norm.plot(
+                [r["step"] for r in train], [r["grad_norm"] for r in train], color=color, label=label
+            )
         if evals:
-            ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=color,
-                         label=f"{label} eval")
+            ax_loss.plot(
+                [r["step"] for r in evals],
+                [r["eval_loss"] for r in evals],
+                "o--",
+                color=color,
+                label=f"{label} eval",
+            )
     ax_loss.set(xlabel="step", ylabel="loss (nats/byte)", title="loss")
     ax_norm.set(xlabel="step", ylabel="grad norm (before clipping)", title="grad norm", yscale="log")
     for ax in (ax_loss, ax_norm):

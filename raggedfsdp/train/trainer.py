@@ -48,7 +48,9 @@ class Trainer:
         t = cfg.training
 
         # Data.
-        self.corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
+        self.corpus = load_corpus(
+            cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction
+        )
         self.sampler = BatchSampler(
             self.corpus.train,
             seq_len=t.seq_len,
@@ -65,8 +67,11 @@ class Trainer:
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
-        fsdp_kw = dict(backend=cfg.fsdp.backend, mp_policy=mp_policy,
-                       reshard_after_forward=cfg.fsdp.reshard_after_forward)
+        fsdp_kw = dict(
+            backend=cfg.fsdp.backend,
+            mp_policy=mp_policy,
+            reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
@@ -99,8 +104,14 @@ class Trainer:
 
     def lr(self, step: int) -> float:
         o = self.cfg.optimizer
-        return lr_at(step, lr=o.lr, total_steps=self.cfg.training.steps, warmup_steps=o.warmup_steps,
-                     schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        return lr_at(
+            step,
+            lr=o.lr,
+            total_steps=self.cfg.training.steps,
+            warmup_steps=o.warmup_steps,
+            schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+        )
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step. Returns (this rank's loss (0-d), global grad norm (0-d), lr)."""
@@ -155,7 +166,9 @@ class Trainer:
         for i in range(0, per_rank, b):  # same number of forwards on every rank (FSDP collectives)
             inputs, targets = windows(self.corpus.val, mine[i : i + b], t.seq_len)
             logits = self.model(inputs.to(self.device))  # (b, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(), reduction="sum")
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.to(self.device).flatten(), reduction="sum"
+            )
             total[0] += loss.double()
             total[1] += targets.numel()
         self.model.train()
@@ -198,10 +211,20 @@ class Trainer:
         logger.info(
             "model %s/%s: %s params | data: %s (%d files, %d train / %d val bytes) | world size %d, "
             "micro-batch %d x %d, grad_accum %d | fsdp backend %s, param %s, reduce %s",
-            cfg.model.name, cfg.model.flavor, f"{self.model_cfg.num_params():,}", self.corpus.source,
-            self.corpus.num_files, len(self.corpus.train), len(self.corpus.val), self.world_size,
-            self.sampler.micro_batch_size, t.seq_len, t.grad_accum, cfg.fsdp.backend,
-            cfg.fsdp.param_dtype, cfg.fsdp.reduce_dtype,
+            cfg.model.name,
+            cfg.model.flavor,
+            f"{self.model_cfg.num_params():,}",
+            self.corpus.source,
+            self.corpus.num_files,
+            len(self.corpus.train),
+            len(self.corpus.val),
+            self.world_size,
+            self.sampler.micro_batch_size,
+            t.seq_len,
+            t.grad_accum,
+            cfg.fsdp.backend,
+            cfg.fsdp.param_dtype,
+            cfg.fsdp.reduce_dtype,
         )
         tokens_per_step = t.global_batch_size * t.seq_len
         start = time.perf_counter()
@@ -219,28 +242,37 @@ class Trainer:
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
-                self.metrics.log({
-                    "step": step,
-                    "loss": loss_val,
-                    "grad_norm": grad_val,
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step / dt,
-                    "tokens_per_s_per_rank": tokens_per_step / dt / self.world_size,
-                    "step_time_s": dt,
-                    "tokens_seen": step * tokens_per_step,
-                    "elapsed_s": now - start,
-                })
+                self.metrics.log(
+                    {
+                        "step": step,
+                        "loss": loss_val,
+                        "grad_norm": grad_val,
+                        "lr": lr,
+                        "tokens_per_s": tokens_per_step / dt,
+                        "tokens_per_s_per_rank": tokens_per_step / dt / self.world_size,
+                        "step_time_s": dt,
+                        "tokens_seen": step * tokens_per_step,
+                        "elapsed_s": now - start,
+                    }
+                )
                 if step == 1:
                     first_loss = loss_val
                 last_loss = loss_val
                 mark, mark_step = time.perf_counter(), step
             if (m.eval_every and step % m.eval_every == 0) or is_last:
                 eval_loss = self.evaluate()
-                self.metrics.log({"step": step, "eval_loss": eval_loss, "elapsed_s": time.perf_counter() - start})
+                self.metrics.log(
+                    {"step": step, "eval_loss": eval_loss, "elapsed_s": time.perf_counter() - start}
+                )
                 mark = time.perf_counter()  # exclude eval time from the next throughput figure
         elapsed = time.perf_counter() - start
-        summary = {"steps": t.steps, "first_loss": first_loss, "last_loss": last_loss,
-                   "eval_loss": eval_loss, "train_time_s": elapsed}
+        summary = {
+            "steps": t.steps,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "eval_loss": eval_loss,
+            "train_time_s": elapsed,
+        }
         if self.rank == 0:
             print(
                 f"done: {t.steps} steps in {elapsed:.1f}s | loss {first_loss:.4f} -> {last_loss:.4f} | "

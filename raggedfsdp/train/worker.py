@@ -31,7 +31,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
 
-
 # Substrings of collective errors that are consequences of a failure elsewhere.
 _PEER_FAILURE_HINTS = ("closed by peer", "reset by peer", "Timed out", "Broken pipe", "Connection refused")
 
@@ -88,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         # once the process group exists) and torchrun's summary names the first failing rank.
         msg = f"{tag} error: {type(e).__name__}: {e}"
         if world_size > 1 and any(s in str(e) for s in _PEER_FAILURE_HINTS):
-            msg += "\n" + f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
+            msg += (
+                "\n"
+                + f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
+            )
         print(msg, file=sys.stderr, flush=True)
         raise
 

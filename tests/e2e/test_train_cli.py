@@ -24,11 +24,30 @@ try:
 except ImportError:
     HAVE_RAGGED = False
 
-BACKENDS = ["torch", pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard"))]
+BACKENDS = [
+    "torch",
+    pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")),
+]
 
 # Small and fast: ~40k params, 8 x 64 tokens per step, 300 kB of the stdlib corpus.
-SMALL = ["--model", "debug", "--steps", "12", "--log-every", "3", "--batch-size", "8", "--seq-len", "64",
-         "--data.max_bytes", "300000", "--optimizer.warmup_steps", "3", "--metrics.eval_batches", "1"]
+SMALL = [
+    "--model",
+    "debug",
+    "--steps",
+    "12",
+    "--log-every",
+    "3",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--data.max_bytes",
+    "300000",
+    "--optimizer.warmup_steps",
+    "3",
+    "--metrics.eval_batches",
+    "1",
+]
 
 
 def _cli() -> list[str]:
@@ -55,7 +74,9 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for backend in ("torch", "ragged") if HAVE_RAGGED else ("torch",):
         out = tmp_path_factory.mktemp(f"run_{backend}")
-        proc, _ = _run([*_cli(), "train", "--nproc", "2", *SMALL, "--backend", backend, "--out", str(out)], 180)
+        proc, _ = _run(
+            [*_cli(), "train", "--nproc", "2", *SMALL, "--backend", backend, "--out", str(out)], 180
+        )
         assert proc.returncode == 0, f"{backend} run failed:\n{proc.stdout}\n{proc.stderr}"
         assert "step 12/12 | loss" in proc.stdout  # rank 0's console line
         runs[backend] = out
@@ -90,8 +111,19 @@ def test_backends_agree(two_rank_runs):
 
 def test_single_process_worker_matches_two_ranks(two_rank_runs, tmp_path):
     """`python -m raggedfsdp.train.worker` (no torchrun, world size 1) sees the same global batches."""
-    proc, _ = _run([sys.executable, "-m", "raggedfsdp.train.worker", *SMALL, "--backend", "torch",
-                    "--out", str(tmp_path)], 120)
+    proc, _ = _run(
+        [
+            sys.executable,
+            "-m",
+            "raggedfsdp.train.worker",
+            *SMALL,
+            "--backend",
+            "torch",
+            "--out",
+            str(tmp_path),
+        ],
+        120,
+    )
     assert proc.returncode == 0, proc.stderr
     one, one_eval = _records(tmp_path)
     two, two_eval = _records(two_rank_runs["torch"])
@@ -105,9 +137,25 @@ def test_single_process_worker_matches_two_ranks(two_rank_runs, tmp_path):
 def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
     """Rank 1 raises (or hangs) at step 2: the job must exit non-zero, quickly, naming rank 1 (or
     the timed-out rank 0), instead of leaving rank 0 blocked in a collective."""
-    cmd = [*_cli(), "train", "--nproc", "2", *SMALL, "--backend", "torch", "--out", str(tmp_path),
-           "--debug.fail_rank", "1", "--debug.fail_step", "2", "--debug.fail_mode", mode,
-           "--job.pg_timeout_s", "5"]
+    cmd = [
+        *_cli(),
+        "train",
+        "--nproc",
+        "2",
+        *SMALL,
+        "--backend",
+        "torch",
+        "--out",
+        str(tmp_path),
+        "--debug.fail_rank",
+        "1",
+        "--debug.fail_step",
+        "2",
+        "--debug.fail_mode",
+        mode,
+        "--job.pg_timeout_s",
+        "5",
+    ]
     proc, elapsed = _run(cmd, timeout=90)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output

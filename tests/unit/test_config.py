@@ -81,8 +81,23 @@ def test_type_errors_and_missing_file(tmp_path):
 def test_cli_overrides_beat_toml(tmp_path):
     path = tmp_path / "x.toml"
     path.write_text("[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n")
-    cfg = _parse(["--config", str(path), "--steps", "9", "--optimizer.lr=2e-3", "--fsdp.reshard_after_forward",
-                  "false", "--model", "debug", "--backend", "torch", "--param-dtype", "bf16"])
+    cfg = _parse(
+        [
+            "--config",
+            str(path),
+            "--steps",
+            "9",
+            "--optimizer.lr=2e-3",
+            "--fsdp.reshard_after_forward",
+            "false",
+            "--model",
+            "debug",
+            "--backend",
+            "torch",
+            "--param-dtype",
+            "bf16",
+        ]
+    )
     assert cfg.training.steps == 9  # CLI > TOML
     assert cfg.training.seq_len == 64  # TOML > default
     assert cfg.optimizer.lr == 2e-3
@@ -91,9 +106,30 @@ def test_cli_overrides_beat_toml(tmp_path):
 
 
 def test_short_flags_cover_the_brief():
-    cfg = _parse(["--steps", "3", "--data", "x.txt", "--out", "o", "--seed", "4", "--log-every", "2",
-                  "--batch-size", "8", "--seq-len", "32", "--lr", "1e-3", "--grad-accum", "2",
-                  "--reduce-dtype", "bf16"])
+    cfg = _parse(
+        [
+            "--steps",
+            "3",
+            "--data",
+            "x.txt",
+            "--out",
+            "o",
+            "--seed",
+            "4",
+            "--log-every",
+            "2",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--lr",
+            "1e-3",
+            "--grad-accum",
+            "2",
+            "--reduce-dtype",
+            "bf16",
+        ]
+    )
     assert (cfg.training.steps, cfg.data.path, cfg.job.out, cfg.job.seed) == (3, "x.txt", "o", 4)
     assert (cfg.metrics.log_every, cfg.training.global_batch_size, cfg.training.seq_len) == (2, 8, 32)
     assert (cfg.optimizer.lr, cfg.training.grad_accum, cfg.fsdp.reduce_dtype) == (1e-3, 2, "bf16")
@@ -148,4 +184,6 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
     assert lr_at(50, schedule="constant", **kw) == 1.0
     # no warmup: step s sits at progress s / total_steps of the cosine
-    assert lr_at(1, lr=1.0, total_steps=5, warmup_steps=0, min_lr_ratio=0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi / 5)))
+    assert lr_at(1, lr=1.0, total_steps=5, warmup_steps=0, min_lr_ratio=0.0) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi / 5))
+    )

@@ -76,8 +76,15 @@ def test_rank_slices_are_disjoint_and_cover_the_global_batch(world_size, grad_ac
         seen_rows: list[int] = []
         pieces = []
         for rank in range(world_size):
-            s = BatchSampler(toks, seq_len=16, global_batch_size=G, world_size=world_size, rank=rank,
-                             grad_accum=grad_accum, seed=1)
+            s = BatchSampler(
+                toks,
+                seq_len=16,
+                global_batch_size=G,
+                world_size=world_size,
+                rank=rank,
+                grad_accum=grad_accum,
+                seed=1,
+            )
             assert s.micro_batch_size == G // (world_size * grad_accum)
             for micro in range(grad_accum):
                 seen_rows += list(s.rows(micro))

@@ -59,7 +59,9 @@ def test_causal_masking_future_token_does_not_change_earlier_logits():
     assert not torch.allclose(a[:, t:], b[:, t:])
 
 
-def _reference_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _reference_attention(
+    attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Plain softmax attention with the kv heads repeated (no SDPA, no enable_gqa)."""
     B, T, _ = x.shape
     H, K, E = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -84,7 +86,9 @@ def test_gqa_matches_reference_with_repeated_kv_heads(n_heads, n_kv_heads):
     x = torch.randn(2, 19, 64, generator=torch.Generator().manual_seed(1))
     cos, sin = precompute_rope(cfg.head_dim, 19, cfg.rope_theta)
     with torch.no_grad():
-        torch.testing.assert_close(attn(x, cos, sin), _reference_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            attn(x, cos, sin), _reference_attention(attn, x, cos, sin), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_rope_scores_depend_only_on_relative_position():

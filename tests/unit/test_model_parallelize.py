@@ -18,7 +18,10 @@ try:
 except ImportError:
     HAVE_RAGGED = False
 
-BACKENDS = ["torch", pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard"))]
+BACKENDS = [
+    "torch",
+    pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")),
+]
 
 
 @pytest.fixture(scope="module")
