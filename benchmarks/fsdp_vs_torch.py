@@ -34,6 +34,22 @@ _COPY = {aten.copy_.default, aten._to_copy.default, aten.cat.default, aten.split
          aten._chunk_cat.default, aten._foreach_copy_.default}
 
 
+def written_bytes(func, args, kwargs, out) -> int:
+    """Bytes a copy-like kernel writes: its ``out=`` / in-place destination, else its result
+    (``fsdp.all_gather_copy_in`` writes only its first result, the all-gather input slice)."""
+    def nbytes(ts):
+        ts = ts if isinstance(ts, (list, tuple)) else [ts]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    if kwargs and "out" in kwargs:
+        return nbytes(kwargs["out"])
+    if func in (aten.copy_.default, aten._foreach_copy_.default):
+        return nbytes(args[0])
+    if str(func.overloadpacket) == "fsdp.all_gather_copy_in":
+        return nbytes(out[0])
+    return nbytes(out)
+
+
 class _CopyBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -44,8 +60,7 @@ class _CopyBytes(TorchDispatchMode):
         if func in _COPY or str(func.overloadpacket).startswith("fsdp."):
             stack = traceback.extract_stack(limit=14)[:-1]
             if not any(f.line and f.line.strip().endswith(".wait()") for f in stack):  # gloo-internal
-                outs = out if isinstance(out, (list, tuple)) else [out]
-                self.bytes += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+                self.bytes += written_bytes(func, args, kwargs, out)
         return out
 
 

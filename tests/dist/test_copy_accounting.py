@@ -27,6 +27,22 @@ COPY_OPS = {
 }
 
 
+def written_bytes(func, args, kwargs, out) -> int:
+    """Bytes a copy-like kernel writes: its ``out=`` / in-place destination, else its result
+    (``fsdp.all_gather_copy_in`` writes only its first result, the all-gather input slice)."""
+    def nbytes(ts):
+        ts = ts if isinstance(ts, (list, tuple)) else [ts]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    if kwargs and "out" in kwargs:
+        return nbytes(kwargs["out"])
+    if func in (aten.copy_.default, aten._foreach_copy_.default):
+        return nbytes(args[0])
+    if str(func.overloadpacket) == "fsdp.all_gather_copy_in":
+        return nbytes(out[0])
+    return nbytes(out)
+
+
 def _inside_collective_wait() -> bool:
     """gloo's reduce-scatter copies its result once inside ``Work.wait()`` (a backend-internal copy that
     NCCL does not make); it is the same for every FSDP implementation, so it is reported apart."""
@@ -45,11 +61,7 @@ class CopyCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket)
         if func in COPY_OPS or name.startswith("fsdp."):
-            outs = out if isinstance(out, (list, tuple)) else [out]
-            n = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
-            if func is aten.copy_.default or func is aten._foreach_copy_.default:
-                dst = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-                n = sum(t.numel() * t.element_size() for t in dst)
+            n = written_bytes(func, args, kwargs, out)
             if _inside_collective_wait():
                 self.backend_bytes += n
                 return out
@@ -111,6 +123,7 @@ def _accounting(rank, ws):
     assert rag.calls["aten.copy_"] == expected_casts, dict(rag.calls)
     assert set(rag.calls) <= {"aten.copy_", "aten._to_copy"}  # casts only (the _to_copy is logits.float())
     assert sum(results["torch bf16"].calls.values()) > sum(rag.calls.values())
+    assert sum(results["torch bf16"].bytes.values()) > sum(rag.bytes.values())
 
 
 def test_zero_copy_collectives_vs_fsdp2():
