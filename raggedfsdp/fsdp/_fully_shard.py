@@ -197,9 +197,12 @@ def fully_shard(
         reshard_after_forward: ``True`` frees params after forward, ``False`` keeps them for backward,
             ``None`` means ``True`` except for the root. An ``int`` (reshard to a smaller group) is
             not supported and raises ``NotImplementedError``.
-        shard_placement_fn: ``fn(param) -> None | Shard(0) | int``: ``None``/``Shard(0)`` give row
-            granularity (blocks of ``prod(shape[1:])`` elements); an ``int`` is the block size in
-            elements (e.g. ``32 * shape[1]`` for 32-row quantization tiles) that no rank boundary cuts.
+        shard_placement_fn: the per-parameter block policy (the paper's ``orig_param_policy``):
+            ``fn(param) -> None | Shard(0) | int | str | BlockSpec``. ``None`` / ``Shard(0)`` give row
+            blocks (``shape[-1]`` elements, 1 for vectors); an ``int`` is a block size in elements; a
+            block spec ``"element"``, ``"row"``, ``"rows:K"``, ``"tile:RxC"`` (e.g. 32x32 quantization
+            tiles) or ``"matrix"`` is resolved by ``raggedfsdp.planner.granularity_for``. No rank
+            boundary ever cuts a block.
         mp_policy: ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``.
         offload_policy: only ``OffloadPolicy()`` (no offload) is supported yet.
         ignored_params: parameters left unsharded and unreduced.
@@ -360,23 +363,29 @@ def _device_of(params, mesh: DeviceMesh) -> torch.device:
 
 
 def _granularity_fn(shard_placement_fn):
-    if shard_placement_fn is None:
-        return None
+    """Map ``shard_placement_fn(param)`` to a block size in elements (``None``: default row blocks)."""
     from torch.distributed.tensor import Shard
 
-    def fn(p: nn.Parameter):
-        r = shard_placement_fn(p)
+    from raggedfsdp.planner.policy import BlockSpec, granularity_for
+
+    def fn(p: nn.Parameter, fqn: str = ""):
+        r = shard_placement_fn(p) if shard_placement_fn is not None else None
         if r is None:
-            return None
-        if isinstance(r, int):
-            return r
+            return granularity_for(p.shape, None, name=fqn)[0]
+        if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int block "
+                "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', 'matrix'"
+            )
         if isinstance(r, Shard):
             if r.dim != 0:
                 raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn returned {r} for a parameter of shape {tuple(p.shape)}; only "
-                    "Shard(0) (row granularity) or an int block size in elements is supported"
+                    f"fully_shard: shard_placement_fn returned {r} for {fqn!r} of shape {tuple(p.shape)}; raggedfsdp "
+                    "lays parameters out flat, so only Shard(0) (row blocks) or a block spec is supported"
                 )
-            return None
-        raise TypeError(f"fully_shard: shard_placement_fn must return None, Shard(0) or an int, got {r!r}")
+            return granularity_for(p.shape, None, name=fqn)[0]
+        if isinstance(r, int):
+            return r
+        return granularity_for(p.shape, r, name=fqn)[0]
 
     return fn

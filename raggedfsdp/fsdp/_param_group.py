@@ -143,7 +143,7 @@ class FSDPParamGroup:
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp needs "
                     "at least one dim: store it with shape (1,)"
                 )
-            g = granularity_fn(p) if granularity_fn is not None else None
+            g = granularity_fn(p, fqn) if granularity_fn is not None else None
             g = default_granularity(p.shape) if g is None else int(g)
             if p.numel() == 0:
                 g = 1

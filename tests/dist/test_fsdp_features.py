@@ -113,6 +113,16 @@ def _features(rank, ws):
         ref = FeatureLM()
         model = _shard(copy.deepcopy(ref), mesh, zero_stage=stage)
         _check(f"zero_stage={stage}", ref, model, data, rank, ws)
+    # block policy (the paper's orig_param_policy): whole matrices never straddle ranks
+    torch.manual_seed(0)
+    ref = FeatureLM()
+    model = _shard(copy.deepcopy(ref), mesh, shard_placement_fn=lambda p: "matrix" if p.ndim == 2 else None)
+    for n, p in model.named_parameters():
+        units = p.placements[-1].local_units
+        if p.ndim == 2 and p.numel() > 0:
+            assert sum(u > 0 for u in units) == 1, f"{n}: matrix split over ranks {units}"
+            assert p.to_local().numel() in (0, p.numel())
+    _check("block-policy-matrix", ref, model, data, rank, ws)
     # explicit prefetch lists (forward: next block; backward: previous block)
     torch.manual_seed(0)
     ref = FeatureLM()
