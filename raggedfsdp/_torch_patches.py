@@ -29,6 +29,9 @@ Patched internals and why
 5. ``_ops.single_dim_strategy._fill_single_dim_strategy_placeholders`` (patch A): expands
    pointwise/foreach placeholder rules to RaggedShard so those ops (incl. in-place, i.e. torch.optim
    steps) run locally without a hidden all-gather.
+   ``_ops.utils.is_tensor_shardable`` (patch C) answers False for placement tuples that are not a
+   valid RaggedShard composition (two RaggedShards, local_units not matching the mesh dim), so
+   the cross-mesh-dim strategy expansion never picks them.
 6. ``_ops._math_ops.map_placements_after_reduction`` (patch B): maps RaggedShard to the
    reduction's Partial (``Partial('sum')`` / ``_NormPartial``) so sum/norm/``clip_grad_norm_`` give
    global results.
@@ -39,9 +42,18 @@ Patched internals and why
    gather is needed and any layout can load any other. Dispatching on the placement (not on
    per-instance hooks) also covers optimizer states created by ``zeros_like``.
 8. ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (+ the names
-   imported from it in ``checkpoint/state_dict`` helpers): returns the bounding rows of the
-   ragged piece in the collapsed ``(rows, *shape[k:])``-style coordinates instead of silently
-   "Replicate"; used by ``set_model_state_dict(broadcast_from_rank0=True)`` and DCP helpers.
+   imported from it in ``checkpoint.planner_helpers`` / ``_state_dict_utils``) and
+   ``_state_dict_utils.distribute_tensor`` / ``_distribute_tensors``: torch silently answers
+   "Replicate" (whole tensor, offset 0) for unknown placements. Now exact whenever the ragged
+   piece is an N-D box (always for ``dims=(0,)``), ``ValueError`` otherwise; the state-dict
+   helpers slice the flat piece from the full tensor (``set_model_state_dict(full_state_dict=True
+   [, broadcast_from_rank0=True])``).
+9. ``DTensor._op_dispatcher._custom_op_handlers`` gets entries for the in-place random ops
+   (``uniform_``, ``normal_``, ``bernoulli_``, ...) and ``rand_like``/``randn_like``/``randint_like``:
+   torch runs random ops without sharding propagation, so every rank would fill its flat piece
+   with the same leading numbers. For RaggedShard the handler draws the full tensor on every rank
+   and keeps the rank's piece (same values as single-device code with the same seed, e.g.
+   ``reset_parameters`` after meta init); other DTensors are dispatched to torch unchanged.
 """
 
 from __future__ import annotations
@@ -208,11 +220,13 @@ def _patch_propagation() -> None:
 
 
 def _patch_strategies() -> None:
-    from raggedfsdp.placement._ops import make_fill_placeholders, make_map_after_reduction
+    from raggedfsdp.placement._ops import make_fill_placeholders, make_is_tensor_shardable, make_map_after_reduction
 
     sds = "torch.distributed.tensor._ops.single_dim_strategy"
     _set(sds, "_fill_single_dim_strategy_placeholders",
          make_fill_placeholders(original(sds, "_fill_single_dim_strategy_placeholders")))
+    ut = "torch.distributed.tensor._ops.utils"
+    _set(ut, "is_tensor_shardable", make_is_tensor_shardable(original(ut, "is_tensor_shardable")))
     mo = "torch.distributed.tensor._ops._math_ops"
     mod = importlib.import_module(mo)
     _set(mo, "map_placements_after_reduction",
@@ -232,7 +246,7 @@ def _patch_random_ops() -> None:
     from raggedfsdp.placement import _random
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _random.install(handlers):
+    for op in _random.install(handlers):  # idempotent; raises if torch gained its own handler
         _PATCHED[f"torch.distributed.tensor._dispatch:OpDispatcher._custom_op_handlers[{op}]"] = None
 
 

@@ -91,14 +91,27 @@ def schema_has_ragged(op_schema) -> bool:
     return False
 
 
+def _torch_pointwise_ops() -> frozenset:
+    """The ops torch registers with its pointwise strategy (torch/distributed/tensor/_ops/_pointwise_ops.py)."""
+    try:
+        from torch.distributed.tensor._ops import _pointwise_ops as pw
+
+        return frozenset(pw.pointwise_ops) | frozenset(getattr(pw, "_specially_registered_ops", ()))
+    except (ImportError, AttributeError):  # pragma: no cover - fall back to the op tag
+        return frozenset()
+
+
+_POINTWISE = _torch_pointwise_ops()
+
+
 def classify(op) -> str | None:
     """``'pointwise'``, ``'reduction'`` or None (unsupported on RaggedShard)."""
     tags = set(op.tags)
     if torch.Tag.nondeterministic_seeded in tags:
-        return None
+        return None  # random ops are handled by random_op_handler, never propagated
     if op in _REDUCTIONS:
         return "reduction"
-    if op in _LIKE_OPS or torch.Tag.pointwise in tags:
+    if op in _LIKE_OPS or op in _POINTWISE or torch.Tag.pointwise in tags:
         return "pointwise"
     name = op._schema.name
     if name.startswith("aten::_foreach_"):
@@ -238,3 +251,29 @@ def make_map_after_reduction(stock, get_placement_from_reduction_op):
 
     map_placements_after_reduction.__ragged_original__ = stock
     return map_placements_after_reduction
+
+
+# ---- patch C: is_tensor_shardable ------------------------------------------------------------
+def make_is_tensor_shardable(stock):
+    """Reject invalid RaggedShard compositions as strategy candidates.
+
+    Patch A offers RaggedShard on every mesh dim, so torch's cross-mesh-dim expansion
+    (``_ops/utils.py expand_to_full_mesh_op_strategy`` and the Dijkstra search in
+    ``single_dim_strategy.py``) could pick e.g. ``(RS, RS)`` or an RS whose ``local_units`` do
+    not match the mesh dim. Both filter candidates through ``is_tensor_shardable``, so answering
+    False for those keeps only layouts that ``check_placements`` accepts.
+    """
+    from raggedfsdp.placement._redistribute import check_placements, has_ragged
+
+    def is_tensor_shardable(shape, spec, *args, **kwargs):
+        if not has_ragged(spec.placements):
+            return stock(shape, spec, *args, **kwargs)
+        try:
+            check_placements(tuple(spec.placements), tuple(int(s) for s in shape), spec.mesh)
+        except ValueError:
+            return False
+        return True
+
+    is_tensor_shardable.__ragged_original__ = stock
+    return is_tensor_shardable
+

@@ -319,5 +319,21 @@ def redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTens
     return local
 
 
+def local_piece_of_full(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's local tensor of ``full`` under ``placements`` (flat for RaggedShard). Not collective."""
+    placements = tuple(placements)
+    check_placements(placements, tuple(full.shape), mesh)
+    from torch.distributed.tensor import _utils
+
+    fn = _utils.compute_local_shape_and_global_offset
+    fn = getattr(fn, "__ragged_original__", fn)
+    bshape, boff = fn(tuple(full.shape), mesh, list(base_placements(placements)))
+    base = full[tuple(slice(o, o + s) for o, s in zip(boff, bshape))]
+    i = ragged_mesh_dim(placements)
+    if i is None:
+        return base.contiguous()
+    return placements[i].shard_full(base, _coord(mesh, i))
+
+
 def make_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))

@@ -231,6 +231,22 @@ def _cases_2d(rank, ws):
                 e = d.redistribute(mesh, list(pl2))
                 ref = distribute_tensor(full, mesh, list(pl2))
                 torch.testing.assert_close(e.to_local(), ref.to_local(), msg=f"{pl} -> {pl2}")
+            # random init draws the full tensor on every rank: equals single-device init, same seed
+            if pl[0].is_partial():
+                with pytest.raises(RuntimeError, match="Partial placement"):
+                    d.normal_()
+                continue
+            torch.manual_seed(123 + len(shape))
+            want = torch.empty(shape).normal_()
+            torch.manual_seed(123 + len(shape))
+            d2 = distribute_tensor(torch.zeros(shape), mesh, list(pl))
+            d2.normal_()
+            assert torch.equal(d2.full_tensor(), want), pl
+            torch.manual_seed(7)
+            want = torch.rand(shape)
+            torch.manual_seed(7)
+            r = torch.rand_like(d2)
+            assert r.placements == pl and torch.equal(r.full_tensor(), want), pl
             # pointwise + AdamW-style in-place on 2-D layouts stay local
             s = d * 2 + d
             assert s.placements == pl

@@ -22,6 +22,7 @@ EXPECTED = {
     "torch.distributed.tensor._sharding_prop:ShardingPropagator.propagate_op_sharding",
     "torch.distributed.tensor._ops.single_dim_strategy:_fill_single_dim_strategy_placeholders",
     "torch.distributed.tensor._ops._math_ops:map_placements_after_reduction",
+    "torch.distributed.tensor._ops.utils:is_tensor_shardable",
     "torch.distributed.tensor._api:DTensor.__create_write_items__",
     "torch.distributed.tensor._api:DTensor.__create_chunk_list__",
     "torch.distributed.tensor._api:DTensor.__get_tensor_shard__",
@@ -34,7 +35,16 @@ EXPECTED = {
 
 
 def test_all_patches_installed():
-    assert set(tp.patched_symbols()) == EXPECTED
+    from torch.distributed.tensor import DTensor
+
+    from raggedfsdp.placement import _random
+
+    syms = set(tp.patched_symbols())
+    handlers = {s for s in syms if "_custom_op_handlers[" in s}
+    assert syms - handlers == EXPECTED
+    assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) >= 12
+    for op in (*_random.RANDOM_INPLACE_OPS, *_random.RANDOM_LIKE_OPS):
+        assert DTensor._op_dispatcher._custom_op_handlers[op] is _random.random_inplace_handler, op
     import importlib
 
     for sym in EXPECTED:
@@ -92,6 +102,7 @@ def test_original_signatures_unchanged():
         "placements", "reduction_dims", "reduction_dims_map", "reduction_op"]
     assert sig("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")[:3] == [
         "global_shape", "mesh", "placements"]
+    assert sig("torch.distributed.tensor._ops.utils", "is_tensor_shardable")[:2] == ["shape", "spec"]
     assert sig("torch.distributed._state_dict_utils", "_distribute_tensors")[:3] == [
         "local_state_dict", "keys", "device"]
     assert "src_data_rank" in sig("torch.distributed.tensor._api", "distribute_tensor")
