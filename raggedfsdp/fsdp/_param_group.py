@@ -162,6 +162,8 @@ class FSDPParamGroup:
             [fp.granularity for fp in self.fsdp_params],
             self.shard_world,
             align=align,
+            order="best",
+            shapes=[tuple(fp.shape) for fp in self.fsdp_params],
         )
         shapes = [fp.shape for fp in self.fsdp_params]
         self.sharded_buf = DBuffer(
