@@ -161,6 +161,14 @@ def _errors(rank, ws, mesh):
     for name, fn in cases.items():
         with pytest.raises(RuntimeError, match=r"RaggedShard: " + name.replace(".", r"\.") + " is not supported"):
             fn()
+    # compute_local_shape_and_global_offset: exact box for row pieces, ValueError for non-boxes
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as clsgo
+
+    assert clsgo((4, 3), mesh, [rs]) == (((1, 3), (0, 0)) if rank == 0 else ((3, 3), (1, 0)))
+    with pytest.raises(ValueError, match="is not a rectangle"):  # 1 row + 1 element / 2 boxes each
+        clsgo((4, 3), mesh, [RaggedShard((0, 1), (4, 8))])
+    aligned = RaggedShard((0, 1), (3, 9))  # element granularity that happens to be row-aligned
+    assert clsgo((4, 3), mesh, [aligned]) == (((1, 3), (0, 0)) if rank == 0 else ((3, 3), (1, 0)))
     # the supported counterparts still work
     assert torch.equal(d.redistribute(mesh, [Shard(0)]).t().full_tensor(), full.t())
 
