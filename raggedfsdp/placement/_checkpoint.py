@@ -247,6 +247,7 @@ def install(set_attr, original, registry) -> None:
             @functools.wraps(stock)
             def method(self, *args, **kwargs):
                 if has_ragged(self._spec.placements):
+                    self._raise_if_contains_partial_placements()  # as torch: no Partial in checkpoints
                     return impl(self, *args, **kwargs)
                 return stock(self, *args, **kwargs)
 

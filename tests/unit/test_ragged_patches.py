@@ -106,7 +106,11 @@ def test_original_signatures_unchanged():
     assert sig("torch.distributed._state_dict_utils", "_distribute_tensors")[:3] == [
         "local_state_dict", "keys", "device"]
     assert "src_data_rank" in sig("torch.distributed.tensor._api", "distribute_tensor")
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropagator
+
+    assert callable(DTensor._raise_if_contains_partial_placements)
+    assert isinstance(DTensor._op_dispatcher._custom_op_handlers, dict)
 
     assert hasattr(ShardingPropagator, "propagate_op_sharding_non_cached") and callable(LocalLRUCache)
 
