@@ -61,6 +61,7 @@ class DBuffer:
         dtype, device: of the storage.
         shapes: per-tensor global shapes (same order as ``layout.numels``).
         allocate: allocate storage now (``False`` creates it freed; call :meth:`alloc`).
+        pin_memory: pin a CPU buffer (CPU offload with an accelerator compute device).
 
     Collective methods (``all_gather_from``, ``reduce_scatter_``, ``all_reduce_``) must be called by
     every rank of the given process group in the same order; all others are local.
@@ -76,13 +77,14 @@ class DBuffer:
         device: torch.device,
         shapes: Sequence[torch.Size],
         allocate: bool = True,
+        pin_memory: bool = False,
     ):
         self.layout = layout
         self.sharded = sharded
         self.rank = rank
         self.shapes = [torch.Size(s) for s in shapes]
         numel = layout.shard_size if sharded else layout.total_size
-        self.data = torch.empty(numel, dtype=dtype, device=device)  # 1D flat
+        self.data = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin_memory)  # 1D flat
         if not allocate and device.type != "meta":
             free_storage(self.data)
 
@@ -137,11 +139,11 @@ class DBuffer:
         into this rank's slice, then an in-place all-gather with that slice as input.
         """
         assert not self.sharded and shard.numel() == self.layout.shard_size
-        if shard.dtype == self.data.dtype:
+        if shard.dtype == self.data.dtype and shard.device == self.data.device:
             inp = shard
-        else:
+        else:  # one fused cast (and/or H2D copy for CPU offload) into this rank's slice
             inp = self.rank_slice()
-            inp.copy_(shard)
+            inp.copy_(shard, non_blocking=shard.is_pinned())
         if self.layout.world_size == 1:
             if inp.data_ptr() != self.data.data_ptr():
                 self.data.copy_(inp)

@@ -195,8 +195,10 @@ def fully_shard(
         mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP). Default: all ranks, 1-D,
             on CUDA if NCCL is the default backend else CPU.
         reshard_after_forward: ``True`` frees params after forward, ``False`` keeps them for backward,
-            ``None`` means ``True`` except for the root. An ``int`` (reshard to a smaller group) is
-            not supported and raises ``NotImplementedError``.
+            ``None`` means ``True`` except for the root. An ``int`` ``k`` (a divisor of the shard world
+            size ``m``, 1-D meshes) keeps a ``1/k`` slice of the unsharded buffer after forward, so the
+            backward all-gather runs within consecutive groups of ``k`` ranks (e.g. one node);
+            ``k == m`` is ``True`` and ``k == 1`` is ``False``.
         shard_placement_fn: the per-parameter block policy (the paper's ``orig_param_policy``):
             ``fn(param) -> None | Shard(0) | int | str | BlockSpec``. ``None`` / ``Shard(0)`` give row
             blocks (``shape[-1]`` elements, 1 for vectors); an ``int`` is a block size in elements; a
@@ -204,7 +206,10 @@ def fully_shard(
             tiles) or ``"matrix"`` is resolved by ``raggedfsdp.planner.granularity_for``. No rank
             boundary ever cuts a block.
         mp_policy: ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``.
-        offload_policy: only ``OffloadPolicy()`` (no offload) is supported yet.
+        offload_policy: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy(pin_memory=True)``: sharded
+            params, sharded grads and hence optimizer state live on the CPU; each all-gather starts
+            with one H2D copy (fused with the ``param_dtype`` cast), each reduce-scatter ends with
+            one D2H copy. (On a CPU-only mesh it changes nothing.)
         ignored_params: parameters left unsharded and unreduced.
         zero_stage: raggedfsdp extension (keyword-only, default 3). ``3`` shards params, grads and
             optimizer state (ZeRO-3). ``2`` keeps params unsharded from forward to backward
@@ -219,7 +224,7 @@ def fully_shard(
     Raises:
         ValueError: module already fully_shard'ed, mesh of the wrong dims, params on several devices,
             mixed dtypes in one unit, 0-dim params, bad granularity.
-        NotImplementedError: int ``reshard_after_forward``, CPU offload, ``Shard(dim>0)`` placements.
+        NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements.
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -236,10 +241,11 @@ def fully_shard(
             raise ValueError(
                 f"fully_shard: {type(m).__name__} is already fully_shard'ed; call fully_shard once per module"
             )
-    if not isinstance(reshard_after_forward, (bool, type(None))):
-        raise NotImplementedError(
-            f"fully_shard: reshard_after_forward={reshard_after_forward!r} (int, reshard to a smaller group) is "
-            "not supported yet; use True or False"
+    if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:
+        pass
+    elif not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
         )
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"fully_shard: zero_stage={zero_stage!r} must be 1, 2 or 3")
@@ -250,17 +256,45 @@ def fully_shard(
                 "reshard_after_forward=True; drop one of the two"
             )
         reshard_after_forward = False
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("fully_shard: CPUOffloadPolicy is not supported yet; use OffloadPolicy()")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
     mesh = _init_mesh(mesh)
+    post_forward_mesh = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        k, m = reshard_after_forward, mesh.size(mesh.ndim - 1)
+        if k < 1 or m % k != 0:
+            raise ValueError(
+                f"fully_shard: reshard_after_forward={k} must be a positive divisor of the shard world size {m} "
+                "(the size of the smaller group params are resharded to after forward)"
+            )
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                f"fully_shard: int reshard_after_forward={k} is supported on 1-D meshes only (got {mesh.ndim}-D); "
+                "with HSDP use reshard_after_forward=True/False"
+            )
+        if k == m:
+            reshard_after_forward = True
+        elif k == 1:
+            reshard_after_forward = False
+        else:
+            # consecutive groups of k ranks (e.g. one node): collective, every rank builds the same mesh
+            post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
+            reshard_after_forward = True
     ignored = set(ignored_params or ())
     params = _managed_params(modules, ignored)
-    device = _device_of(params, mesh)
+    device = _device_of(params, mesh, offload)
     gran_fn = _granularity_fn(shard_placement_fn)
-    group = FSDPParamGroup(params, mesh, mp_policy, device, gran_fn) if params else None
+    group = (
+        FSDPParamGroup(params, mesh, mp_policy, device, gran_fn, offload=offload,
+                       pin_memory=getattr(offload_policy, "pin_memory", True))
+        if params else None
+    )
     unit = type(modules[0]).__name__
     for p, fqn, _ in params:
         p._raggedfsdp_owner = f"{unit}:{fqn}"  # the original tensor, now replaced by a DTensor
+    if group is not None and post_forward_mesh is not None:
+        group.set_post_forward_mesh(post_forward_mesh)
     if group is not None and zero_stage == 1:
         group.reshard_after_backward = False
     state = FSDPState(modules, group, mp_policy, reshard_after_forward)
@@ -344,7 +378,13 @@ def _owner_of(p: nn.Parameter, modules) -> str:
     return "an unknown unit"
 
 
-def _device_of(params, mesh: DeviceMesh) -> torch.device:
+def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
+    metas = [fqn for p, fqn, _ in params if p.device.type == "meta"]
+    if metas and len(metas) != len(params):
+        raise ValueError(
+            f"fully_shard: parameters {metas} are on the meta device while others are materialized; a unit must be "
+            "all-meta (then call module.to_empty(device=...) and initialize after fully_shard) or all-materialized"
+        )
     devices = {p.device.type for p, _, _ in params} - {"meta"}
     if len(devices) > 1:
         raise ValueError(
@@ -352,6 +392,8 @@ def _device_of(params, mesh: DeviceMesh) -> torch.device:
         )
     if params and all(p.device.type == "meta" for p, _, _ in params):
         return torch.device("meta")
+    if offload:
+        devices = devices - {"cpu"}
     if devices and devices != {mesh.device_type}:
         raise ValueError(
             f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; move the "

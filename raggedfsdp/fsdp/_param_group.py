@@ -34,6 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from raggedfsdp.buffer import DBuffer
+from raggedfsdp.buffer.dbuffer import _all_gather_single
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import plan_layout
 
@@ -110,9 +111,17 @@ class FSDPParamGroup:
         mp_policy,
         device: torch.device,
         granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
+        offload: bool = False,
+        pin_memory: bool = True,
     ):
         self.mesh = mesh
-        self.device = device
+        self.device = device  # compute device: unsharded params and grads live here
+        # CPUOffloadPolicy: sharded master params and sharded grads live on the CPU (pinned when the
+        # compute device is an accelerator); one H2D copy (fused with the param_dtype cast) feeds the
+        # all-gather, one D2H copy takes the reduce-scatter output (torch FSDP2 semantics)
+        self.offload = offload
+        self.storage_device = torch.device("cpu") if offload else device
+        self.pin = offload and pin_memory and device.type not in ("cpu", "meta")
         self.is_hsdp = mesh.ndim == 2
         self.shard_mesh_dim = mesh.ndim - 1
         self.shard_group = mesh.get_group(self.shard_mesh_dim)
@@ -167,7 +176,8 @@ class FSDPParamGroup:
         )
         shapes = [fp.shape for fp in self.fsdp_params]
         self.sharded_buf = DBuffer(
-            self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=device, shapes=shapes
+            self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype,
+            device=self.storage_device if device.type != "meta" else device, shapes=shapes, pin_memory=self.pin,
         )
         self.unsharded_buf = DBuffer(
             self.layout, sharded=False, rank=self.shard_rank, dtype=self.param_dtype, device=device,
@@ -252,10 +262,18 @@ class FSDPParamGroup:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
         first = self.fsdp_params[0].sharded if self.fsdp_params else None
         device = first._local_tensor.device if first is not None else self.device
-        self.device = device
+        if self.offload and device.type != "meta":
+            storage = torch.device("cpu")
+            if self.device.type == "meta":
+                self.device = device if device.type != "cpu" else torch.device(self.mesh.device_type)
+        else:
+            storage = device
+            self.device = device
+        self.storage_device = storage
         shapes = [fp.shape for fp in self.fsdp_params]
-        new = DBuffer(self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=device,
-                      shapes=shapes)
+        new = DBuffer(self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=storage,
+                      shapes=shapes, pin_memory=self.pin)
+        device = self.device
         with torch.no_grad():
             if device.type != "meta":
                 new.data.zero_()
@@ -284,6 +302,12 @@ class FSDPParamGroup:
         """
         if self.pending_unshard is not None:
             return
+        if self.sharded_buf.data.device.type == "meta":
+            names = [fp.fqn for fp in self.fsdp_params]
+            raise RuntimeError(
+                f"raggedfsdp: parameters {names} are still on the meta device; after fully_shard call "
+                "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
+            )
         if self.unsharded_buf.is_allocated and _master_epoch() == self._gathered_version:
             self.pending_unshard = True
             return
@@ -292,8 +316,13 @@ class FSDPParamGroup:
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.unsharded_buf.data)
-        with torch.no_grad():
-            work = self.unsharded_buf.all_gather_from(self.sharded_buf.data, self.shard_group, async_op=async_op)
+        if getattr(self, "post_forward_buf", None) is not None and _master_epoch() == self._post_forward_epoch:
+            work = self._unshard_from_post_forward(async_op)
+        else:
+            self.post_forward_buf = None
+            with torch.no_grad():
+                work = self.unsharded_buf.all_gather_from(self.sharded_buf.data, self.shard_group,
+                                                          async_op=async_op)
         self._gathered_version = _master_epoch()
         if work is None:
             self._version_guard.__exit__(None, None, None)
@@ -313,6 +342,32 @@ class FSDPParamGroup:
         for fp in self.fsdp_params:
             fp.set_on_owners(fp.unsharded)
         self.is_unsharded = True
+
+    # ---- int reshard_after_forward: keep a 1/k slice, re-gather within k ranks ----------------
+    def set_post_forward_mesh(self, mesh2d) -> None:
+        """``mesh2d`` is the shard mesh viewed as ``(m/k, k)``; dim 1 groups k consecutive ranks."""
+        self.post_forward_group = mesh2d.get_group(1)
+        self.post_forward_k = mesh2d.size(1)
+        self.post_forward_rank = mesh2d.get_local_rank(1)
+        self.post_forward_buf: torch.Tensor | None = None
+
+    def reshard_after_forward(self) -> None:
+        """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""
+        k = getattr(self, "post_forward_k", None)
+        if k is None or not self.is_unsharded:
+            self.reshard()
+            return
+        chunk = self.layout.total_size // k
+        self._post_forward_epoch = _master_epoch()
+        with torch.no_grad():
+            self.post_forward_buf = self.unsharded_buf.data.narrow(0, self.post_forward_rank * chunk, chunk).clone()
+        self.reshard()
+
+    def _unshard_from_post_forward(self, async_op: bool):
+        buf, self.post_forward_buf = self.post_forward_buf, None
+        with torch.no_grad():
+            return _all_gather_single(self.unsharded_buf.data, buf, group=self.post_forward_group,
+                                               async_op=async_op)
 
     def reshard(self, free: bool = True) -> None:
         """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local."""
@@ -403,6 +458,7 @@ class FSDPParamGroup:
         fresh = self._sharded_grads_fresh()
         direct = (
             fresh and use_avg and rs_buf.data.dtype == self.orig_dtype and self.shard_world > 1
+            and self.storage_device == self.device
         )
         if direct:
             out = self._sharded_grad_buffer().data
@@ -452,7 +508,8 @@ class FSDPParamGroup:
     def _sharded_grad_buffer(self) -> DBuffer:
         if self.sharded_grad_buf is None:
             self.sharded_grad_buf = DBuffer(
-                self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=self.device,
+                self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=self.storage_device,
+                pin_memory=self.pin,
                 shapes=self.sharded_buf.shapes,
             )
             self.sharded_grad_buf.zero_()

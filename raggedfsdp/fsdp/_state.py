@@ -123,7 +123,7 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
         self._forward_calls += 1
         if self.group is not None and self.reshard_after_forward and not _in_backward():
-            self.group.reshard()
+            self.group.reshard_after_forward()
         if self.root is not None and not _in_backward():
             self.root.forward_order.append(self)
         if self.is_root and not torch.is_grad_enabled() and not _in_backward():

@@ -113,6 +113,13 @@ def _features(rank, ws):
         ref = FeatureLM()
         model = _shard(copy.deepcopy(ref), mesh, zero_stage=stage)
         _check(f"zero_stage={stage}", ref, model, data, rank, ws)
+    # CPUOffloadPolicy (on a CPU mesh storage and compute share the device: semantics only)
+    from raggedfsdp import CPUOffloadPolicy
+
+    torch.manual_seed(0)
+    ref = FeatureLM()
+    model = _shard(copy.deepcopy(ref), mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    _check("cpu-offload", ref, model, data, rank, ws)
     # block policy (the paper's orig_param_policy): whole matrices never straddle ranks
     torch.manual_seed(0)
     ref = FeatureLM()
@@ -209,8 +216,17 @@ def _bad_input(rank, ws):
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     with pytest.raises(ValueError, match="one dtype"):
         fully_shard(mixed, mesh=mesh)
-    with pytest.raises(NotImplementedError, match="reshard_after_forward"):
-        fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must be a positive divisor"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward="yes")
+    with pytest.raises(TypeError, match="shard_placement_fn"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: True)
+    with pytest.raises(ValueError, match="meta device"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta")), mesh=mesh)
+    meta = fully_shard(nn.Linear(4, 4, device="meta"), mesh=mesh)
+    with pytest.raises(RuntimeError, match="to_empty"):
+        meta(torch.ones(1, 4))
     with pytest.raises(ValueError, match="zero_stage"):
         fully_shard(nn.Linear(4, 4), mesh=mesh, zero_stage=4)
     with pytest.raises(ValueError, match="ModuleList"):
@@ -225,3 +241,20 @@ def _bad_input(rank, ws):
 
 def test_bad_input_raises_clear_errors():
     run_distributed(_bad_input, 2)
+
+
+def _int_reshard(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    data = batches(3, 2 * ws)
+    for k in (2, 1, 4):
+        torch.manual_seed(0)
+        ref = FeatureLM(twice=True)
+        model = _shard(copy.deepcopy(ref), mesh, reshard_after_forward=k)
+        _check(f"reshard_after_forward={k}", ref, model, data, rank, ws)
+
+
+def test_int_reshard_after_forward():
+    """int reshard_after_forward=k: keep a 1/k slice after forward, re-gather within groups of k ranks."""
+    run_distributed(_int_reshard, 4)
