@@ -305,7 +305,7 @@ def fully_shard(
         if group is not None:
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))
-            m.register_load_state_dict_pre_hook(lambda mod, *a, g=group: g.reshard(free=False))
+            m.register_load_state_dict_pre_hook(_make_load_pre_hook(m, group))
             m.register_load_state_dict_post_hook(lambda mod, keys: bump_master_epoch())
         cls = type(m)
         if cls not in _cls_cache:
@@ -365,6 +365,37 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
     for i, m in enumerate(modules):
         visit(m, "" if len(modules) == 1 else f"{i}.", True)
     return [out[k] for k in order]
+
+
+def _make_load_pre_hook(unit_module: nn.Module, group: FSDPParamGroup):
+    """``load_state_dict`` pre-hook: register the sharded params, and accept plain full tensors for them.
+
+    A plain tensor of a managed parameter's global shape (e.g. from an unsharded checkpoint or a HF
+    model) is turned into this rank's RaggedShard piece by local slicing (no communication), so
+    ``model.load_state_dict(full_sd)`` works as on an unsharded model. Not collective.
+    """
+    names = {id(mod): name for name, mod in unit_module.named_modules(remove_duplicate=False)}
+    keys: list[tuple[int, list[str]]] = []
+    for i, fp in enumerate(group.fsdp_params):
+        ks = []
+        for mod, attr in fp.owners:
+            if id(mod) in names:
+                base = names[id(mod)]
+                ks.append(f"{base}.{attr}" if base else attr)
+        keys.append((i, ks))
+
+    def hook(module, state_dict, prefix, *args):
+        group.reshard(free=False)
+        for i, ks in keys:
+            fp = group.fsdp_params[i]
+            for k in ks:
+                v = state_dict.get(prefix + k)
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == fp.shape:
+                    a, b = group.layout.piece(i, group.shard_rank)
+                    local = v.detach().reshape(-1)[a:b].to(device=group.storage_device, dtype=fp.dtype)
+                    state_dict[prefix + k] = DTensor(local, fp.spec, requires_grad=False)
+
+    return hook
 
 
 def _owner_of(p: nn.Parameter, modules) -> str:

@@ -164,6 +164,15 @@ def _meta_init(rank, ws):
     ref = FeatureLM()
     ref.load_state_dict({**ref.state_dict(), **init})
     _check("meta-init", ref, model, batches(3, 2 * ws), rank, ws)
+    # load_state_dict of plain full tensors (an unsharded checkpoint) works as on an unsharded model
+    torch.manual_seed(1)
+    other = FeatureLM()
+    missing, unexpected = model.load_state_dict(other.state_dict())
+    assert not missing and not unexpected
+    got = full_params(model)
+    for n, p in other.named_parameters():
+        assert torch.equal(got[n], p.detach()), n
+    _check("after-load-full-sd", other, model, batches(2, 2 * ws), rank, ws)
 
 
 def test_meta_device_init_then_model_init():
