@@ -123,6 +123,8 @@ class FSDPModule:
                 st.group.gradient_divide_factor = float(factor)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False`` skips the backward all-gather of this unit (only valid if its backward does not read
+        its parameters, e.g. an embedding; it must then reshard after forward)."""
         self._fsdp_state().unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event) -> None:  # CPU/gloo: ordering is program order

@@ -153,8 +153,11 @@ class FSDPState:
         self._pre_backward_done = True
         self._post_backward_done = False
         if self.group is not None:
-            self.group.unshard()
-            self.group.wait_for_unshard()
+            if self.unshard_in_backward:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            # else (set_unshard_in_backward(False), e.g. an embedding whose backward never reads its
+            # weight): no all-gather; autograd still accumulates into the unsharded grad views
             self.group.prepare_grads()
             self._backward_prefetch()
         return grad

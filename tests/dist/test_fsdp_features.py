@@ -130,6 +130,16 @@ def _features(rank, ws):
             assert sum(u > 0 for u in units) == 1, f"{n}: matrix split over ranks {units}"
             assert p.to_local().numel() in (0, p.numel())
     _check("block-policy-matrix", ref, model, data, rank, ws)
+    # set_unshard_in_backward(False) on a unit whose backward does not read its weight (embedding)
+    torch.manual_seed(0)
+    ref = FeatureLM()
+    model = copy.deepcopy(ref)
+    from raggedfsdp import fully_shard
+
+    fully_shard(model.emb, mesh=mesh)
+    model = _shard(model, mesh)
+    model.emb.set_unshard_in_backward(False)
+    _check("unshard_in_backward=False", ref, model, data, rank, ws)
     # explicit prefetch lists (forward: next block; backward: previous block)
     torch.manual_seed(0)
     ref = FeatureLM()
