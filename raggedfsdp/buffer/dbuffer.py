@@ -22,7 +22,6 @@ Note [DBuffer roles]
 
 from __future__ import annotations
 
-
 from collections.abc import Sequence
 
 import torch

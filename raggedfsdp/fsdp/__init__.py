@@ -5,10 +5,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
 
 __all__ = [
-    "fully_shard",
+    "CPUOffloadPolicy",
     "FSDPModule",
-    "UnshardHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
-    "CPUOffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
 ]

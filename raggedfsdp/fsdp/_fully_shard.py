@@ -65,7 +65,6 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's params (collective over its shard group); ``async_op`` returns a handle."""
         st = self._fsdp_state()
-        st._lazy_init() if st.is_root is None and not _has_fsdp_ancestor_state(self) else None
         g = st.group
         if g is None:
             return UnshardHandle(None) if async_op else None
@@ -90,7 +89,7 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
+            raise TypeError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
         for st in self._fsdp_states(recurse):
             st.reshard_after_forward = reshard_after_forward
             st._auto_reshard = False
@@ -155,15 +154,10 @@ class FSDPModule:
         raise RuntimeError("raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before")
 
 
-def _has_fsdp_ancestor_state(module) -> bool:
-    st = module._raggedfsdp_state
-    return st.is_root is False
-
-
 def _check_fsdp_modules(modules, name: str) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"{name}: {type(m).__name__} is not a fully_shard'ed module; call fully_shard on it first")
+            raise TypeError(f"{name}: {type(m).__name__} is not a fully_shard'ed module; call fully_shard on it first")
 
 
 @overload

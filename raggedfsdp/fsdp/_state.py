@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
@@ -117,7 +117,7 @@ class FSDPState:
                 outs = (outs,) if isinstance(outs, torch.Tensor) else outs
                 for i, o in zip(idx, outs):
                     flat[i] = o
-                args, kwargs = spec.unflatten(flat) if hasattr(spec, "unflatten") else _unflatten(flat, spec)
+                args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
@@ -193,8 +193,6 @@ class FSDPState:
         for st in self.all_states:
             if st.group is not None:
                 st.group.finish_reduce()
-                if not st.reshard_after_forward and st.is_root:
-                    pass
             st._post_backward_done = False
             st._pre_backward_done = False
         self._final_callback_queued = False
@@ -203,9 +201,3 @@ class FSDPState:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _unflatten(flat, spec):
-    from torch.utils._pytree import tree_unflatten
-
-    return tree_unflatten(flat, spec)
