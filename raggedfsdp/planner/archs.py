@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 Shape = tuple[int, ...]
 
@@ -133,17 +134,42 @@ _HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def load_config(model: str) -> dict:
-    """A built-in name or a path to a Hugging Face ``config.json`` (``text_config`` is unwrapped)."""
+    """A built-in name, a path to a Hugging Face ``config.json``, or a folder holding one (a model
+    checkpoint folder); ``text_config`` is unwrapped.
+
+    Raises:
+        ValueError: naming ``model`` and the fix, for an unknown name, a folder without
+            ``config.json``, or a file that is unreadable, not UTF-8 text, not JSON or not a JSON object.
+    """
     if model in BUILTIN:
         return dict(BUILTIN[model])
+    use = f"use a built-in model ({', '.join(BUILTIN)}) or the path of a Hugging Face config.json"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {model!r} is a folder without a config.json; {use}")
+        path = path / "config.json"
     try:
-        with open(model) as f:
-            cfg = json.load(f)
+        text = path.read_bytes().decode("utf-8")
+        cfg = json.loads(text)
     except FileNotFoundError:
         raise ValueError(
             f"unknown model {model!r}: not one of {sorted(BUILTIN)} and no such config.json"
         ) from None
-    if "text_config" in cfg and "hidden_size" not in cfg:
+    except OSError as e:
+        raise ValueError(f"cannot read model config {str(path)!r}: {e.strerror or e}; {use}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"model config {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+            f"{e.start}); {use}"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model config {str(path)!r} is not valid JSON ({e}); {use}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(  # noqa: TRY004 (bad user input, reported by the CLI)
+            f"model config {str(path)!r} must be a JSON object, got a {type(cfg).__name__}; {use}"
+        )
+    if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
         cfg = dict(cfg["text_config"], model_type=cfg["text_config"].get("model_type", cfg.get("model_type")))
     return cfg
 
@@ -151,7 +177,10 @@ def load_config(model: str) -> dict:
 def _req(cfg: dict, key: str) -> int:
     if cfg.get(key) is None:
         raise ValueError(f"model config lacks {key!r} (model_type={cfg.get('model_type')!r})")
-    return int(cfg[key])
+    try:
+        return int(cfg[key])
+    except (TypeError, ValueError):
+        raise ValueError(f"model config key {key!r} must be an integer, got {cfg[key]!r}") from None
 
 
 def _lin(p: str, out: int, inp: int, bias: bool = False) -> list[tuple[str, Shape]]:

@@ -19,9 +19,10 @@ import argparse
 import json
 import sys
 
-from raggedfsdp.planner.archs import BUILTIN, model_units
-from raggedfsdp.planner.modelplan import ModelPlan, gcd_fallback, plan_model
+from raggedfsdp.planner.archs import BUILTIN, load_config, model_units
+from raggedfsdp.planner.modelplan import BlockError, ModelPlan, gcd_fallback, plan_model
 from raggedfsdp.planner.planner import ORDERS
+from raggedfsdp.planner.policy import BlockSpec
 
 DEFAULT_ALIGN = 8
 
@@ -36,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help=f"built-in table ({', '.join(BUILTIN)}) or a Hugging Face config.json path",
+        help=f"built-in table ({', '.join(BUILTIN)}), a Hugging Face config.json, or a folder with one",
     )
     p.add_argument(
         "--world-size", "-m", type=int, required=True, help="FSDP group size M (ranks per shard group)"
@@ -116,15 +117,46 @@ def _text_report(args, plan: ModelPlan) -> str:
     return "\n".join(lines)
 
 
+def _error(msg: str) -> int:
+    print(f"raggedfsdp plan: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
-    """Plan and print; returns 0, or 2 with a message on stderr for bad input."""
+    """Plan and print; returns 0, or 2 with one line on stderr (naming the argument) for bad input."""
+    if args.world_size < 1:
+        return _error(f"--world-size {args.world_size}: the FSDP group size must be >= 1")
     try:
-        units = model_units(args.model, args.unit)
-        policy = gcd_fallback(args.granularity) if args.on_indivisible == "gcd" else args.granularity
-        plan = plan_model(units, args.world_size, policy=policy, align=args.align, order=args.order)
+        cfg = load_config(args.model)
     except ValueError as exc:
-        print(f"raggedfsdp plan: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(f"--model: {exc}")
+    try:
+        spec = BlockSpec.parse(args.granularity)
+    except ValueError as exc:
+        return _error(f"--granularity: {exc}")
+    try:
+        units = model_units(cfg, args.unit)
+    except ValueError as exc:
+        arg = f"--unit {args.unit}" if "unit=" in str(exc) else f"--model {args.model}"
+        return _error(f"{arg}: {exc}")
+    except (KeyError, TypeError, AttributeError) as exc:  # a config.json with unexpected values
+        return _error(
+            f"--model: {args.model!r} is not a supported Hugging Face config "
+            f"({type(exc).__name__}: {exc}); see raggedfsdp.planner.archs for the supported model types"
+        )
+    try:
+        policy = gcd_fallback(spec) if args.on_indivisible == "gcd" else spec
+        plan = plan_model(units, args.world_size, policy=policy, align=args.align, order=args.order)
+    except BlockError as exc:
+        fix = "use a --granularity that fits every tensor (e.g. row)"
+        if exc.block.kind in ("rows", "tile") and args.on_indivisible == "error":
+            fix = (
+                f"add --on-indivisible gcd to shrink the block to gcd({exc.block.rows}, rows) rows on such "
+                f"tensors, or use a --granularity whose row count divides every tensor's (e.g. row)"
+            )
+        return _error(f"--granularity {args.granularity}: {exc}; {fix}")
+    except ValueError as exc:
+        return _error(str(exc))
     if args.json:
         d = plan.to_dict()
         d.update(model=args.model, granularity=args.granularity, unit=args.unit)

@@ -83,6 +83,18 @@ def gcd_fallback(spec: BlockSpec | str) -> Policy:
     return policy
 
 
+class BlockError(ValueError):
+    """A tensor's block (granularity) does not fit it, e.g. ``rows:K`` with ``K`` not dividing its rows.
+
+    ``block`` is the :class:`BlockSpec` that failed (the CLI suggests ``--on-indivisible gcd`` for
+    ``rows``/``tile`` blocks).
+    """
+
+    def __init__(self, message: str, *, block: BlockSpec) -> None:
+        super().__init__(message)
+        self.block = block
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     """One unit's plan plus the FSDP2 baseline for it."""
@@ -228,7 +240,7 @@ def plan_model(
                     try:
                         g, d = granularity_for(s, blk, name=name)
                     except ValueError as exc:
-                        raise ValueError(f"unit {unit.name!r}: {exc}") from None
+                        raise BlockError(f"unit {unit.name!r}: {exc}", block=blk) from None
                     r = gran_cache[s] = (g, d, str(blk))
                 grans.append(r[0])
                 dims.append(r[1])

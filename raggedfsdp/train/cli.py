@@ -7,6 +7,12 @@ with torch's own launcher (``torch.distributed.run``, i.e. torchrun ``--standalo
     OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N -m raggedfsdp.train.worker [flags]
 
 Use torchrun directly for multi-node jobs or other launcher options.
+
+Before launching, the config is validated, including the data source (missing, empty, too small for
+``seq_len``) and the batch split over ``--nproc``: such errors are one line and exit code 2. When a
+rank fails, the failing rank prints its traceback once (lines tagged ``[rank R/W]``), torchrun's
+rank-tagged failure table follows with one-line errors, and the last line names the root-cause rank
+and its error (exit code 1).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
         cfg = load_config(args.config, overrides)
         cfg.validate(world_size=args.nproc)
+        cfg.check_data()  # a bad --data fails here, not after the launch on every rank
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
         return 2
@@ -90,9 +97,72 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         run(parse_args(torchrun_argv))
     except ChildFailedError as e:
-        print(f"raggedfsdp train: the {args.nproc}-rank job failed\n{e}", file=sys.stderr, flush=True)
+        summary, last_line = failure_report(e, args.nproc)
+        print(f"raggedfsdp train: the {args.nproc}-rank job failed\n{summary}", file=sys.stderr)
+        print(last_line, file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _one_line(failure) -> str:
+    """A failed rank's error in one line: the exception (not its traceback), exit code or signal."""
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message") or "<N/A>"
+    elif failure.exitcode < 0:
+        msg = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
+        if failure.signal_name() == "SIGKILL":
+            msg += ", e.g. by the out-of-memory killer"
+    elif not _has_error_file(failure):
+        msg = f"exited with code {failure.exitcode} without recording an error"
+    return str(msg)
+
+
+def _has_error_file(failure) -> bool:
+    return bool(failure.error_file) and failure.error_file != "<N/A>"
+
+
+def _is_consequence(failure) -> bool:
+    """A rank stopped by torchrun, or one whose collective failed because a peer went away."""
+    from raggedfsdp.train.worker import _PEER_FAILURE_HINTS
+
+    if isinstance(failure.message, dict):  # the rank recorded an exception: judge by its message
+        return any(h in _one_line(failure) for h in _PEER_FAILURE_HINTS)
+    return failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT")
+
+
+def failure_report(err, world_size: int) -> tuple[str, str]:
+    """``(summary, last_line)`` for a failed job (a torchrun ``ChildFailedError``).
+
+    ``summary`` is torchrun's rank-tagged failure table with each traceback replaced by its one-line
+    error (the root-cause rank printed its traceback to stderr once; every traceback is also in the
+    ``error_file`` listed). The root cause is the first failure that is not a consequence of another
+    (a rank torchrun stopped, or a collective that lost its peer), so a rank that timed out in the
+    same second as the real failure is not blamed. ``last_line`` names that rank and its error and is
+    meant to be printed last.
+    """
+    import copy
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    failures = sorted(err.failures.items(), key=lambda rf: rf[1].timestamp)  # stable: rank order on ties
+    root_rank, root = next(((r, f) for r, f in failures if not _is_consequence(f)), failures[0])
+    short = {}
+    for rank, failure in [(root_rank, root)] + [(r, f) for r, f in failures if r != root_rank]:
+        f = copy.copy(failure)
+        f.message = _one_line(failure)
+        short[rank] = f
+    short[root_rank].timestamp = min(f.timestamp for f in short.values())  # shown as the root cause
+    summary = ChildFailedError(err.name, short).format_msg()
+    consequence = _is_consequence(root)
+    if isinstance(root.message, dict) and _has_error_file(root):
+        where = f"traceback {'' if consequence else 'above and '}in {root.error_file}"
+    else:
+        where = "see its output above"
+    last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {_one_line(root)} ({where})"
+    if consequence:
+        last_line += "; this usually means another rank failed or hung first"
+    return summary, last_line
 
 
 def run_plot(args: argparse.Namespace) -> int:

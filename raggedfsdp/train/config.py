@@ -196,8 +196,37 @@ class TrainConfig:
             if t.global_batch_size % denom != 0:
                 raise ValueError(
                     f"training.global_batch_size={t.global_batch_size} must be divisible by "
-                    f"world_size * grad_accum = {world_size} * {t.grad_accum} = {denom}"
+                    f"world_size * grad_accum = {world_size} * {t.grad_accum} = {denom}; "
+                    + _batch_fix(t.global_batch_size, world_size, t.grad_accum)
                 )
+
+    def check_data(self) -> int:
+        """Pre-launch check of ``[data]`` against ``training.seq_len``, without loading the corpus.
+
+        Raises ``ValueError`` naming the path and the cause (missing, empty, no readable text files,
+        too small for the held-out split; see :func:`raggedfsdp.train.data.check_data`). Returns the
+        corpus size in bytes. Cheap: file sizes only (no tokenization).
+        """
+        from raggedfsdp.train.data import check_data
+
+        d = self.data
+        return check_data(
+            d.path, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seq_len=self.training.seq_len
+        )
+
+
+def _batch_fix(batch: int, world_size: int, grad_accum: int) -> str:
+    """A concrete fix for a batch that does not split: the nearest valid --batch-size values (and
+    world sizes that would work with this batch)."""
+    denom = world_size * grad_accum
+    lower = batch // denom * denom
+    sizes = [v for v in (lower, lower + denom) if v >= 1]
+    fix = "use " + " or ".join(f"--batch-size {v}" for v in sizes)
+    if batch % grad_accum == 0:
+        per_step = batch // grad_accum
+        ranks = [n for n in range(1, per_step + 1) if per_step % n == 0][:8]
+        fix += f", or a world size that divides {per_step} (--nproc {', '.join(map(str, ranks))})"
+    return fix
 
 
 # -- schema helpers ----------------------------------------------------------------------------

@@ -6,7 +6,12 @@ Corpus: by default the Python standard library's own ``.py`` sources (found via
 ``sysconfig.get_paths()["stdlib"]``; ``site-packages`` and caches are skipped). It is present on every
 machine that runs Python, and it is deterministic for a given Python version. ``path`` may instead
 name a text file or a folder of text files (binary files, detected by a NUL byte in the first 8 KiB,
-are skipped).
+are skipped, as are unreadable files).
+
+``check_data`` validates a data source before any process is launched: it names a missing path, an
+empty file or folder, a folder without readable text files, and a corpus too small for the held-out
+split at the configured ``seq_len`` (with the largest ``seq_len`` that would fit). It reads only file
+sizes (plus, for a user folder, the first 8 KiB and the last byte of each file, as loading does).
 
 The file list is sorted by path, then permuted with a fixed seed (``FILE_ORDER_SEED``, independent
 of the run's seed) so that a capped corpus samples the whole tree instead of the alphabetically
@@ -21,6 +26,7 @@ any step, and runs at different world sizes see exactly the same global batch.
 
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -29,7 +35,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Corpus", "BatchSampler", "stdlib_source_files", "load_corpus", "eval_windows"]
+__all__ = [
+    "BatchSampler",
+    "Corpus",
+    "check_data",
+    "check_split",
+    "eval_windows",
+    "load_corpus",
+    "stdlib_source_files",
+]
 
 FILE_ORDER_SEED = 1234
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -55,8 +69,24 @@ def _walk(root: Path, suffix: str | None = None) -> list[Path]:
 
 
 def _is_text(path: Path) -> bool:
-    with open(path, "rb") as fh:
-        return b"\0" not in fh.read(8192)
+    """A readable file without a NUL byte in its first 8 KiB (binary or unreadable files: False)."""
+    try:
+        with open(path, "rb") as fh:
+            return b"\0" not in fh.read(8192)
+    except OSError:
+        return False
+
+
+def _missing(path: str) -> str:
+    return f"data path {path!r} not found (neither a file nor a folder)"
+
+
+def _no_text_files(path: str, skipped: int) -> str:
+    if skipped == 0:
+        return f"data folder {path!r} is empty: it has no files"
+    return (
+        f"data folder {path!r} has no readable text files ({skipped} file(s) skipped as binary or unreadable)"
+    )
 
 
 @dataclass(frozen=True)
@@ -76,9 +106,12 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
         if p.is_file():
             files = [p]
         elif p.is_dir():
-            files = [f for f in _walk(p) if _is_text(f)]
+            walked = _walk(p)
+            files = [f for f in walked if _is_text(f)]
+            if not files:
+                raise ValueError(_no_text_files(path, len(walked)))
         else:
-            raise FileNotFoundError(f"data path {path!r} is neither a file nor a folder")
+            raise FileNotFoundError(_missing(path))
         source = str(p)
     else:
         files = stdlib_source_files()
@@ -86,7 +119,10 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
     order = np.random.default_rng(FILE_ORDER_SEED).permutation(len(files))
     chunks, total, used = [], 0, 0
     for f in (files[i] for i in order):
-        data = f.read_bytes()
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read data file {str(f)!r}: {e.strerror or e}") from None
         if max_bytes and total + len(data) > max_bytes:
             data = data[: max_bytes - total]
         if data:
@@ -96,12 +132,126 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
         if max_bytes and total >= max_bytes:
             break
     blob = b"".join(chunks)[: max_bytes or None]
+    if not blob:
+        raise ValueError(f"data {source!r} is empty (0 bytes)")
     tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # (N,)
     n_val = int(len(tokens) * val_fraction)
     if len(tokens) - n_val < 2 or n_val < 2:
         raise ValueError(f"corpus {source} is too small ({len(tokens)} bytes) to split into train/val")
     return Corpus(
         train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :], source=source, num_files=used
+    )
+
+
+def _padded_size(path: Path) -> int:
+    """Bytes ``path`` contributes to the corpus: its size, plus the newline appended when it lacks one."""
+    size = path.stat().st_size
+    if size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            size += fh.read(1) != b"\n"
+    return size
+
+
+def check_data(path: str = "", *, max_bytes: int, val_fraction: float, seq_len: int) -> int:
+    """Check a data source before launching, without loading it; returns the corpus size in bytes.
+
+    Raises ``ValueError`` naming the path for a missing path, an empty file or folder, a folder with no
+    readable text files, an unreadable file, or a corpus that is too small for the held-out split at
+    ``seq_len`` (see :func:`check_split`). The size is exact for a user path (what :func:`load_corpus`
+    reads) and the sum of the file sizes for the stdlib corpus. Cost: one ``stat`` per file; for a
+    user folder also the first 8 KiB and last byte of each file, stopping at ``max_bytes``.
+    """
+    total, cap = 0, max_bytes or None
+    if path:
+        p = Path(path).expanduser()
+        source = repr(path)
+        try:
+            if p.is_file():
+                total = _padded_size(p)
+                if total == 0:
+                    raise ValueError(f"data file {path!r} is empty (0 bytes)")
+            elif p.is_dir():
+                walked, used = _walk(p), 0
+                for f in walked:
+                    if not _is_text(f):
+                        continue
+                    used += 1
+                    total += _padded_size(f)
+                    if cap and total >= cap:
+                        break
+                if used == 0:
+                    raise ValueError(_no_text_files(path, len(walked)))
+                if total == 0:
+                    raise ValueError(f"data folder {path!r} is empty: its {used} text file(s) have 0 bytes")
+            else:
+                raise ValueError(_missing(path))
+        except OSError as e:
+            raise ValueError(f"cannot read data path {path!r}: {e}") from None
+    else:
+        try:
+            files = stdlib_source_files()
+        except FileNotFoundError as e:
+            raise ValueError(f"{e}; pass a text file or folder with --data") from None
+        source = "python stdlib"
+        for f in files:
+            total += f.stat().st_size
+            if cap and total >= cap:
+                break
+    if cap:
+        total = min(total, cap)
+    n_val = int(total * val_fraction)
+    check_split(
+        total - n_val,
+        n_val,
+        seq_len=seq_len,
+        source=source,
+        val_fraction=val_fraction,
+        capped=bool(cap) and total == cap,
+    )
+    return total
+
+
+def min_corpus_bytes(seq_len: int, val_fraction: float) -> int:
+    """The smallest corpus that leaves ``seq_len + 2`` train and ``seq_len + 1`` held-out bytes."""
+    # int(n * f) >= T + 1 needs n >= (T + 1) / f; n - int(n * f) >= T + 2 needs n * (1 - f) > T + 1.
+    lower = max(math.ceil((seq_len + 1) / val_fraction), math.floor((seq_len + 1) / (1 - val_fraction)))
+    n = max(1, lower - 2)
+    while int(n * val_fraction) < seq_len + 1 or n - int(n * val_fraction) < seq_len + 2:
+        n += 1
+    return n
+
+
+def check_split(
+    n_train: int,
+    n_val: int,
+    *,
+    seq_len: int,
+    source: str = "corpus",
+    val_fraction: float | None = None,
+    capped: bool = False,
+) -> None:
+    """``ValueError`` with a fix unless ``n_train >= seq_len + 2`` and ``n_val >= seq_len + 1``
+    (what :class:`BatchSampler` and :func:`eval_windows` need)."""
+    if n_train >= seq_len + 2 and n_val >= seq_len + 1:
+        return
+    total = n_train + n_val
+    split = f"{n_train} train / {n_val} held-out bytes"
+    if val_fraction is not None:
+        split += f" with data.val_fraction={val_fraction}"
+    fit = min(n_val - 1, n_train - 2)
+    hints = []
+    if fit >= 1:
+        hints.append(f"a smaller --seq-len (at most {fit} fits)")
+    if val_fraction is not None:
+        more = f"at least {min_corpus_bytes(seq_len, val_fraction)} bytes of data for seq_len={seq_len}"
+        hints.append(f"{more} (raise data.max_bytes)" if capped else more)
+    else:
+        hints.append("more data")
+    raise ValueError(
+        f"corpus {source} is too small ({total} bytes) for training.seq_len={seq_len}: it splits into "
+        f"{split}, but training needs at least seq_len + 2 = {seq_len + 2} train and seq_len + 1 = "
+        f"{seq_len + 1} held-out bytes; use {' or '.join(hints)}"
     )
 
 

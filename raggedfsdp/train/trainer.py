@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train.config import TrainConfig
-from raggedfsdp.train.data import BatchSampler, eval_windows, load_corpus, windows
+from raggedfsdp.train.data import BatchSampler, check_split, eval_windows, load_corpus, windows
 from raggedfsdp.train.lr_schedule import lr_at
 from raggedfsdp.train.metrics import MetricsLogger
 
@@ -50,6 +50,14 @@ class Trainer:
         # Data.
         self.corpus = load_corpus(
             cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction
+        )
+        # Both splits fit a window now, not only at the final evaluation.
+        check_split(
+            len(self.corpus.train),
+            len(self.corpus.val),
+            seq_len=t.seq_len,
+            source=repr(self.corpus.source),
+            val_fraction=cfg.data.val_fraction,
         )
         self.sampler = BatchSampler(
             self.corpus.train,

@@ -12,11 +12,13 @@ Rank, world size and the rendezvous come from torchrun's environment (``RANK``, 
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``); without them the worker is
 rank 0 of 1. CPU runs use gloo, CUDA runs NCCL.
 
-Failures: ``main`` is wrapped in torchelastic's ``@record``, so an exception on any rank is written
-to torchrun's error file and shows up, with the rank, in the launcher's failure summary; the
-exception is also printed here with a ``[rank R/W]`` tag. torchrun then stops the other ranks, so a
-crash on one rank never leaves the others hanging in a collective; ``job.pg_timeout_s`` bounds the
-wait for a rank that hangs without exiting.
+Failures: an exception on any rank is written, with its traceback, to torchrun's error file (so it
+shows up, with the rank, in the launcher's failure summary), and printed here once: the traceback
+(each line tagged ``[rank R/W]``), then one line ``[rank R/W] error: Type: message``. A collective
+that failed because a peer went away (closed connection, timeout) prints only the one line plus a
+hint; its traceback stays in the error file. The worker then exits with code 1. torchrun stops the
+other ranks, so a crash on one rank never leaves the others hanging in a collective;
+``job.pg_timeout_s`` bounds the wait for a rank that hangs without exiting.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from datetime import timedelta
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
 
@@ -66,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, overrides_from_args(args))
-    except ValueError as e:
-        parser.error(str(e))
+        cfg.check_data()
+    except ValueError as e:  # a config error, not a usage error: one line, no usage text
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -82,17 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return _run(cfg, rank, world_size, local_rank, local_world_size)
-    except Exception as e:
-        # One tagged line per failing rank; the traceback follows (torch prefixes it with the rank
-        # once the process group exists) and torchrun's summary names the first failing rank.
+    except Exception as e:  # noqa: BLE001 (recorded, reported, exit code 1)
+        # The traceback goes to torchrun's error file (its summary names the rank) and, once, to
+        # stderr; the one-line error comes last. A consequence of another rank's failure prints no
+        # traceback. The launcher prints the root cause's line again at the very end.
+        get_error_handler().record_exception(e)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
+        peer = world_size > 1 and any(s in str(e) for s in _PEER_FAILURE_HINTS)
         msg = f"{tag} error: {type(e).__name__}: {e}"
-        if world_size > 1 and any(s in str(e) for s in _PEER_FAILURE_HINTS):
+        if peer:
             msg += (
                 "\n"
                 + f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
             )
+        else:
+            tb = traceback.format_exc().rstrip("\n").splitlines()
+            msg = "\n".join(f"{tag} {line}" for line in tb) + "\n" + msg
         print(msg, file=sys.stderr, flush=True)
-        raise
+        return 1
 
 
 def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int) -> int:

@@ -161,11 +161,23 @@ def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
     assert proc.returncode != 0, output
     assert elapsed < 60, f"took {elapsed:.0f}s"
     assert "the 2-rank job failed" in output and "Root Cause" in output
+    last = proc.stderr.rstrip().splitlines()[-1]  # the one-line summary comes last, easy to find
     if mode == "raise":
         assert "[rank 1/2] error: RuntimeError: injected failure on rank 1 at step 2" in output
         assert "rank      : 1 (local_rank: 1)" in output
+        assert last.startswith(
+            "raggedfsdp train: [rank 1/2] error: RuntimeError: injected failure on rank 1 at step 2"
+        ), last
+        assert "traceback above and in " in last and last.endswith("error.json)")
+        # the root cause's traceback is printed once (rank-tagged), not again per rank in the summary
+        assert output.count("Traceback (most recent call last)") == 1, output
+        assert "[rank 1/2]     raise RuntimeError(" in output
+        assert "  traceback : RuntimeError: injected failure on rank 1 at step 2" in output
     else:
         assert "[rank 0/2] error:" in output and "another rank failed or hung" in output
+        assert last.startswith("raggedfsdp train: [rank 0/2] error: RuntimeError: ") and "Timed out" in last
+        assert "Traceback (most recent call last)" not in output  # a timeout's traceback: error file only
+    assert len(proc.stderr.splitlines()) < 60, proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -182,6 +194,84 @@ def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
 def test_bad_flags_fail_before_launch(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_failure_report_blames_the_root_cause(tmp_path):
+    """In-process, no launch: a peer's 'closed by peer' error recorded in the same second as the
+    real failure (and on a lower rank) is not blamed; tracebacks are reduced to one line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from raggedfsdp.train.cli import failure_report
+
+    def failure(rank, exitcode, message=None):
+        path = tmp_path / f"error_{rank}.json"
+        if message is not None:
+            tb = "Traceback (most recent call last):\n  File x\n" + message + "\n"
+            data = {"message": {"message": message, "extraInfo": {"py_callstack": tb, "timestamp": "100"}}}
+            path.write_text(json.dumps(data))
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+    err = ChildFailedError(
+        "raggedfsdp.train.worker",
+        {
+            0: failure(0, -15, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"),
+            1: failure(1, 1, "ValueError: real problem"),
+            2: failure(2, -15),  # stopped by torchrun, no error file
+        },
+    )
+    summary, last = failure_report(err, 3)
+    assert last.startswith("raggedfsdp train: [rank 1/3] error: ValueError: real problem (traceback above")
+    root = summary.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "traceback : ValueError: real problem" in root
+    assert "Traceback (most recent call last)" not in summary
+    assert "traceback : killed by signal 15 (SIGTERM)" in summary
+    # only consequences: the earliest is named, with the hint
+    err = ChildFailedError("w", {0: failure(0, 1, "RuntimeError: Timed out waiting"), 2: failure(2, -15)})
+    _, last = failure_report(err, 2)
+    assert last.startswith("raggedfsdp train: [rank 0/2] error: RuntimeError: Timed out waiting")
+    assert last.endswith("another rank failed or hung first")
+
+
+def _clean_error(argv: list[str], capsys) -> str:
+    """`raggedfsdp train ARGV` fails before launching: exit 2, one error line, no traceback."""
+    start = time.monotonic()
+    assert cli_main(["train", *argv]) == 2
+    assert time.monotonic() - start < 5  # no torchrun launch
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raggedfsdp train: error: "), captured.err
+    assert "launching" not in captured.err + captured.out
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "name, cause",
+    [
+        ("missing.txt", "not found (neither a file nor a folder)"),
+        ("empty.txt", "is empty (0 bytes)"),
+        ("empty_dir", "is empty: it has no files"),
+        ("binary_dir", "has no readable text files (1 file(s) skipped as binary or unreadable)"),
+        ("small.txt", "is too small (1000 bytes) for training.seq_len=128"),
+    ],
+)
+def test_bad_data_fails_before_launch(tmp_path, capsys, name, cause):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "binary_dir").mkdir()
+    (tmp_path / "binary_dir" / "data.bin").write_bytes(b"\0\1" * 100)
+    (tmp_path / "small.txt").write_text("x" * 999 + "\n")
+    path = str(tmp_path / name)
+    err = _clean_error(["--data", path, "--out", str(tmp_path / "out")], capsys)
+    assert repr(path) in err and cause in err, err
+    if name == "small.txt":  # 950 train / 50 held-out bytes: a concrete --seq-len fits
+        assert "use a smaller --seq-len (at most 49 fits)" in err
+        assert "at least 2580 bytes of data" in err
+
+
+def test_indivisible_batch_suggests_batch_sizes(capsys):
+    err = _clean_error(["--nproc", "3"], capsys)
+    assert "global_batch_size=16 must be divisible by world_size * grad_accum = 3 * 1 = 3" in err
+    assert "use --batch-size 15 or --batch-size 18" in err and "--nproc 1, 2, 4, 8, 16" in err
 
 
 def test_unknown_toml_key_fails_before_launch(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,47 @@ def test_batch_must_split_over_ranks_and_micro_steps():
     cfg.validate(world_size=2)
     with pytest.raises(ValueError, match=r"divisible by world_size \* grad_accum = 4 \* 2 = 8"):
         cfg.validate(world_size=4)
+
+
+@pytest.mark.parametrize(
+    "batch, world_size, grad_accum, fix",
+    [
+        (
+            16,
+            3,
+            1,
+            "use --batch-size 15 or --batch-size 18, or a world size that divides 16 (--nproc 1, 2, 4, 8, 16)",
+        ),
+        (16, 32, 1, "use --batch-size 32, or a world size that divides 16"),
+        (16, 2, 3, "use --batch-size 12 or --batch-size 18"),
+    ],
+)
+def test_batch_split_error_suggests_valid_batch_sizes(batch, world_size, grad_accum, fix):
+    cfg = load_config(
+        None, {"training.global_batch_size": str(batch), "training.grad_accum": str(grad_accum)}
+    )
+    with pytest.raises(ValueError) as exc:
+        cfg.validate(world_size=world_size)
+    assert fix in str(exc.value), str(exc.value)
+    sizes = [int(v) for v in re.findall(r"--batch-size (\d+)", str(exc.value))]
+    assert sizes
+    for size in sizes:
+        cfg.training.global_batch_size = size
+        cfg.validate(world_size=world_size)  # each suggestion is valid
+
+
+def test_check_data(tmp_path):
+    cfg = load_config(None, {"data.path": str(tmp_path / "nope.txt")})  # validate() does not touch files
+    with pytest.raises(ValueError, match=r"data path '.*nope.txt' not found"):
+        cfg.check_data()
+    (tmp_path / "nope.txt").write_text("abc\n" * 2000)
+    assert cfg.check_data() == 8000
+    cfg.training.seq_len = 500
+    with pytest.raises(
+        ValueError, match=r"too small \(8000 bytes\) for training.seq_len=500.*at most 399 fits"
+    ):
+        cfg.check_data()
+    assert TrainConfig().check_data() == 4_000_000  # the default stdlib corpus, capped
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)

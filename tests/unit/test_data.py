@@ -113,3 +113,104 @@ def test_windows_stay_in_range():
     assert x.shape == y.shape == (7, 10)
     with pytest.raises(ValueError, match="shorter than"):
         eval_windows(5, seq_len=10, count=1)
+
+
+# -- pre-launch checks of the data source (check_data) -----------------------------------------
+
+
+def _check(path, seq_len=16, max_bytes=0, val_fraction=0.1):
+    from raggedfsdp.train.data import check_data
+
+    return check_data(str(path), max_bytes=max_bytes, val_fraction=val_fraction, seq_len=seq_len)
+
+
+def test_check_data_names_missing_and_empty_sources(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "bin_dir").mkdir()
+    (tmp_path / "bin_dir" / "x.bin").write_bytes(b"\0\1\2" * 10)
+    (tmp_path / "blank_dir").mkdir()
+    (tmp_path / "blank_dir" / "a.txt").write_bytes(b"")
+    cases = {
+        "missing": "not found (neither a file nor a folder)",
+        "empty.txt": "is empty (0 bytes)",
+        "empty_dir": "is empty: it has no files",
+        "bin_dir": "has no readable text files (1 file(s) skipped as binary or unreadable)",
+        "blank_dir": "is empty: its 1 text file(s) have 0 bytes",
+    }
+    for name, cause in cases.items():
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError) as exc:
+            _check(path)
+        assert repr(path) in str(exc.value) and cause in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("name", ["empty.txt", "empty_dir", "bin_dir"])
+def test_load_corpus_reports_empty_sources_clearly(tmp_path, name):
+    """Not numpy's 'both buffer length (0) and count (-1) must not be 0'."""
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "bin_dir").mkdir()
+    (tmp_path / "bin_dir" / "x.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match="empty|no readable text files") as exc:
+        load_corpus(str(tmp_path / name))
+    assert str(tmp_path / name) in str(exc.value)
+
+
+def test_check_data_size_matches_load_corpus(tmp_path):
+    """The pre-launch size is exactly what load_corpus reads (newlines appended, cap applied)."""
+    (tmp_path / "a.txt").write_bytes(b"no trailing newline")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("line\n" * 300)
+    (tmp_path / "blob.bin").write_bytes(b"\0\1" * 100)
+    (tmp_path / "e.txt").write_bytes(b"")
+    for path, max_bytes in [
+        (tmp_path, 0),
+        (tmp_path, 1000),
+        (tmp_path / "a.txt", 0),
+        (tmp_path / "a.txt", 7),
+        ("", 50_000),
+    ]:
+        corpus = load_corpus(str(path), max_bytes=max_bytes, val_fraction=0.5)
+        size = _check(path, seq_len=2, max_bytes=max_bytes, val_fraction=0.5)
+        assert size == len(corpus.train) + len(corpus.val), (path, max_bytes)
+
+
+def test_check_data_too_small_suggests_a_seq_len_that_fits(tmp_path):
+    import re
+
+    from raggedfsdp.train.data import check_split
+
+    path = tmp_path / "small.txt"
+    path.write_text("x" * 999 + "\n")  # 1000 bytes: 900 train / 100 held out at val_fraction 0.1
+    with pytest.raises(ValueError) as exc:
+        _check(path, seq_len=128)
+    msg = str(exc.value)
+    assert repr(str(path)) in msg and "too small (1000 bytes) for training.seq_len=128" in msg
+    assert "900 train / 100 held-out bytes" in msg and "data.val_fraction=0.1" in msg
+    fit = int(re.search(r"a smaller --seq-len \(at most (\d+) fits\)", msg).group(1))
+    need = int(re.search(r"at least (\d+) bytes of data for seq_len=128", msg).group(1))
+    assert fit == 99
+    # the suggestions are tight: seq_len=fit works end to end, fit + 1 does not
+    assert _check(path, seq_len=fit) == 1000
+    corpus = load_corpus(str(path), max_bytes=0, val_fraction=0.1)
+    BatchSampler(corpus.train, seq_len=fit, global_batch_size=2)
+    eval_windows(len(corpus.val), seq_len=fit, count=4)
+    with pytest.raises(ValueError, match="too small"):
+        _check(path, seq_len=fit + 1)
+    with pytest.raises(ValueError, match="too small"):
+        check_split(need - 1 - int((need - 1) * 0.1), int((need - 1) * 0.1), seq_len=128)
+    check_split(need - int(need * 0.1), int(need * 0.1), seq_len=128)
+    # capped stdlib corpus: the hint names data.max_bytes
+    with pytest.raises(
+        ValueError, match=r"corpus python stdlib is too small \(200 bytes\).*raise data.max_bytes"
+    ):
+        _check("", seq_len=128, max_bytes=200, val_fraction=0.05)
+
+
+def test_check_data_stdlib_is_cheap():
+    import time
+
+    start = time.perf_counter()
+    assert _check("", seq_len=128, max_bytes=0, val_fraction=0.05) > 1_000_000
+    assert time.perf_counter() - start < 2.0  # file sizes only, no reading

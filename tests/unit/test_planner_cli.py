@@ -156,7 +156,7 @@ def test_hf_config_path(tmp_path, capsys):
             ["--model", "gpt-oss-120b", "-m", "8", "--granularity", "rows:128"],
             r"o_proj.weight' shape=\(2880, 4096\)",
         ),
-        (["--model", "llama3-8b", "-m", "0"], r"world_size=0"),
+        (["--model", "llama3-8b", "-m", "0"], r"--world-size 0: the FSDP group size must be >= 1"),
         (["--model", "llama3-8b", "-m", "8", "--unit", "superblock"], r"needs a hybrid model"),
         (["--model", "no-such-model", "-m", "8"], r"unknown model 'no-such-model'"),
         (
@@ -171,6 +171,74 @@ def test_bad_input_exits_2(capsys, argv, match):
     import re
 
     assert re.search(match, capsys.readouterr().err)
+
+
+def _one_clean_error(capsys, argv) -> str:
+    """`raggedfsdp plan ARGV` exits 2 with exactly one error line and no traceback; returns it."""
+    from raggedfsdp.cli import main as top_main
+
+    assert top_main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raggedfsdp plan: error: "), captured.err
+    return lines[0]
+
+
+def test_model_folder_without_config_json(tmp_path, capsys):
+    err = _one_clean_error(capsys, ["--model", str(tmp_path), "-m", "8"])
+    assert f"--model: model {str(tmp_path)!r} is a folder without a config.json" in err
+    assert "llama3-8b" in err and "path of a Hugging Face config.json" in err  # the fix
+
+
+def test_model_folder_with_config_json_is_used(tmp_path, capsys):
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = _plan_json(capsys, "--model", str(tmp_path), "-m", "8")
+    assert [u["name"] for u in d["units"]] == ["embed", "layers.0", "layers.1", "head"]
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\xff\xfe{}", r"is not UTF-8 text \(byte 0xff at offset 0\)"),
+        (b'{"model_type": ', r"is not valid JSON \(Expecting value"),
+        (b"[1, 2]", r"must be a JSON object, got a list"),
+        (
+            b'{"hidden_size": "big", "vocab_size": 8, "num_hidden_layers": 1}',
+            r"'hidden_size' must be an integer",
+        ),
+    ],
+    ids=["non-utf8", "truncated", "list", "bad-value"],
+)
+def test_bad_config_file_names_the_file(tmp_path, capsys, content, match):
+    import re
+
+    path = tmp_path / "weird.json"
+    path.write_bytes(content)
+    err = _one_clean_error(capsys, ["--model", str(path), "-m", "8"])
+    assert "--model" in err and str(path) in err and re.search(match, err), err
+
+
+@pytest.mark.parametrize("granularity", ["rows:3", "tile:7x7"])
+def test_indivisible_block_suggests_gcd_fallback(capsys, granularity):
+    err = _one_clean_error(capsys, ["--model", "gpt-oss-120b", "-m", "8", "--granularity", granularity])
+    assert f"--granularity {granularity}: unit 'embed'" in err and "not a multiple" in err
+    assert "--on-indivisible gcd" in err
+    # ... and the suggested fix works
+    assert (
+        plan_main(
+            ["--model", "gpt-oss-120b", "-m", "8", "--granularity", granularity, "--on-indivisible", "gcd"]
+        )
+        == 0
+    )
 
 
 def test_gcd_fallback_for_sweeps(capsys):
