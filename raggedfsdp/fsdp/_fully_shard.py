@@ -321,6 +321,11 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that calls "
+            "fully_shard must belong to the mesh (build it over the ranks running this model)"
+        )
     return mesh
 
 

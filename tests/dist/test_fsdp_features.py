@@ -254,6 +254,12 @@ def _bad_input(rank, ws):
         mod = nn.Module()
         mod.s = nn.Parameter(torch.tensor(1.0))
         fully_shard(mod, mesh=mesh)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    sub = DeviceMesh("cpu", [0])  # a mesh that rank 1 is not part of
+    if rank == 1:
+        with pytest.raises(ValueError, match="not part of mesh"):
+            fully_shard(nn.Linear(2, 2), mesh=sub)
     with pytest.raises(ValueError, match="mesh must be 1-D"):
         fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (ws, 1, 1)))
 
