@@ -468,7 +468,10 @@ class FSDPParamGroup:
         # Which params received a gradient on ANY data-parallel rank (single-process semantics: a param
         # used by part of the global batch, e.g. an MoE expert, has a grad; one used by none has None).
         trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
-        flags = torch.tensor([int(fp.extra.pop("got", False)) for fp in trainable], dtype=torch.int32,
+        local_flags = [int(fp.extra.pop("got", False)) for fp in trainable]
+        # if every param got a grad here, the OR over ranks is known without reading it back (no host sync)
+        all_local = all(local_flags)
+        flags = torch.tensor(local_flags, dtype=torch.int32,
                              device=self.device)
         flag_works = []
         if ws > 1 and len(flags):
@@ -493,7 +496,7 @@ class FSDPParamGroup:
                     sg.add_(out)
             rs_buf.free()
             self.grad_buf.free()
-            used = {id(fp) for fp, f in zip(trainable, flags.tolist()) if f}
+            used = {id(fp) for fp, f in zip(trainable, [1] * len(trainable) if all_local else flags.tolist()) if f}
             self._attach_sharded_grads(fresh, used)
 
         self.pending_reduce = finish
