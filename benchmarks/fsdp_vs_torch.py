@@ -23,46 +23,11 @@ import collections
 import os
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
-_COPY = {aten.copy_.default, aten._to_copy.default, aten.cat.default, aten.split_with_sizes_copy.default,
-         aten._chunk_cat.default, aten._foreach_copy_.default}
-
-
-def written_bytes(func, args, kwargs, out) -> int:
-    """Bytes a copy-like kernel writes: its ``out=`` / in-place destination, else its result
-    (``fsdp.all_gather_copy_in`` writes only its first result, the all-gather input slice)."""
-    def nbytes(ts):
-        ts = ts if isinstance(ts, (list, tuple)) else [ts]
-        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-    if kwargs and "out" in kwargs:
-        return nbytes(kwargs["out"])
-    if func in (aten.copy_.default, aten._foreach_copy_.default):
-        return nbytes(args[0])
-    if str(func.overloadpacket) == "fsdp.all_gather_copy_in":
-        return nbytes(out[0])
-    return nbytes(out)
-
-
-class _CopyBytes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in _COPY or str(func.overloadpacket).startswith("fsdp."):
-            stack = traceback.extract_stack(limit=14)[:-1]
-            if not any(f.line and f.line.strip().endswith(".wait()") for f in stack):  # gloo-internal
-                self.bytes += written_bytes(func, args, kwargs, out)
-        return out
-
+from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
 def _build(args, backend, mesh, device):
     from raggedfsdp.models.llama import Llama, LlamaConfig
@@ -148,9 +113,9 @@ def main():
     copies = {}
     tok = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
     for b, (model, opt) in models.items():
-        with _CopyBytes() as c:
+        with CopyCounter() as c:
             _step(model, opt, tok)
-        copies[b] = c.bytes
+        copies[b] = c.total_bytes
     mem = {}
     if args.device == "cuda":
         for b, (model, opt) in models.items():

@@ -10,65 +10,11 @@ FSDP2's copy-in / copy-out shows up in the same measurement.
 
 from __future__ import annotations
 
-import collections
-import traceback
-
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from _dist import run_distributed
 from _toy_models import ToyLM, batches, lm_loss, shard_model
-
-aten = torch.ops.aten
-COPY_OPS = {
-    aten.copy_.default, aten._to_copy.default, aten.cat.default, aten.split_with_sizes_copy.default,
-    aten._chunk_cat.default, aten._foreach_copy_.default, aten.clone.default,
-}
-
-
-def written_bytes(func, args, kwargs, out) -> int:
-    """Bytes a copy-like kernel writes: its ``out=`` / in-place destination, else its result
-    (``fsdp.all_gather_copy_in`` writes only its first result, the all-gather input slice)."""
-    def nbytes(ts):
-        ts = ts if isinstance(ts, (list, tuple)) else [ts]
-        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-    if kwargs and "out" in kwargs:
-        return nbytes(kwargs["out"])
-    if func in (aten.copy_.default, aten._foreach_copy_.default):
-        return nbytes(args[0])
-    if str(func.overloadpacket) == "fsdp.all_gather_copy_in":
-        return nbytes(out[0])
-    return nbytes(out)
-
-
-def _inside_collective_wait() -> bool:
-    """gloo's reduce-scatter copies its result once inside ``Work.wait()`` (a backend-internal copy that
-    NCCL does not make); it is the same for every FSDP implementation, so it is reported apart."""
-    stack = traceback.extract_stack(limit=14)[:-2]  # drop this helper and the dispatch handler
-    return any(f.line and f.line.strip().endswith(".wait()") for f in stack)
-
-
-class CopyCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.bytes = collections.Counter()
-        self.calls = collections.Counter()
-        self.backend_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket)
-        if func in COPY_OPS or name.startswith("fsdp."):
-            n = written_bytes(func, args, kwargs, out)
-            if _inside_collective_wait():
-                self.backend_bytes += n
-                return out
-            self.bytes[name] += n
-            self.calls[name] += 1
-        return out
-
+from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
 def _count(model, tok, tgt):
     lm_loss(model, tok, tgt).backward()  # warm-up: lazy init, first allocations
