@@ -202,6 +202,8 @@ class FSDPParamGroup:
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
+        self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
+        self._partial_flags: list[int] | None = None
 
     # ---- init ----------------------------------------------------------------------------
     def _placements(self, fp: FSDPParam, i: int):
@@ -469,6 +471,9 @@ class FSDPParamGroup:
         # used by part of the global batch, e.g. an MoE expert, has a grad; one used by none has None).
         trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
         local_flags = [int(fp.extra.pop("got", False)) for fp in trainable]
+        if self._partial_flags is not None:  # microbatches whose replicate all-reduce was deferred
+            local_flags = [a | b for a, b in zip(local_flags, self._partial_flags)]
+            self._partial_flags = None
         # if every param got a grad here, the OR over ranks is known without reading it back (no host sync)
         all_local = all(local_flags)
         flags = torch.tensor(local_flags, dtype=torch.int32,
@@ -485,6 +490,19 @@ class FSDPParamGroup:
             if self.is_hsdp and self.replicate_world > 1 and len(flags):
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.replicate_group)
             if self.is_hsdp and self.replicate_world > 1:
+                if not self.all_reduce_grads:
+                    # set_requires_all_reduce(False): keep the shard-reduced sum, all-reduce it later
+                    if self._partial_reduce is None:
+                        self._partial_reduce = out.clone()
+                    else:
+                        self._partial_reduce.add_(out)
+                    self._partial_flags = local_flags
+                    rs_buf.free()
+                    self.grad_buf.free()
+                    return
+                if self._partial_reduce is not None:
+                    out.add_(self._partial_reduce)
+                    self._partial_reduce = None
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group)
             if not use_avg and factor != 1.0:
                 out.div_(factor)

@@ -190,3 +190,36 @@ def _accum_parity(rank, ws):
 def test_grad_accumulation_no_sync_equals_big_batch(ws):
     """4 microbatches with gradient sync off for the first 3 equal one big batch."""
     run_distributed(_accum_parity, ws)
+
+
+def _hsdp_deferred_all_reduce(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp
+
+    micro = 2
+    data = batches(STEPS, LOCAL_BATCH * micro * ws)
+    init, ref_losses, ref_params = _reference(data)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = ToyLM()
+    model.load_state_dict(init)
+    shard_model(model, raggedfsdp.fully_shard, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    deferred = []
+
+    def sync(last):
+        if last:  # the previous microbatch kept its shard-reduced grads instead of all-reducing them
+            deferred.append(model.layers[0]._raggedfsdp_state.group._partial_reduce is not None)
+        model.set_requires_all_reduce(last)
+
+    losses = _train(model, opt, data, rank, ws, microbatches=micro, sync_fn=sync)
+    assert deferred and all(deferred), deferred
+    _assert_close_losses(losses, ref_losses, 1e-5, "HSDP with the replicate all-reduce deferred")
+    got = full_params(model)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(got[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_hsdp_set_requires_all_reduce_false_defers_the_all_reduce():
+    """HSDP microbatches reduce-scatter only; the last one all-reduces the sum over replicas."""
+    run_distributed(_hsdp_deferred_all_reduce, 4)
