@@ -204,6 +204,7 @@ class FSDPParamGroup:
         self.gradient_divide_factor: float | None = None
         self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self._partial_flags: list[int] | None = None
+        self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
 
     # ---- init ----------------------------------------------------------------------------
     def _placements(self, fp: FSDPParam, i: int):
@@ -318,7 +319,7 @@ class FSDPParamGroup:
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.unsharded_buf.data)
-        if getattr(self, "post_forward_buf", None) is not None and _master_epoch() == self._post_forward_epoch:
+        if self.post_forward_buf is not None and _master_epoch() == self._post_forward_epoch:
             work = self._unshard_from_post_forward(async_op)
         else:
             self.post_forward_buf = None
@@ -351,7 +352,6 @@ class FSDPParamGroup:
         self.post_forward_group = mesh2d.get_group(1)
         self.post_forward_k = mesh2d.size(1)
         self.post_forward_rank = mesh2d.get_local_rank(1)
-        self.post_forward_buf: torch.Tensor | None = None
 
     def reshard_after_forward(self) -> None:
         """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""

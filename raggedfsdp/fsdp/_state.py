@@ -130,6 +130,7 @@ class FSDPState:
             for st in self.all_states:  # no backward will come: do not keep stale unsharded params
                 if st.group is not None:
                     st.group.reshard()
+                    st.group.post_forward_buf = None  # int reshard_after_forward slice
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:
