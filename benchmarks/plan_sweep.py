@@ -13,10 +13,23 @@ Prints, per model and granularity, one markdown table with a row per world size 
   exceeds the target / FSDP2's padding (so no order, no planner under the contract can do better),
   and "plan = bound" when the planner reaches the bound (optimal over all orders).
 
-Then the whole-model planning time of ``moe-2.4t`` (best of ``--repeat``). Usage::
+Then the whole-model planning time of ``moe-2.4t`` (best of ``--repeat``), per-layer units and
+``--unit auto``.
+
+With ``--unit auto`` each row is :func:`~raggedfsdp.planner.autounit.choose_unit_size`: the
+smallest ``K`` (layers per unit; embedding and head units separate) whose padding is within
+``--target``, or the best ``K`` when none is. Columns: ``K``, ``plan``, ``FSDP2`` and
+``FSDP2+blk`` for the same units (both per parameter, so they do not depend on ``K``), ``bound@K``,
+``min bound`` = the smallest order-free bound over every ``K`` (above the target: no ``K`` can
+meet it), ``unit GB`` = the largest layer unit unsharded in bf16 (what one all-gather materialises),
+``search s``. Where the plan pads more than FSDP2 the note says whether some ``K`` would not
+(a second search with FSDP2's padding as the target) or that the bound rules it out at every ``K``.
+
+Usage::
 
     python benchmarks/plan_sweep.py                        # the README tables
     python benchmarks/plan_sweep.py --models gpt-oss-120b --granularities rows:128 --breakdown
+    python benchmarks/plan_sweep.py --models llama3-70b,deepseek-v3-671b --unit auto --no-timing
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import argparse
 import time
 
 from raggedfsdp.planner.archs import model_units
+from raggedfsdp.planner.autounit import UnitChoice, choose_unit_size
 from raggedfsdp.planner.modelplan import ModelPlan, gcd_fallback, plan_model
 
 WORLD_SIZES = (
@@ -113,7 +127,77 @@ def sweep(models, granularities, world_sizes, order, align, unit, target, breakd
                     print(_breakdown(p))
 
 
-def timing(model: str, m: int, granularities, orders, align: int, repeat: int) -> None:
+def _pct_note(x: float) -> str:
+    """Percent for notes: three decimals, or two significant digits below 0.001% (never a bare 0.000)."""
+    return f"{100 * x:.3f}" if x == 0 or 100 * x >= 0.001 else f"{100 * x:.1e}"
+
+
+def _auto_row(model: str, gran: str, m: int, c: UnitChoice, order: str, align: int, max_k) -> str:
+    p = c.plan
+    pad_n = p.padding
+    f2_n = sum(u.fsdp2_padding for u in p.units)
+    t = f"{100 * c.target:g}%"
+    every = "every K" if max_k is None else f"every K <= {max_k}"
+    notes = []
+    if c.met:
+        notes.append(f"<= {t}")
+    else:
+        notes.append(
+            f"> {t} at {every} (bound >= {_pct_note(c.min_bound_ratio)}% at K={c.min_bound_k})"
+            if c.min_bound_ratio > c.target
+            else f"> {t} (not proven at {every})"
+        )
+    if pad_n > f2_n:
+        f2 = p.fsdp2_padding_ratio
+        c2 = choose_unit_size(
+            model,
+            m,
+            policy=gcd_fallback(gran),
+            target=f2,
+            align=align,
+            order=order,
+            max_k=max_k,
+            search_best=False,
+        )
+        if c2.met:
+            notes.append(f">FSDP2; K={c2.k} would match it ({_pct_note(c2.padding_ratio)}%)")
+        elif c2.min_bound_ratio > f2:
+            notes.append(
+                f">FSDP2 at {every} (bound >= {_pct_note(c2.min_bound_ratio)}% at K={c2.min_bound_k})"
+            )
+        else:
+            notes.append(">FSDP2 (not proven unavoidable)")
+    layer_units = [u for u in p.units if u.name not in ("embed", "head")]
+    gb = 2 * max(u.layout.total_numel for u in layer_units) / 1e9
+    return (
+        f"| {m:>6} | {c.k:>3} | {_pct(p.padding_ratio):>7} | {_pct(p.fsdp2_padding_ratio):>7} "
+        f"| {_pct(p.fsdp2_block_padding_ratio):>9} | {_pct(p.bound_padding_ratio):>7} "
+        f"| {_pct(c.min_bound_ratio):>9} | {gb:>7.1f} | {c.seconds:6.2f} | {'; '.join(notes)} |"
+    )
+
+
+def sweep_auto(models, granularities, world_sizes, order, align, target, max_k=None) -> None:
+    cap = "" if max_k is None else f", K <= {max_k}"
+    for model in models:
+        for gran in granularities:
+            print(
+                f"\n### {model}, granularity {gran}, order {order}, align {align}, "
+                f"unit auto (target {100 * target:g}%{cap})\n"
+            )
+            print(
+                "|      M |   K |  plan % | FSDP2 % | FSDP2+blk % | bound@K % | min bound % | unit GB | search s | note |"
+            )
+            print(
+                "|-------:|----:|--------:|--------:|------------:|----------:|------------:|--------:|---------:|------|"
+            )
+            for m in world_sizes:
+                c = choose_unit_size(
+                    model, m, policy=gcd_fallback(gran), target=target, align=align, order=order, max_k=max_k
+                )
+                print(_auto_row(model, gran, m, c, order, align, max_k), flush=True)
+
+
+def timing(model: str, m: int, granularities, orders, align: int, repeat: int, target: float = 0.03) -> None:
     print(f"\n### planning time, {model} at M={m} (best of {repeat}; distinct units planned once)\n")
     t_tables = []
     for _ in range(repeat):
@@ -134,6 +218,20 @@ def timing(model: str, m: int, granularities, orders, align: int, repeat: int) -
             ]
             best = min(r.plan_seconds for r in runs)
             print(f"| {gran} | {order} | {best:.3f} | {tab + best:.3f} | {_pct(runs[0].padding_ratio)} |")
+    print(
+        f"\n--unit auto (target {100 * target:g}%): choose_unit_size wall time, including building the shape "
+        f"tables and every bound (best of {repeat})\n"
+    )
+    print("| granularity | order | chosen K | search s | padding % |")
+    print("|---|---|---:|---:|---:|")
+    for gran in granularities:
+        for order in orders:
+            runs = [
+                choose_unit_size(model, m, policy=gcd_fallback(gran), target=target, align=align, order=order)
+                for _ in range(repeat)
+            ]
+            best = min(r.seconds for r in runs)
+            print(f"| {gran} | {order} | {runs[0].k} | {best:.3f} | {_pct(runs[0].padding_ratio)} |")
 
 
 def main() -> None:
@@ -143,24 +241,20 @@ def main() -> None:
     ap.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)))
     ap.add_argument("--order", default="best")
     ap.add_argument("--align", type=int, default=8)
-    ap.add_argument("--unit", default="layer")
+    ap.add_argument("--unit", default="layer", help="layer | superblock | layers:K | auto (choose_unit_size)")
     ap.add_argument("--target", type=float, default=0.03, help="padding target flagged in the notes")
+    ap.add_argument("--max-k", type=int, default=None, help="--unit auto: at most K layers per unit")
     ap.add_argument("--breakdown", action="store_true", help="per distinct unit S and padding under each row")
     ap.add_argument("--timing-model", default="moe-2.4t")
     ap.add_argument("--timing-world-size", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-timing", action="store_true")
     a = ap.parse_args()
-    sweep(
-        a.models.split(","),
-        a.granularities.split(","),
-        [int(x) for x in a.world_sizes.split(",")],
-        a.order,
-        a.align,
-        a.unit,
-        a.target,
-        a.breakdown,
-    )
+    args = [a.models.split(","), a.granularities.split(","), [int(x) for x in a.world_sizes.split(",")]]
+    if a.unit == "auto":
+        sweep_auto(*args, a.order, a.align, a.target, a.max_k)
+    else:
+        sweep(*args, a.order, a.align, a.unit, a.target, a.breakdown)
     if not a.no_timing:
         timing(
             a.timing_model,
@@ -169,6 +263,7 @@ def main() -> None:
             ["default", "best"],
             a.align,
             a.repeat,
+            a.target,
         )
 
 

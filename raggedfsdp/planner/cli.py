@@ -6,10 +6,14 @@ Examples::
     raggedfsdp plan --model deepseek-v3-671b --world-size 256 --order best --json > plan.json
     raggedfsdp plan --model path/to/config.json --world-size 64
     raggedfsdp plan --model hybrid-27b --world-size 512 --unit superblock
+    raggedfsdp plan --model llama3-70b --world-size 10240 --unit auto [--padding-target 0.03]
 
 Sizes are elements. ``--align`` defaults to 8 elements: 16 bytes of bf16 and 32 bytes of fp32,
 so every shard offset ``k*S`` of a bf16 or fp32 buffer is 16-byte aligned (paper-notes section 7.1).
-The text report groups runs of identical units; ``--json`` prints one object with every unit and
+``--unit auto`` picks the fewest layers per unit (super-blocks for hybrids) whose whole-model
+padding is within ``--padding-target`` (embedding and head units stay separate) and says which
+``K`` it chose, or that none reaches the target, with the best ``K`` and the order-free bound that
+proves it. The text report groups runs of identical units; ``--json`` prints one object with every unit and
 tensor (name, shape, granularity, offset, dims), enough to re-validate the plan from the output.
 """
 
@@ -20,6 +24,7 @@ import json
 import sys
 
 from raggedfsdp.planner.archs import BUILTIN, load_config, model_units
+from raggedfsdp.planner.autounit import DEFAULT_TARGET, UnitChoice, choose_unit_size
 from raggedfsdp.planner.modelplan import BlockError, ModelPlan, gcd_fallback, plan_model
 from raggedfsdp.planner.planner import ORDERS
 from raggedfsdp.planner.policy import BlockSpec
@@ -47,7 +52,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="row",
         help="block for matrices: element | row | rows:K | tile:RxC | slice | matrix (vectors: element)",
     )
-    p.add_argument("--unit", default="layer", help="layer | superblock (hybrid models) | layers:K")
+    p.add_argument(
+        "--unit",
+        default="layer",
+        help="layer | superblock (hybrid models) | layers:K | auto (fewest layers per unit within --padding-target)",
+    )
+    p.add_argument(
+        "--padding-target",
+        type=float,
+        default=DEFAULT_TARGET,
+        help=f"--unit auto: whole-model padding ratio to reach (default {DEFAULT_TARGET:g} = {100 * DEFAULT_TARGET:g}%%)",
+    )
+    p.add_argument(
+        "--max-k",
+        type=int,
+        default=None,
+        help="--unit auto: at most this many layers (super-blocks for hybrids) per unit (default: all; "
+        "a unit of K layers all-gathers K layers at once)",
+    )
     p.add_argument(
         "--order", default="default", choices=(*ORDERS, "best"), help="tensor order (default: module order)"
     )
@@ -76,8 +98,9 @@ def _ratio(pad: int, numel: int) -> str:
     return _pct(pad / (numel + pad) if numel + pad else 0.0)
 
 
-def _text_report(args, plan: ModelPlan) -> str:
+def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str:
     m = plan.world_size
+    unit = args.unit if choice is None else f"auto ({choice.unit})"
     header = (
         f"{'unit':<24} {'tensors':>7} {'shard_size':>12} {'padding':>9} {'bound':>9} {'FSDP2':>9} "
         f"{'FSDP2+blk':>9}"
@@ -85,7 +108,7 @@ def _text_report(args, plan: ModelPlan) -> str:
     lines = [
         (
             f"model {args.model}: {plan.numel / 1e9:.2f}B params in {len(plan.units)} units "
-            f"({plan.distinct_units} distinct); M={m}, granularity {args.granularity}, unit {args.unit}, "
+            f"({plan.distinct_units} distinct); M={m}, granularity {args.granularity}, unit {unit}, "
             f"order {args.order}, align {plan.align}"
         ),
         header,
@@ -114,7 +137,16 @@ def _text_report(args, plan: ModelPlan) -> str:
         f"FSDP1/flat {_pct(plan.fsdp1_padding_ratio)}; worst unit {_pct(plan.max_unit_padding_ratio)}; "
         f"planning {plan.plan_seconds:.3f} s"
     )
+    if choice is not None:
+        lines.append(f"{choice.summary()}; search {choice.seconds:.3f} s")
     return "\n".join(lines)
+
+
+def _bad_config(args, exc: Exception) -> int:
+    return _error(
+        f"--model: {args.model!r} is not a supported Hugging Face config "
+        f"({type(exc).__name__}: {exc}); see raggedfsdp.planner.archs for the supported model types"
+    )
 
 
 def _error(msg: str) -> int:
@@ -134,19 +166,34 @@ def run(args: argparse.Namespace) -> int:
         spec = BlockSpec.parse(args.granularity)
     except ValueError as exc:
         return _error(f"--granularity: {exc}")
+    auto = args.unit == "auto"
+    if auto and not args.padding_target >= 0:
+        return _error(f"--padding-target {args.padding_target}: must be a padding ratio >= 0 (e.g. 0.03)")
+    if auto and args.max_k is not None and args.max_k < 1:
+        return _error(f"--max-k {args.max_k}: must be >= 1")
     try:
-        units = model_units(cfg, args.unit)
+        units = model_units(cfg, "layer" if auto else args.unit)  # auto: checks the config up front
     except ValueError as exc:
         arg = f"--unit {args.unit}" if "unit=" in str(exc) else f"--model {args.model}"
         return _error(f"{arg}: {exc}")
     except (KeyError, TypeError, AttributeError) as exc:  # a config.json with unexpected values
-        return _error(
-            f"--model: {args.model!r} is not a supported Hugging Face config "
-            f"({type(exc).__name__}: {exc}); see raggedfsdp.planner.archs for the supported model types"
-        )
+        return _bad_config(args, exc)
+    choice: UnitChoice | None = None
     try:
         policy = gcd_fallback(spec) if args.on_indivisible == "gcd" else spec
-        plan = plan_model(units, args.world_size, policy=policy, align=args.align, order=args.order)
+        if auto:
+            choice = choose_unit_size(
+                cfg,
+                args.world_size,
+                policy=policy,
+                target=args.padding_target,
+                align=args.align,
+                order=args.order,
+                max_k=args.max_k,
+            )
+            plan = choice.plan
+        else:
+            plan = plan_model(units, args.world_size, policy=policy, align=args.align, order=args.order)
     except BlockError as exc:
         fix = "use a --granularity that fits every tensor (e.g. row)"
         if exc.block.kind in ("rows", "tile") and args.on_indivisible == "error":
@@ -159,7 +206,11 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(exc))
     if args.json:
         d = plan.to_dict()
-        d.update(model=args.model, granularity=args.granularity, unit=args.unit)
+        d.update(
+            model=args.model, granularity=args.granularity, unit=args.unit if choice is None else choice.unit
+        )
+        if choice is not None:
+            d["unit_choice"] = choice.to_dict()
         text = json.dumps(d, separators=(",", ":"))
         try:
             sys.stdout.write(text + "\n")
@@ -167,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         except BrokenPipeError:  # e.g. piped into `head`
             return 0
     else:
-        print(_text_report(args, plan))
+        print(_text_report(args, plan, choice))
     return 0
 
 

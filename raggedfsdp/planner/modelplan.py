@@ -207,6 +207,41 @@ class ModelPlan:
         }
 
 
+def as_policy(policy: Policy | BlockSpec | str | None) -> Policy:
+    """A policy callable: ``None`` means ``"row"``; a block spec applies to every matrix (vectors: element)."""
+    if policy is None or isinstance(policy, (str, BlockSpec)):
+        return make_policy(policy or "row")
+    return policy
+
+
+def resolve_unit_blocks(
+    unit: Unit, pol: Policy, cache: dict | None = None
+) -> tuple[list[int], list[tuple[int, ...]], list[str]]:
+    """Per tensor of ``unit``: granularity (elements), ``RaggedShard`` dims and the block spec text.
+
+    ``cache`` (shape -> result) may be shared between calls with the same policy.
+
+    Raises:
+        BlockError: a block that does not fit a tensor (message names the unit and the tensor).
+    """
+    cache = {} if cache is None else cache
+    grans, dims, blocks = [], [], []
+    for name, s in unit.params:
+        r = cache.get(s)
+        if r is None:
+            got = pol(s)
+            blk = BlockSpec("row") if got is None else BlockSpec.parse(got)
+            try:
+                g, d = granularity_for(s, blk, name=name)
+            except ValueError as exc:
+                raise BlockError(f"unit {unit.name!r}: {exc}", block=blk) from None
+            r = cache[s] = (g, d, str(blk))
+        grans.append(r[0])
+        dims.append(r[1])
+        blocks.append(r[2])
+    return grans, dims, blocks
+
+
 def plan_model(
     units: Sequence[Unit],
     world_size: int,
@@ -221,7 +256,7 @@ def plan_model(
     ``policy``: an ``orig_param_policy`` called with each *shape* tuple, or a block spec applied
     to every matrix (vectors: element). Cost: one :func:`plan_layout` per distinct unit.
     """
-    pol = make_policy(policy or "row") if policy is None or isinstance(policy, (str, BlockSpec)) else policy
+    pol = as_policy(policy)
     t0 = time.perf_counter()
     gran_cache: dict[tuple, tuple[int, tuple[int, ...], str]] = {}
     plan_cache: dict[tuple, tuple] = {}
@@ -231,20 +266,7 @@ def plan_model(
         hit = plan_cache.get(shapes)
         names = tuple(n for n, _ in unit.params)
         if hit is None:
-            grans, dims, blocks = [], [], []
-            for name, s in unit.params:
-                r = gran_cache.get(s)
-                if r is None:
-                    got = pol(s)
-                    blk = BlockSpec("row") if got is None else BlockSpec.parse(got)
-                    try:
-                        g, d = granularity_for(s, blk, name=name)
-                    except ValueError as exc:
-                        raise BlockError(f"unit {unit.name!r}: {exc}", block=blk) from None
-                    r = gran_cache[s] = (g, d, str(blk))
-                grans.append(r[0])
-                dims.append(r[1])
-                blocks.append(r[2])
+            grans, dims, blocks = resolve_unit_blocks(unit, pol, gran_cache)
             numels = [math.prod(s) for s in shapes]
             lay = plan_layout(numels, grans, world_size, align=align, order=order, shapes=shapes, names=names)
             f2 = fsdp2_padding(shapes, world_size)

@@ -214,13 +214,24 @@ def shard_size_lower_bound(
     The smallest ``S`` meeting all four is found by jumping from ``S`` to the next value that a
     violated condition could allow (never skipping a valid one). When the planner's result equals
     this bound it is optimal over all orders; when the bound already exceeds a padding target, no
-    order and no planner under the same contract can meet it. Cost: O(n) per jump, few jumps.
+    order and no planner under the same contract can meet it. Cost: O(n) to collect the distinct
+    ``(numel, granularity)`` pairs, then O(distinct pairs) per jump, few jumps.
     """
     n = len(numels)
     grans = [1] * n if granularities is None else list(granularities)
-    items = [(int(e), int(g)) for e, g in zip(numels, grans) if e > 0]
+    items = {(int(e), int(g)) for e, g in zip(numels, grans) if e > 0}
+    return lower_bound_from_items(sum(int(e) for e in numels), items, world_size, align)
+
+
+def lower_bound_from_items(total: int, items, world_size: int, align: int = 1) -> int:
+    """:func:`shard_size_lower_bound` from the total element count and the *distinct* non-empty
+    ``(numel, granularity)`` pairs (conditions 2-4 look at each tensor alone, so duplicates add
+    nothing). Cost: O(distinct pairs) per jump; lets a caller bound a union of units by merging
+    their pair sets instead of their tensor lists.
+    """
+    items = sorted(set(items))
     m = world_size
-    S = max(-(-sum(numels) // m), 1, max((g for _, g in items), default=1))
+    S = max(-(-int(total) // m), 1, max((g for _, g in items), default=1))
     S = -(-S // align) * align
     while True:
         a, nxt = align, None
