@@ -132,7 +132,7 @@ def _bf16_parity(rank, ws):
         torch.testing.assert_close(p1[n], p2[n], rtol=2e-2, atol=2e-3, msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, 3, 5])
 def test_bf16_param_fp32_reduce_matches_torch_fsdp(ws):
     """param_dtype=bf16, reduce_dtype=fp32: equal to torch's fully_shard with the same policy (bf16 tolerance)."""
     run_distributed(_bf16_parity, ws)
