@@ -83,11 +83,17 @@ class FSDPModule:
                 st.group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters but defers the replicate-dim all-reduce (the shard-reduced sum
+        is kept and added to the next synced backward). Local setting; no effect on 1-D meshes."""
         for st in self._fsdp_states(recurse):
             if st.group is not None:
                 st.group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free (``True``) or keep (``False``) the unsharded params between forward and backward.
+
+        Raises ``TypeError`` for a non-bool. Local setting (every rank should set the same value).
+        """
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
         for st in self._fsdp_states(recurse):
@@ -95,6 +101,8 @@ class FSDPModule:
             st._auto_reshard = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps the all-gathered params after backward; the next forward reuses them unless an
+        optimizer step or ``load_state_dict`` happened since (then it re-gathers). Local setting."""
         for st in self._fsdp_states(recurse):
             if st.group is not None:
                 st.group.reshard_after_backward = reshard_after_backward
@@ -126,7 +134,8 @@ class FSDPModule:
         its parameters, e.g. an embedding; it must then reshard after forward)."""
         self._fsdp_state().unshard_in_backward = unshard_in_backward
 
-    def set_post_optim_event(self, event) -> None:  # CPU/gloo: ordering is program order
+    def set_post_optim_event(self, event) -> None:
+        """Accepted for API parity; collectives are ordered by ``Work.wait()`` on the current stream."""
         self._fsdp_state()._post_optim_event = event
 
     def reset_iter_state(self) -> None:
