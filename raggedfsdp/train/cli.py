@@ -31,6 +31,18 @@ examples:
   raggedfsdp train --data ../shared/data/tinyshakespeare.txt
   raggedfsdp plot outputs/run/metrics.jsonl -o loss.png
 
+checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
+  raggedfsdp train --steps 600 --checkpoint-interval 100 --out outputs/run   # -> outputs/run/checkpoints/step-N/
+  raggedfsdp train --steps 600 --checkpoint-interval 100 --out outputs/run --resume auto --nproc 1
+  raggedfsdp train ... --resume outputs/run/checkpoints/step-300              # a given step (or a folder of them)
+  --checkpoint-interval N saves every N steps and at the last step (0: off, the default);
+  --checkpoint.folder DIR (default OUT/checkpoints); --checkpoint.keep_latest K (default 2, 0: all).
+  --resume auto takes the newest step-N/ under the checkpoint folder, or starts fresh when there is
+  none. A step folder holds the sharded model + AdamW state and the step (the LR schedule and data
+  order are functions of the step and seed), plus meta.json (step, world size, config hash). A
+  resumed run with the same OUT keeps metrics.jsonl up to the checkpoint's step and appends.
+  A missing or corrupt --resume path is an error before the launch (exit code 2).
+
 Every option is also a TOML key: --section.key in [section] (CLI > TOML > defaults).
 """
 
@@ -70,6 +82,7 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
         cfg.validate(world_size=args.nproc)
         cfg.check_data()  # a bad --data fails here, not after the launch on every rank
+        _check_resume(cfg)  # so does a missing or corrupt --resume path
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
         return 2
@@ -100,8 +113,17 @@ def run_train(args: argparse.Namespace) -> int:
         summary, last_line = failure_report(e, args.nproc)
         print(f"raggedfsdp train: the {args.nproc}-rank job failed\n{summary}", file=sys.stderr)
         print(last_line, file=sys.stderr, flush=True)
-        return 1
+        return 2 if "CheckpointError" in last_line else 1
     return 0
+
+
+def _check_resume(cfg) -> None:
+    """Pre-launch check of ``--resume``: a ``CheckpointError`` (a ``ValueError``) naming the path."""
+    c = cfg.checkpoint
+    if c.resume:
+        from raggedfsdp.train.checkpoint import resolve_resume
+
+        resolve_resume(c.resume, c.resolved_folder(cfg.job.out))
 
 
 def _one_line(failure) -> str:

@@ -113,6 +113,25 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    interval: int = _f(
+        0, "save a DCP checkpoint every N steps, and at the last step (0: no checkpoints)",
+        flag="--checkpoint-interval",
+    )
+    folder: str = _f("", "where step-N/ checkpoint folders go (empty: OUT/checkpoints)")
+    keep_latest: int = _f(2, "keep only the newest K step-N/ folders (0: keep all)")
+    resume: str = _f(
+        "",
+        "resume from a step-N/ folder, a folder of them (its newest), or 'auto' (the newest under "
+        "checkpoint.folder, else start fresh); any world size",
+        flag="--resume",
+    )
+
+    def resolved_folder(self, out: str) -> str:
+        return self.folder or os.path.join(out, "checkpoints")
+
+
+@dataclass(kw_only=True)
 class DebugConfig:
     fail_rank: int = _f(-1, "raise on this rank (testing failure handling)", hidden=True)
     fail_step: int = _f(-1, "... at this step", hidden=True)
@@ -128,6 +147,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -159,6 +179,8 @@ class TrainConfig:
             "optimizer.weight_decay": o.weight_decay,
             "metrics.eval_every": m.eval_every,
             "data.max_bytes": self.data.max_bytes,
+            "checkpoint.interval": self.checkpoint.interval,
+            "checkpoint.keep_latest": self.checkpoint.keep_latest,
         }
         for key, value in nonneg.items():
             if value < 0:

@@ -43,7 +43,10 @@ class MetricsLogger:
         jsonl: bool,
         total_steps: int,
         stream: TextIO | None = None,
+        resume_step: int | None = None,
     ) -> None:
+        """``resume_step``: a resumed run keeps the records of ``OUT/metrics.jsonl`` up to that step
+        (those of the interrupted run) and appends; None starts a new file."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.stream = stream
@@ -51,7 +54,18 @@ class MetricsLogger:
         if enabled and jsonl:
             path = Path(out_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if resume_step is not None and path.exists():
+                for line in path.read_text().splitlines():
+                    try:  # a crash may have left a partial last line
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and rec.get("step", 0) <= resume_step:
+                        kept.append(rec)
             self._fh = open(path, "w", buffering=1)  # line-buffered: readable while training
+            for rec in kept:
+                self._fh.write(json.dumps(rec) + "\n")
 
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:

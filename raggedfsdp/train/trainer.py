@@ -25,6 +25,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
+from raggedfsdp.train.checkpoint import (
+    config_hash,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import BatchSampler, check_split, eval_windows, load_corpus, windows
 from raggedfsdp.train.lr_schedule import lr_at
@@ -104,8 +110,84 @@ class Trainer:
             eps=o.eps,
             foreach=True,
         )
+
+        # Checkpoint / resume.
+        c = cfg.checkpoint
+        self.ckpt_folder = Path(c.resolved_folder(cfg.job.out))
+        self.config_hash = config_hash(cfg.to_dict())
+        self.start_step = 0  # the last completed step (0: a fresh run)
+        self.resumed_from: Path | None = None
+        resume = self._resolve_resume()
+        if resume is not None:
+            self._load(resume)
+        elif c.resume == "auto":
+            logger.info("--resume auto: no checkpoint under %s, starting from step 0", self.ckpt_folder)
         self.metrics = MetricsLogger(
-            self.out_dir, enabled=self.rank == 0, jsonl=cfg.metrics.jsonl, total_steps=t.steps
+            self.out_dir,
+            enabled=self.rank == 0,
+            jsonl=cfg.metrics.jsonl,
+            total_steps=t.steps,
+            resume_step=self.start_step if self.resumed_from is not None else None,
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _resolve_resume(self) -> Path | None:
+        """Rank 0 picks the step folder (so that every rank loads the same one), others follow."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = resolve_resume(self.cfg.checkpoint.resume, self.ckpt_folder)
+            except ValueError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    def _load(self, path: Path) -> None:
+        start = time.perf_counter()
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        # The config is the source of truth for hyperparameters (the LR is set every step).
+        o = self.cfg.optimizer
+        for group, wd in zip(self.optimizer.param_groups, (o.weight_decay, 0.0)):
+            group.update(weight_decay=wd, betas=(o.beta1, o.beta2), eps=o.eps)
+        self.start_step = int(state["step"])
+        self.resumed_from = path
+        if int(state["seed"]) != self.cfg.job.seed:
+            logger.warning(
+                "checkpoint %s was saved with seed %d, this run uses seed %d: the data order differs "
+                "from the original run", path, int(state["seed"]), self.cfg.job.seed,
+            )
+        try:
+            saved_hash = json.loads((path / "meta.json").read_text()).get("config_hash")
+        except (OSError, ValueError):
+            saved_hash = None
+        if saved_hash is not None and saved_hash != self.config_hash:
+            logger.warning(
+                "checkpoint %s was saved with another config (hash %s, now %s): resuming anyway",
+                path, saved_hash, self.config_hash,
+            )
+        logger.info(
+            "resumed from %s: step %d (saved lr %.3e), now at world size %d (%.2fs)",
+            path, self.start_step, state["lr"], self.world_size, time.perf_counter() - start,
+        )
+
+    def save(self, step: int, lr: float) -> Path:
+        return save_checkpoint(
+            self.ckpt_folder,
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr=lr,
+            seed=self.cfg.job.seed,
+            keep_latest=self.cfg.checkpoint.keep_latest,
+            meta={
+                "world_size": self.world_size,
+                "config_hash": self.config_hash,
+                "total_steps": self.cfg.training.steps,
+                "backend": self.cfg.fsdp.backend,
+            },
         )
 
     # -- steps -------------------------------------------------------------------------------
@@ -208,6 +290,10 @@ class Trainer:
             "torch_version": torch.__version__,
             "raggedfsdp_version": raggedfsdp.__version__,
             "num_threads": torch.get_num_threads(),
+            "checkpoint_folder": str(self.ckpt_folder),
+            "resumed_from": str(self.resumed_from) if self.resumed_from is not None else None,
+            "resumed_at_step": self.start_step,
+            "config_hash": self.config_hash,
         }
         with open(self.out_dir / "config.json", "w") as fh:
             json.dump(resolved, fh, indent=2)
@@ -236,13 +322,23 @@ class Trainer:
         )
         tokens_per_step = t.global_batch_size * t.seq_len
         start = time.perf_counter()
-        mark, mark_step = start, 0
-        first_loss = last_loss = float("nan")
+        first = self.start_step + 1
+        mark, mark_step = start, self.start_step
+        first_loss = last_loss = eval_loss = float("nan")
+        interval = cfg.checkpoint.interval
+        saved_step = self.start_step if self.resumed_from is not None else -1
+        if first > t.steps:
+            logger.warning(
+                "checkpoint step %d >= training.steps=%d: nothing to train, evaluating only",
+                self.start_step, t.steps,
+            )
+            eval_loss = self.evaluate()
+            self.metrics.log({"step": self.start_step, "eval_loss": eval_loss, "elapsed_s": 0.0})
         self.model.train()
-        for step in range(1, t.steps + 1):
+        for step in range(first, t.steps + 1):
             loss, grad_norm, lr = self.train_step(step)
             is_last = step == t.steps
-            if step == 1 or step % m.log_every == 0 or is_last:
+            if step == first or step % m.log_every == 0 or is_last:
                 stats = torch.stack([loss, grad_norm.to(loss.device)])
                 dist.all_reduce(stats)  # sum of per-rank losses (grad_norm is already global)
                 loss_val = stats[0].item() / self.world_size
@@ -263,7 +359,7 @@ class Trainer:
                         "elapsed_s": now - start,
                     }
                 )
-                if step == 1:
+                if step == first:
                     first_loss = loss_val
                 last_loss = loss_val
                 mark, mark_step = time.perf_counter(), step
@@ -273,17 +369,25 @@ class Trainer:
                     {"step": step, "eval_loss": eval_loss, "elapsed_s": time.perf_counter() - start}
                 )
                 mark = time.perf_counter()  # exclude eval time from the next throughput figure
+            if interval > 0 and (step % interval == 0 or is_last):
+                self.save(step, lr)
+                saved_step = step
+                mark = time.perf_counter()  # exclude checkpoint time too
         elapsed = time.perf_counter() - start
         summary = {
             "steps": t.steps,
+            "start_step": self.start_step,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "last_checkpoint_step": saved_step,
             "first_loss": first_loss,
             "last_loss": last_loss,
             "eval_loss": eval_loss,
             "train_time_s": elapsed,
         }
+        resumed = f" (resumed at step {self.start_step})" if self.resumed_from is not None else ""
         if self.rank == 0:
             print(
-                f"done: {t.steps} steps in {elapsed:.1f}s | loss {first_loss:.4f} -> {last_loss:.4f} | "
+                f"done: {t.steps} steps{resumed} in {elapsed:.1f}s | loss {first_loss:.4f} -> {last_loss:.4f} | "
                 f"eval_loss {eval_loss:.4f} | metrics: {self.out_dir / 'metrics.jsonl'}",
                 flush=True,
             )

@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides_from_args(args))
         cfg.check_data()
+        if int(os.environ.get("RANK", "0")) == 0:
+            from raggedfsdp.train.cli import _check_resume
+
+            _check_resume(cfg)
     except ValueError as e:  # a config error, not a usage error: one line, no usage text
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
