@@ -181,12 +181,25 @@ def save_checkpoint(
     return final
 
 
+def _short(e: BaseException) -> str:
+    """The root error of a (possibly multi-rank) DCP failure, in one line."""
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        if isinstance(inner, tuple):  # (exception, traceback frames)
+            inner = inner[0]
+        text = f"{type(inner).__name__}: {inner}".rstrip(": ") if str(inner) else type(inner).__name__
+        return f"{text} on rank {rank} (a truncated or corrupt file?)".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def load_checkpoint(path: str | os.PathLike, *, model, optimizer) -> dict[str, float | int]:
     """Load ``path`` into the (sharded) model and optimizer at the current world size (collective).
 
     Returns ``{"step", "lr", "seed"}`` of the checkpoint. Errors name the path.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     sd = _state_dict(model, optimizer)  # also materialises the (empty) optimizer state to load into
@@ -197,8 +210,8 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer) -> dict[str, f
     }
     try:
         dcp.load(sd, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from e
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, optimizer, sd["optim"])
     return {k: v.item() for k, v in sd["train"].items()}
