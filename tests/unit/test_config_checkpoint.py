@@ -1,0 +1,61 @@
+"""[checkpoint] config: defaults, TOML/CLI, validation, and --resume path resolution."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from raggedfsdp.train.checkpoint import CheckpointError, config_hash, resolve_resume
+from raggedfsdp.train.config import TrainConfig, add_config_args, load_config, overrides_from_args
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    args = parser.parse_args(argv)
+    return load_config(args.config, overrides_from_args(args))
+
+
+def test_defaults():
+    c = TrainConfig().checkpoint
+    assert (c.interval, c.folder, c.keep_latest, c.resume) == (0, "", 2, "")
+    assert c.resolved_folder("outputs/x") == "outputs/x/checkpoints"
+
+
+def test_toml_and_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[checkpoint]\ninterval = 50\nfolder = "/ck"\nkeep_latest = 0\n')
+    cfg = _parse(["--config", str(path), "--resume", "auto", "--checkpoint-interval", "10"])
+    c = cfg.checkpoint
+    assert (c.interval, c.folder, c.keep_latest, c.resume) == (10, "/ck", 0, "auto")
+    assert c.resolved_folder("ignored") == "/ck"
+
+
+@pytest.mark.parametrize("key", ["interval", "keep_latest"])
+def test_negative_is_an_error(key):
+    with pytest.raises(ValueError, match=f"checkpoint.{key} must be >= 0"):
+        _parse([f"--checkpoint.{key}", "-1"])
+
+
+def test_config_hash_ignores_output_and_checkpoint_options():
+    a, b = TrainConfig(), TrainConfig()
+    b.job.out, b.checkpoint.interval, b.metrics.log_every = "elsewhere", 5, 3
+    assert config_hash(a.to_dict()) == config_hash(b.to_dict())
+    b.optimizer.lr = 1.0
+    assert config_hash(a.to_dict()) != config_hash(b.to_dict())
+
+
+def test_resolve_resume(tmp_path):
+    assert resolve_resume("", tmp_path) is None
+    assert resolve_resume("auto", tmp_path / "nothing") is None
+    (tmp_path / "step-3").mkdir()  # incomplete (no .metadata): ignored by auto
+    (tmp_path / "step-9.tmp").mkdir()
+    assert resolve_resume("auto", tmp_path) is None
+    with pytest.raises(CheckpointError, match="checkpoint not found: .*nope"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+    with pytest.raises(CheckpointError, match=r"not a checkpoint: .*step-3 \(no DCP .metadata"):
+        resolve_resume(str(tmp_path / "step-3"), tmp_path)
+    (tmp_path / "step-3" / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="corrupt checkpoint: .*step-3/.metadata"):
+        resolve_resume("auto", tmp_path)
