@@ -92,7 +92,9 @@ def _check_step_folder(path: Path) -> Path:
     try:
         meta = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 (any unpickling error means a corrupt file)
-        raise CheckpointError(f"corrupt checkpoint: {path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"corrupt checkpoint: {path}/.metadata cannot be read ({type(e).__name__}: {e})"
+        ) from None
     keys = set(meta.state_dict_metadata)
     if "train.step" not in keys or not any(k.startswith("model.") for k in keys):
         raise CheckpointError(f"not a raggedfsdp train checkpoint: {path} (no train.step / model.* entries)")
@@ -210,7 +212,7 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer) -> dict[str, f
     }
     try:
         dcp.load(sd, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from e
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, optimizer, sd["optim"])

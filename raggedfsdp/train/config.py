@@ -115,7 +115,8 @@ class MetricsConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     interval: int = _f(
-        0, "save a DCP checkpoint every N steps, and at the last step (0: no checkpoints)",
+        0,
+        "save a DCP checkpoint every N steps, and at the last step (0: no checkpoints)",
         flag="--checkpoint-interval",
     )
     folder: str = _f("", "where step-N/ checkpoint folders go (empty: OUT/checkpoints)")

@@ -157,7 +157,10 @@ class Trainer:
         if int(state["seed"]) != self.cfg.job.seed:
             logger.warning(
                 "checkpoint %s was saved with seed %d, this run uses seed %d: the data order differs "
-                "from the original run", path, int(state["seed"]), self.cfg.job.seed,
+                "from the original run",
+                path,
+                int(state["seed"]),
+                self.cfg.job.seed,
             )
         try:
             saved_hash = json.loads((path / "meta.json").read_text()).get("config_hash")
@@ -166,11 +169,17 @@ class Trainer:
         if saved_hash is not None and saved_hash != self.config_hash:
             logger.warning(
                 "checkpoint %s was saved with another config (hash %s, now %s): resuming anyway",
-                path, saved_hash, self.config_hash,
+                path,
+                saved_hash,
+                self.config_hash,
             )
         logger.info(
             "resumed from %s: step %d (saved lr %.3e), now at world size %d (%.2fs)",
-            path, self.start_step, state["lr"], self.world_size, time.perf_counter() - start,
+            path,
+            self.start_step,
+            state["lr"],
+            self.world_size,
+            time.perf_counter() - start,
         )
 
     def save(self, step: int, lr: float) -> Path:
@@ -330,7 +339,8 @@ class Trainer:
         if first > t.steps:
             logger.warning(
                 "checkpoint step %d >= training.steps=%d: nothing to train, evaluating only",
-                self.start_step, t.steps,
+                self.start_step,
+                t.steps,
             )
             eval_loss = self.evaluate()
             self.metrics.log({"step": self.start_step, "eval_loss": eval_loss, "elapsed_s": 0.0})
