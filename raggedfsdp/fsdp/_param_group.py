@@ -37,6 +37,7 @@ from raggedfsdp.buffer import DBuffer
 from raggedfsdp.buffer.dbuffer import _all_gather_single
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import plan_layout
+from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
 
@@ -80,20 +81,6 @@ class FSDPParam:
             module._parameters[name] = value
 
 
-def _dims_for(shape: torch.Size, g: int) -> tuple[int, ...]:
-    """Shortest prefix ``(0..k-1)`` whose row size ``prod(shape[k:])`` divides ``g`` elements."""
-    for k in range(1, len(shape) + 1):
-        r = math.prod(shape[k:])
-        if r == 0 or g % r == 0:
-            return tuple(range(k))
-    return tuple(range(len(shape)))
-
-
-def default_granularity(shape: torch.Size) -> int:
-    """Row granularity: ``prod(shape[1:])`` elements (1 for 1-D and degenerate shapes)."""
-    return max(math.prod(shape[1:]), 1) if len(shape) > 1 else 1
-
-
 class FSDPParamGroup:
     """All parameters of one ``fully_shard`` call, laid out in one flat buffer per role.
 
@@ -101,7 +88,8 @@ class FSDPParamGroup:
         params: managed parameters with their owners.
         mesh: 1-D (shard) or 2-D (replicate, shard) device mesh.
         mp_policy: ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ...).
-        granularity_fn: ``fn(param) -> int | None`` block size in elements (``None``: row).
+        granularity_fn: ``fn(param, fqn) -> int | None`` block size in elements (``None``: row blocks,
+            ``raggedfsdp.planner.granularity_for``).
     """
 
     def __init__(
@@ -153,7 +141,7 @@ class FSDPParamGroup:
                     "at least one dim: store it with shape (1,)"
                 )
             g = granularity_fn(p, fqn) if granularity_fn is not None else None
-            g = default_granularity(p.shape) if g is None else int(g)
+            g = granularity_for(p.shape, None, name=fqn)[0] if g is None else int(g)
             if p.numel() == 0:
                 g = 1
             if g < 1 or p.numel() % g != 0:
@@ -162,7 +150,7 @@ class FSDPParamGroup:
                     f"be >= 1 and divide its numel {p.numel()}"
                 )
             self.fsdp_params.append(
-                FSDPParam(fqn, owners, p.shape, p.dtype, p.requires_grad, g, _dims_for(p.shape, g))
+                FSDPParam(fqn, owners, p.shape, p.dtype, p.requires_grad, g, ragged_dims(p.shape, g))
             )
         elsizes = {torch.empty((), dtype=d).element_size() for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}}
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
