@@ -219,16 +219,20 @@ def fully_shard(
         zero_stage: raggedfsdp extension (keyword-only, default 3). ``3`` shards params, grads and
             optimizer state (ZeRO-3). ``2`` keeps params unsharded from forward to backward
             (``reshard_after_forward=False``: no all-gather in backward). ``1`` keeps params
-            unsharded between steps too; they are re-gathered once per step, after the optimizer
-            changed the sharded master (detected through its version counter). Grads are always
+            unsharded between steps too; they are re-gathered once per step, after any
+            ``torch.optim`` step or ``load_state_dict`` changed the sharded master. Grads are always
             reduce-scattered (RS + AG moves the same bytes as ZeRO-1's all-reduce) and optimizer
             state is always sharded.
 
     Which ranks: every rank of ``mesh`` must call it, in the same order, on the same module tree.
 
     Raises:
-        ValueError: module already fully_shard'ed, mesh of the wrong dims, params on several devices,
-            mixed dtypes in one unit, 0-dim params, bad granularity.
+        ValueError: module already fully_shard'ed, mesh of the wrong dims or not containing this rank,
+            params on several devices (or partly on meta), mixed dtypes in one unit, 0-dim params,
+            a granularity that does not divide a param, an int ``reshard_after_forward`` that does
+            not divide the shard world size, a parameter tied across units, bad ``zero_stage``.
+        TypeError: a non-module, a non-DeviceMesh mesh, a non-bool/int ``reshard_after_forward``, an
+            unsupported ``shard_placement_fn`` result.
         NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements.
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
