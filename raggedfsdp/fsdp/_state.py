@@ -59,7 +59,6 @@ class FSDPState:
         self._post_backward_done = False
         self._pre_backward_done = False
         self._final_callback_queued = False
-        self._forward_calls = 0
 
     # ---- root / lazy init -----------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -121,7 +120,6 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
-        self._forward_calls += 1
         if self.group is not None and self.reshard_after_forward and not _in_backward():
             self.group.reshard_after_forward()
         if self.root is not None and not _in_backward():
