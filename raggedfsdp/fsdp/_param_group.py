@@ -10,20 +10,25 @@ State machine (``ParamState`` x ``GradState``, checked cheaply on every transiti
                                            \\--no-sync--> HELD --next synced post_backward--> REDUCING
 
 ZeRO-1 / ``reshard_after_backward=False`` keep the unsharded buffer in SHARDED state; it is reused by
-the next ``unshard()`` only while the sharded buffer's autograd version counter is unchanged (every
-in-place edit of any sharded param -- optimizer step, ``load_state_dict``, ``p.data.copy_`` --
-bumps it), so the decision is per unit and every rank of a unit's group makes the same one.
+the next ``unshard()`` only while the unit's *master version* is unchanged: a per-unit counter bumped by
+every ``torch.optim`` step whose param groups contain one of the unit's sharded params and by every
+``load_state_dict``, plus the autograd version counters of the sharded params and buffer (which see
+single-tensor in-place edits by hand; torch's ``foreach``/``fused`` optimizer kernels on DTensors do
+not bump them, hence the counter). An optimizer step over other parameters -- an EMA, a probe head,
+on one rank only -- does not touch it, so every rank of a unit's group makes the same decision.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream
@@ -34,6 +39,21 @@ from raggedfsdp.planner import plan_layout
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
+
+def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
+    """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
+    params this optimizer holds. Local, O(params of the optimizer)."""
+    seen: set[int] = set()
+    for pg in optimizer.param_groups:
+        for p in pg["params"]:
+            ref = getattr(p, "_raggedfsdp_unit", None)  # a weakref to the unit, set on each sharded param
+            g = ref() if ref is not None else None
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                g.mark_master_changed()
+
+
+register_optimizer_step_post_hook(_mark_units_stepped)
 
 
 class FSDPParamGroup:
@@ -117,6 +137,10 @@ class FSDPParamGroup:
         self.any_trainable = bool(self.trainable)
         self._init_sharded(params)
         self._init_unsharded()
+
+        for fp in self.fsdp_params:
+            fp.sharded._raggedfsdp_unit = weakref.ref(self)
+        self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
         # runtime state
         self.comm = CommContext(device if device.type != "meta" else None)  # replaced by the root's
@@ -233,8 +257,13 @@ class FSDPParamGroup:
         self._init_unsharded()
 
     # ---- unshard / reshard ---------------------------------------------------------------
+    def mark_master_changed(self) -> None:
+        """The sharded master changed (optimizer step, load): a kept gather is stale. Local."""
+        self._master_changes += 1
+
     def _master_version(self) -> int:
-        return self.bufs.sharded.data._version
+        return (self._master_changes + self.bufs.sharded.data._version
+                + sum(fp.sharded._version for fp in self.fsdp_params))
 
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
