@@ -165,6 +165,8 @@ def fully_shard(
     unit = type(modules[0]).__name__
     for p, fqn, _ in params:
         p._raggedfsdp_owner = f"{unit}:{fqn}"  # the original tensor, now replaced by a DTensor
+    for fp in group.fsdp_params if group is not None else ():
+        fp.sharded._raggedfsdp_owner = f"{unit}:{fp.fqn}"  # and the DTensor that replaced it
     if group is not None and post_forward_mesh is not None:
         group.set_post_forward_mesh(post_forward_mesh)
     if group is not None and zero_stage == 1:

@@ -42,19 +42,17 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
             if p is None or p in ignored:
                 continue
             fqn = f"{prefix}{name}"
-            if isinstance(p, DTensor):
-                other = _owner_of(p, modules)
+            prev = getattr(p, "_raggedfsdp_owner", None)  # "Unit:fqn", set by the fully_shard that took it
+            if isinstance(p, DTensor) or prev is not None:
+                here = type(modules[0]).__name__
+                if prev is None:
+                    prev = _owner_of(p, modules)
+                unit, _, other_fqn = prev.partition(":")
                 raise ValueError(
-                    f"fully_shard: parameter {fqn!r} is already sharded by another fully_shard unit ({other}): "
-                    "a parameter shared (tied) across units cannot be sharded twice; apply fully_shard so that "
-                    "both owners are in one unit (e.g. skip the inner call), or untie the parameter"
-                )
-            prev = getattr(p, "_raggedfsdp_owner", None)
-            if prev is not None:
-                raise ValueError(
-                    f"fully_shard: parameter {fqn!r} was already sharded by another fully_shard unit (owner {prev}); "
-                    "it is shared (tied) across units and would be silently untied. Apply fully_shard so that both "
-                    "owners are in one unit (e.g. skip the inner call), or untie the parameter"
+                    f"fully_shard: parameter {fqn!r} of {here} is the same parameter as {other_fqn!r} of the "
+                    f"fully_shard unit {unit}, which already sharded it: a parameter shared (tied) across units "
+                    "cannot be sharded twice (it would be silently untied). Apply fully_shard so that both owners "
+                    "are in one unit (e.g. skip the inner call, or wrap their common parent), or untie the parameter"
                 )
             if id(p) not in out:
                 out[id(p)] = (p, fqn, [])
@@ -107,8 +105,8 @@ def _owner_of(p: nn.Parameter, modules) -> str:
             if st is not None and st.group is not None:
                 for fp in st.group.fsdp_params:
                     if fp.sharded is p:
-                        return f"owner {name + '.' if name else ''}{fp.fqn}"
-    return "an unknown unit"
+                        return f"{type(mod).__name__}:{fp.fqn}"
+    return "an unknown unit:?"
 
 
 def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
