@@ -291,13 +291,14 @@ def test_runtime_mechanics():
     run_distributed(_runtime_cases, 3)
 
 
-def _runtime_cases(rank, ws):
+def _runtime_cases(rank, ws, only=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ws,))
     for case in (_bounded_memory, _forward_prefetch, _used_flags_and_zero1, _reset_after_exception,
                  _debug_invariant):
-        case(rank, ws, mesh)
+        if only is None or case.__name__ == only:
+            case(rank, ws, mesh)
 
 
 def _bf16_grads(rank, ws):
