@@ -245,7 +245,8 @@ def _used_flags_and_zero1(rank, ws, mesh):
     model = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh, zero_stage=1)
     probe = nn.Linear(13, 2)
     probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # foreach: the optimizer kernels that do not bump DTensor version counters (the CUDA default)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for tok, tgt in batches(3, 2 * ws):
         lm_loss(model, *_slice(tok, tgt, rank, ws)).backward()
