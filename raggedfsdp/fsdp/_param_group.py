@@ -143,7 +143,7 @@ class FSDPParamGroup:
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
         # runtime state
-        self.comm = CommContext(device if device.type != "meta" else None)  # replaced by the root's
+        self.comm = CommContext(None)  # no side streams until the root's lazy init shares its context
         self.param_state = ParamState.SHARDED
         self.grad_state = GradState.NONE
         self._unshard: CommHandle | None = None  # in-flight all-gather
