@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from pathlib import Path
 
 from raggedfsdp.train.config import add_config_args, load_config, override_argv, overrides_from_args
 
@@ -64,6 +66,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--nproc", type=int, default=2, metavar="N", help="ranks (processes) to launch (default: 2)"
     )
+    p.add_argument(
+        "--reproduce-batch",
+        metavar="ID",
+        default=None,
+        help="print the samples of a batch id from an error line (e.g. step3:rows4-7) and exit; "
+        "use the same --config/--data/--seed/--batch-size/--seq-len as the failed run",
+    )
     add_config_args(p)
     p.set_defaults(func=run_train)
 
@@ -80,9 +89,19 @@ def run_train(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
         cfg = load_config(args.config, overrides)
+        if not cfg.job.out:  # a fresh folder per run, chosen once for every rank
+            from raggedfsdp.train.worker import default_out
+
+            cfg.job.out = overrides["job.out"] = default_out()
         cfg.validate(world_size=args.nproc)
         cfg.check_data()  # a bad --data fails here, not after the launch on every rank
-        _check_resume(cfg)  # so does a missing or corrupt --resume path
+        if getattr(args, "reproduce_batch", None):
+            return _reproduce(cfg, args.reproduce_batch, args.nproc)
+        _check_resume(cfg)  # so does a missing or corrupt --resume path, or a taken --out
+        from raggedfsdp.train.ckpt_integrity import LOCK_HELD_ENV, OutLock
+
+        lock = OutLock(cfg.job.out).acquire()  # held by this process until the job ends
+        os.environ[LOCK_HELD_ENV] = str(Path(cfg.job.out).resolve())
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
         return 2
@@ -91,6 +110,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(max(1, _available_cpus() // args.nproc))
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -109,21 +129,54 @@ def run_train(args: argparse.Namespace) -> int:
     )
     try:
         run(parse_args(torchrun_argv))
+    except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
+        name = signal.Signals(e.sigval).name
+        print(f"raggedfsdp train: interrupted by {name}; resume with --resume auto --out {cfg.job.out}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes and codes <= {129, 130, 143}:  # every failed rank stopped on a signal, cleanly
+            print(f"raggedfsdp train: interrupted (exit code {min(codes)}); resume with --resume auto "
+                  f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
+            return min(codes)
         summary, last_line = failure_report(e, args.nproc)
         print(f"raggedfsdp train: the {args.nproc}-rank job failed\n{summary}", file=sys.stderr)
         print(last_line, file=sys.stderr, flush=True)
-        return 2 if "CheckpointError" in last_line else 1
+        return 2 if "CheckpointError: cannot load" in last_line else 1
+    finally:
+        lock.release()
     return 0
 
 
 def _check_resume(cfg) -> None:
-    """Pre-launch check of ``--resume``: a ``CheckpointError`` (a ``ValueError``) naming the path."""
+    """Pre-launch checks of ``--out`` and ``--resume`` (a ``ValueError`` naming the path and a fix):
+    a fresh run into an ``--out`` that holds another run, a missing or corrupt ``--resume PATH``
+    (verified against its manifest), an ``--out`` locked by a running job."""
+    from raggedfsdp.train import ckpt_integrity as integrity
+
     c = cfg.checkpoint
-    if c.resume:
+    folder = c.resolved_folder(cfg.job.out)
+    integrity.check_out_dir(cfg.job.out, folder, resume=c.resume, overwrite=cfg.job.overwrite)
+    if c.resume and c.resume != "auto":
         from raggedfsdp.train.checkpoint import resolve_resume
 
-        resolve_resume(c.resume, c.resolved_folder(cfg.job.out))
+        resolve_resume(c.resume, folder, verify=c.verify)
+    if Path(cfg.job.out, integrity.LOCK_FILE).exists() and os.environ.get(integrity.LOCK_HELD_ENV) is None:
+        integrity.OutLock(cfg.job.out).acquire().release()  # raises if a running job holds it
+
+
+def _reproduce(cfg, text: str, nproc: int) -> int:
+    """``--reproduce-batch ID``: print the samples of a batch id from an error line (no launch)."""
+    from raggedfsdp.train.data import BatchSampler, load_corpus, reproduce_batch
+
+    t = cfg.training
+    corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
+    sampler = BatchSampler(
+        corpus.train, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=cfg.job.seed
+    )
+    print(reproduce_batch(sampler, text))
+    return 0
 
 
 def _one_line(failure) -> str:
@@ -178,7 +231,10 @@ def failure_report(err, world_size: int) -> tuple[str, str]:
     summary = ChildFailedError(err.name, short).format_msg()
     consequence = _is_consequence(root)
     if isinstance(root.message, dict) and _has_error_file(root):
-        where = f"traceback {'' if consequence else 'above and '}in {root.error_file}"
+        from raggedfsdp.train.worker import _ONE_LINE
+
+        above = "" if consequence or _one_line(root).split(":")[0] in _ONE_LINE else "above and "
+        where = f"traceback {above}in {root.error_file}"
     else:
         where = "see its output above"
     last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {_one_line(root)} ({where})"
