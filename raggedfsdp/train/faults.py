@@ -76,3 +76,23 @@ class FaultPlan:
                 self._pending.remove(f)
                 return True
         return False
+
+    def inject_step(self, step: int, rank: int) -> None:
+        """The faults that act at the start of a step: raise, exit, hang, sigint, sigterm."""
+        import logging
+        import signal
+        import time
+
+        for mode in ("raise", "exit", "hang", "sigint", "sigterm"):
+            if not self.take(mode, step):
+                continue
+            logging.getLogger(__name__).warning("debug: injecting a %r failure at step %d", mode, step)
+            if mode == "exit":
+                os._exit(3)
+            if mode == "hang":
+                while True:
+                    time.sleep(3600)
+            if mode in ("sigint", "sigterm"):
+                os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
+                continue
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank/fail_step)")

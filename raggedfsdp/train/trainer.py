@@ -377,7 +377,7 @@ class Trainer:
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
         if self.faults:
-            self._inject(step)
+            self.faults.inject_step(step, self.rank)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         sync_toggle = accum > 1 and hasattr(self.model, "set_requires_gradient_sync")
@@ -413,26 +413,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         dev = self.device
         return torch.tensor(stats.loss, device=dev), torch.tensor(stats.grad_norm, device=dev), lr
-
-    def _inject(self, step: int) -> None:
-        """Testing aid (``RAGGEDFSDP_FAULT``, ``--debug.fail_*``; see ``train.faults``)."""
-        import signal
-
-        for mode in ("raise", "exit", "hang", "sigint", "sigterm"):
-            if not self.faults.take(mode, step):
-                continue
-            logger.warning("debug: injecting a %r failure at step %d", mode, step)
-            if mode == "exit":
-                os._exit(3)
-            if mode == "hang":
-                while True:
-                    time.sleep(3600)
-            if mode in ("sigint", "sigterm"):
-                os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
-                continue
-            raise RuntimeError(
-                f"injected failure on rank {self.rank} at step {step} (debug.fail_rank/fail_step)"
-            )
 
     @torch.no_grad()
     def evaluate(self) -> float:
