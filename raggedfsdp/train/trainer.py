@@ -376,6 +376,7 @@ class Trainer:
         (``guard.StepGuard``) before the optimizer step; ``self.last_stats`` holds its result and
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
+        self.watchdog.progress(f"step {step} start", step)
         if self.faults:
             self.faults.inject_step(step, self.rank)
         accum = t.grad_accum
