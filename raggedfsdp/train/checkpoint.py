@@ -41,6 +41,7 @@ from raggedfsdp.train.ckpt_integrity import (
     file_digest,
     own_step_folders,
     pick_resume,
+    read_manifest,
     verify_step_folder,
     write_manifest,
 )
@@ -237,7 +238,13 @@ def save_checkpoint(
                 files[name] = file_digest(tmp / name)
             write_manifest(tmp, run_id=run_id, step=step, files=files)
             if final.exists():
-                shutil.rmtree(final)
+                owner = (read_manifest(final) or {}).get("run_id")
+                if owner is not None and owner != run_id:  # another run's: keep it, out of the way
+                    aside = root / f"{final.name}.run-{owner}"
+                    os.replace(final, aside)
+                    logger.warning("moved run %s's checkpoint %s to %s (not pruned)", owner, final, aside)
+                else:
+                    shutil.rmtree(final)
             os.replace(tmp, final)
             if keep_latest > 0:
                 own = [p for s, p in own_step_folders(root, run_id) if s != step]

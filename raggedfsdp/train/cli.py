@@ -31,7 +31,7 @@ examples:
   raggedfsdp train --steps 50 --model debug --out outputs/debug
   raggedfsdp train --config configs/tiny_cpu.toml --backend torch --lr 2e-3
   raggedfsdp train --data ../shared/data/tinyshakespeare.txt
-  raggedfsdp plot outputs/run/metrics.jsonl -o loss.png
+  raggedfsdp plot outputs/run-*/metrics.jsonl -o loss.png
 
 checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
   raggedfsdp train --steps 600 --checkpoint-interval 100 --out outputs/run   # -> outputs/run/checkpoints/step-N/
@@ -44,6 +44,17 @@ checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
   order are functions of the step and seed), plus meta.json (step, world size, config hash). A
   resumed run with the same OUT keeps metrics.jsonl up to the checkpoint's step and appends.
   A missing or corrupt --resume path is an error before the launch (exit code 2).
+  Each step-N/ has a manifest.json (size + SHA-256 per file, run id): loads verify it and are strict
+  (--checkpoint.allow_partial true loads only the matching keys); --resume auto takes the newest
+  checkpoint of the run in OUT/run.json that verifies and names those it skipped.
+
+faults (see README; test-only injection: RAGGEDFSDP_FAULT=nan@step3:rank1, raggedfsdp/train/faults.py):
+  --training.on_nonfinite stop|skip   NaN/Inf loss or gradient on any rank (default: stop, save nothing)
+  --job.hang_timeout_s S              name a rank stuck outside a collective after S s (default 60)
+  Ctrl-C / SIGTERM: every rank stops at the next step, saves (if checkpointing), exits 130 / 143.
+  --reproduce-batch step3:rows4-7     print the samples of a batch id from an error line
+  Without --out each run gets a fresh outputs/run-YYYYmmdd-HHMMSS/; a fresh run into an --out that
+  holds a run is refused (--resume auto continues it, --job.overwrite true starts anew).
 
 Every option is also a TOML key: --section.key in [section] (CLI > TOML > defaults).
 """
@@ -136,7 +147,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if codes and codes <= {129, 130, 143}:  # every failed rank stopped on a signal, cleanly
+        if codes and codes <= set(_STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
             print(f"raggedfsdp train: interrupted (exit code {min(codes)}); resume with --resume auto "
                   f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
             return min(codes)
@@ -188,9 +199,15 @@ def _one_line(failure) -> str:
         msg = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
         if failure.signal_name() == "SIGKILL":
             msg += ", e.g. by the out-of-memory killer"
+    elif failure.exitcode in _STOPPED_CODES and not _has_error_file(failure):
+        msg = f"stopped by {_STOPPED_CODES[failure.exitcode]} (exit code {failure.exitcode})"
     elif not _has_error_file(failure):
         msg = f"exited with code {failure.exitcode} without recording an error"
     return str(msg)
+
+
+# Exit codes of a rank that stopped on a signal (train/watchdog.py: 128 + signum).
+_STOPPED_CODES = {129: "SIGHUP", 130: "SIGINT", 143: "SIGTERM"}
 
 
 def _has_error_file(failure) -> bool:
@@ -203,6 +220,8 @@ def _is_consequence(failure) -> bool:
 
     if isinstance(failure.message, dict):  # the rank recorded an exception: judge by its message
         return any(h in _one_line(failure) for h in _PEER_FAILURE_HINTS)
+    if failure.exitcode in _STOPPED_CODES:
+        return True
     return failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT")
 
 

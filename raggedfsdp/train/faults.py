@@ -74,19 +74,23 @@ class FaultPlan:
         for f in self._pending:
             if f.kind == kind and f.step == step:
                 self._pending.remove(f)
+                import logging
+                import time
+
+                logging.getLogger(__name__).warning(
+                    "debug: injecting fault %s@step%d (t=%.3f)", kind, step, time.time()
+                )
                 return True
         return False
 
     def inject_step(self, step: int, rank: int) -> None:
         """The faults that act at the start of a step: raise, exit, hang, sigint, sigterm."""
-        import logging
         import signal
         import time
 
         for mode in ("raise", "exit", "hang", "sigint", "sigterm"):
             if not self.take(mode, step):
                 continue
-            logging.getLogger(__name__).warning("debug: injecting a %r failure at step %d", mode, step)
             if mode == "exit":
                 os._exit(3)
             if mode == "hang":

@@ -5,13 +5,16 @@ holding the job for the whole process-group timeout.
 flag into its per-step fused all-reduce (``guard.StepGuard``), so every rank sees the same signal at
 the same step boundary, saves a checkpoint if ``checkpoint.on_interrupt`` (and checkpointing is on),
 prints one line and exits ``128 + signum`` (130, 143, 129). torchrun starts each rank in its own
-session, so a Ctrl-C reaches the launcher, which forwards it to every rank. A rank that has a signal
-pending but sits in a collective for more than ``GRACE_S`` (its peers are gone) exits at once.
+session, so a Ctrl-C reaches the launcher, which forwards it to every rank. A rank that has had a
+signal pending for ``GRACE_S`` and makes no progress (no mark for ``max(GRACE_S, 3 x`` the typical
+time between marks), e.g. it is stuck, or waits in a collective for a peer that is gone) exits at
+once with ``128 + signum``, abandoning the step; a rank inside a checkpoint save is never cut off
+(torchrun's SIGKILL after 30 s is the last resort).
 
 **Parent death**: each rank asks the kernel for SIGTERM when its launcher dies
 (``prctl(PR_SET_PDEATHSIG)``, Linux); the watchdog thread also polls the parent pid (other systems,
 and a parent that died before the ``prctl``). A rank whose launcher is gone exits within
-``GRACE_S`` after its next step boundary or at once when stuck in a collective: no orphans.
+its next step boundary, or after ``GRACE_S`` when it cannot get there: no orphans.
 
 **Hangs** (:class:`Watchdog`): the trainer marks progress (every micro-step, eval batch, checkpoint
 phase). A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
@@ -128,6 +131,7 @@ class Watchdog:
         self.step = 0
         self._last = time.monotonic()
         self._paused = 0
+        self._gap = 0.0
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="raggedfsdp-watchdog", daemon=True)
@@ -143,7 +147,10 @@ class Watchdog:
 
     def progress(self, where: str, step: int | None = None) -> None:
         """Called by the trainer's main thread whenever it gets on (cheap: two assignments)."""
-        self._last = time.monotonic()
+        now = time.monotonic()
+        if not self._paused:  # typical time between marks (how long "no progress" may be normal)
+            self._gap = 0.8 * self._gap + 0.2 * (now - self._last)
+        self._last = now
         self.where = where
         if step is not None:
             self.step = step
@@ -178,19 +185,24 @@ class Watchdog:
         if os.getppid() != self.parent and self.interrupts is not None and self.interrupts.signum == 0:
             self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
         ints = self.interrupts
-        if ints is not None and ints.signum and waiting and now - ints.at > GRACE_S:
-            name = signal.Signals(ints.signum).name
-            print(
-                f"{self.tag} {name}: still waiting in a collective {now - ints.at:.1f}s later (a peer is "
-                f"gone?) at {_where(frame)}: exiting without a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(128 + ints.signum)
         idle = now - self._last
+        if ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S:
+            if idle > max(GRACE_S, 3 * self._gap):  # not getting on to the step boundary
+                name = signal.Signals(ints.signum).name
+                state = "waiting in a collective (a peer is gone?)" if waiting else "stuck"
+                print(
+                    f"{self.tag} {name}: no progress for {idle:.1f}s, {state} at {_where(frame)}: "
+                    "exiting without a checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(128 + ints.signum)
         if self.store is not None:
             beat = {"t": time.time(), "step": self.step, "where": self.where, "waiting": waiting, "idle": idle}
-            self.store.set(f"hb{self.rank}", json.dumps(beat))
+            try:
+                self.store.set(f"hb{self.rank}", json.dumps(beat))
+            except Exception:  # noqa: BLE001 (the launcher's store is gone: no more heartbeats)
+                self.store = None
         if self.timeout_s <= 0 or self._paused or idle < self.timeout_s:
             return
         if not waiting:
@@ -201,7 +213,7 @@ class Watchdog:
                 "a collective, so the other ranks are waiting for it",
                 frame,
             )
-        frozen = self._frozen_peer()
+        frozen = self._frozen_peer() if self.store is not None else None
         if frozen is not None:
             r, age, beat = frozen
             self._fail(
