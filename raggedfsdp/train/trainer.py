@@ -64,6 +64,9 @@ class Interrupted(Exception):
 class _NoWatchdog:
     step = 0
 
+    def arm(self) -> None:
+        pass
+
     def progress(self, where: str, step: int | None = None) -> None:
         pass
 
@@ -525,6 +528,7 @@ class Trainer:
             eval_loss = self.evaluate()
             self.metrics.log({"step": self.start_step, "eval_loss": eval_loss, "elapsed_s": 0.0})
         self.model.train()
+        self.watchdog.arm()
         for step in range(first, t.steps + 1):
             _, _, lr = self.train_step(step)
             st = self.last_stats  # global loss and grad norm, from the step's fused all-reduce

@@ -17,7 +17,7 @@ and a parent that died before the ``prctl``). A rank whose launcher is gone exit
 its next step boundary, or after ``GRACE_S`` when it cannot get there: no orphans.
 
 **Hangs** (:class:`Watchdog`): the trainer marks progress (every micro-step, eval batch, checkpoint
-phase). A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
+phase) once its step loop begins (start-up is not watched). A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
 (``job.hang_timeout_s``) and this rank's main thread is *not* inside a collective (its innermost
 Python frame is not in ``torch/distributed`` or ``raggedfsdp/fsdp|buffer``), this rank is the hung
 one: it prints its main thread's Python stack and one line naming itself, the step and the frame,
@@ -130,7 +130,7 @@ class Watchdog:
         self.where = "start-up"
         self.step = 0
         self._last = time.monotonic()
-        self._paused = 0
+        self._paused = 1  # start-up (corpus, model init, checkpoint load) is not watched: arm()
         self._gap = 0.0
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
@@ -154,6 +154,11 @@ class Watchdog:
         self.where = where
         if step is not None:
             self.step = step
+
+    def arm(self) -> None:
+        """Start hang detection (the trainer calls it when its step loop begins)."""
+        self.progress("training loop")
+        self._paused = max(0, self._paused - 1)
 
     @contextlib.contextmanager
     def paused(self, where: str):
