@@ -200,6 +200,31 @@ def _cases(rank, world, tmp):
     tr.close()
     assert not (tmp / "div" / "checkpoints" / "step-2").exists()
 
+    # 7. a signal on one rank (here: rank 1's flag set by hand) stops every rank at the same step
+    #    boundary, which is saved (checkpoint.on_interrupt) although the interval is not due.
+    from raggedfsdp.train.trainer import Interrupted, Trainer
+    from raggedfsdp.train.watchdog import Interrupts
+
+    ints = Interrupts(f"[rank {rank}/2]", announce=False)  # not installed: no real signal here
+    out = tmp / "sigint"
+    tr = Trainer(_cfg(out, checkpoint__interval=100), device=torch.device("cpu"), interrupts=ints)
+    tr.train_step = _flag_at(tr.train_step, ints, rank)
+    e = _raises(Interrupted, r"interrupted by SIGINT \(rank\(s\) \[1\]\) after step 2: saved .*step-2",
+                tr.train)  # fmt: skip
+    assert e.signum == 2
+    tr.close()
+    dist.barrier()
+    assert integrity.verify_step_folder(out / "checkpoints" / "step-2") is None
+
+
+def _flag_at(train_step, ints, rank):
+    def step(s):
+        if s == 2 and rank == 1:
+            ints.signum = signal.SIGINT  # as the handler does
+        return train_step(s)
+
+    return step
+
 
 def test_trainer_faults_at_two_ranks(tmp_path):
     run_distributed(_cases, 2, str(tmp_path))
@@ -222,6 +247,15 @@ def _env(fault: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "RAGGEDFSDP_OUT_LOCK_HELD")}
     env["RAGGEDFSDP_FAULT"] = fault
     return env
+
+
+def _fault_time(stderr: str) -> float:
+    """The wall time of the injected fault (``faults.FaultPlan.take`` logs it)."""
+    import re
+
+    m = re.search(r"debug: injecting fault \S+ \(t=([0-9.]+)\)", stderr)
+    assert m, stderr
+    return float(m.group(1))
 
 
 def _children(pid: int) -> list[int]:
@@ -278,7 +312,7 @@ def test_sigint_saves_at_the_step_boundary_then_the_launchers_death_leaves_no_or
     assert len(saved) == 1 and "saved " in saved[0], err
     step = int(saved[0].split("after step ")[1].split(":")[0])
     assert (out / "checkpoints" / f"step-{step}" / "manifest.json").is_file()
-    assert elapsed < 30, elapsed
+    assert elapsed < 40, f"{elapsed:.1f}s from SIGINT to the job's end"
 
     # kill -9 the launcher of a second job: the ranks must not outlive it.
     out2 = tmp_path / "orphan"
@@ -300,9 +334,8 @@ def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
     timeout 120 s) the job ends in seconds and the last line names rank 1, not the waiting rank 0."""
     cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "6", "--out", str(tmp_path / "o"),
            "--job.hang_timeout_s", "3", "--job.pg_timeout_s", "120"]  # fmt: skip
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=_env("hang@step3:rank1"))
-    elapsed = time.monotonic() - start
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=_env("hang@step3:rank1"))
+    elapsed = time.time() - _fault_time(proc.stderr)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(
@@ -310,16 +343,15 @@ def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
     ), last
     assert "at step 3" in last and "faults.py" in last and "not in a collective" in last, last
     assert "[rank 1/2] main thread's Python stack:" in proc.stderr
-    assert elapsed < 60, elapsed
+    assert elapsed < 40, f"{elapsed:.1f}s from the hang to the job's end (process-group timeout: 120 s)"
 
 
 def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_path):
     out = tmp_path / "o"
     cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "5", "--checkpoint-interval", "1",
            "--checkpoint.keep_latest", "1", "--out", str(out)]  # fmt: skip
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=_env("nan@step3:rank1"))
-    elapsed = time.monotonic() - start
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=_env("nan@step3:rank1"))
+    elapsed = time.time() - _fault_time(proc.stderr)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(
@@ -331,7 +363,7 @@ def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_pa
     # the batch id of the error line reproduces the sample (no launch)
     rc = cli_main(["train", *ARGS, "--reproduce-batch", "step3:rows2-3"])
     assert rc == 0
-    assert elapsed < 60, elapsed
+    assert elapsed < 30, f"{elapsed:.1f}s from the fault to the job's end"
 
 
 def test_prelaunch_refusals(tmp_path, capsys):
