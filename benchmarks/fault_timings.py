@@ -77,7 +77,7 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
     steps = "400" if name.endswith("launcher") else "8"
     cmd = [*_cli(), "train", "--nproc", str(nproc), *ARGS, "--steps", steps, "--out", str(tmp / name), *extra]
     if not name.endswith("launcher"):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300)
         end = time.time()
         t0 = _fault_t(proc.stderr)
         last = (proc.stderr.strip().splitlines() or [""])[-1]
@@ -98,7 +98,12 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
     while any(map(_alive, ranks)) and time.time() - t0 < 60:
         time.sleep(0.05)
     left = [r for r in ranks if _alive(r)]
-    return name, time.time() - t0, -9, f"ranks {ranks} {'still alive: ' + str(left) if left else 'all exited'}"
+    return (
+        name,
+        time.time() - t0,
+        -9,
+        f"ranks {ranks} {'still alive: ' + str(left) if left else 'all exited'}",
+    )
 
 
 def main() -> None:

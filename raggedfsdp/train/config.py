@@ -26,8 +26,8 @@ __all__ = [
     "TrainConfig",
     "add_config_args",
     "load_config",
-    "overrides_from_args",
     "override_argv",
+    "overrides_from_args",
 ]
 
 
@@ -92,9 +92,7 @@ class TrainingConfig:
         "stop", "a NaN/Inf loss or gradient on any rank: stop (exit 1, nothing saved) | skip (the update)"
     )
     max_consecutive_skips: int = _f(5, "on_nonfinite=skip: stop after more non-finite steps in a row")
-    divergence_ratio: float = _f(
-        3.0, "stop when the loss exceeds this times the run's first loss (0: off)"
-    )
+    divergence_ratio: float = _f(3.0, "stop when the loss exceeds this times the run's first loss (0: off)")
 
 
 @dataclass(kw_only=True)

@@ -37,16 +37,16 @@ import torch
 
 __all__ = [
     "BatchSampler",
+    "Corpus",
     "DataError",
     "batch_id",
     "check_batch",
-    "parse_batch_id",
-    "reproduce_batch",
-    "Corpus",
     "check_data",
     "check_split",
     "eval_windows",
     "load_corpus",
+    "parse_batch_id",
+    "reproduce_batch",
     "stdlib_source_files",
 ]
 

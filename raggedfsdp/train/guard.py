@@ -110,9 +110,7 @@ class StepGuard:
         self.consecutive = 0
         self.ref_loss: float | None = None
 
-    def reduce(
-        self, grads: list[torch.Tensor], loss_sum: torch.Tensor, *, signum: int = 0
-    ) -> StepStats:
+    def reduce(self, grads: list[torch.Tensor], loss_sum: torch.Tensor, *, signum: int = 0) -> StepStats:
         """Collective (every rank, once per step, after backward, before clipping)."""
         w = self.world_size
         vec = torch.zeros(2 + 3 * w, dtype=torch.float64, device=self.device)

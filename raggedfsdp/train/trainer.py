@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train import ckpt_integrity as integrity
 from raggedfsdp.train.checkpoint import (
-    CheckpointError,
     config_hash,
     load_checkpoint,
     resolve_resume,

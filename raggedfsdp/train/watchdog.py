@@ -104,7 +104,11 @@ class Interrupts:
                     flush=True,
                 )
         elif time.monotonic() - self.at > GRACE_S:  # asked again: give up on the clean stop
-            print(f"{self.tag} got {signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
+            print(
+                f"{self.tag} got {signal.Signals(signum).name} again: exiting now",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
 
 
@@ -191,19 +195,25 @@ class Watchdog:
             self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
         ints = self.interrupts
         idle = now - self._last
-        if ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S:
-            if idle > max(GRACE_S, 3 * self._gap):  # not getting on to the step boundary
-                name = signal.Signals(ints.signum).name
-                state = "waiting in a collective (a peer is gone?)" if waiting else "stuck"
-                print(
-                    f"{self.tag} {name}: no progress for {idle:.1f}s, {state} at {_where(frame)}: "
-                    "exiting without a checkpoint",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(128 + ints.signum)
+        pending = ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S
+        if pending and idle > max(GRACE_S, 3 * self._gap):  # not getting on to the step boundary
+            name = signal.Signals(ints.signum).name
+            state = "waiting in a collective (a peer is gone?)" if waiting else "stuck"
+            print(
+                f"{self.tag} {name}: no progress for {idle:.1f}s, {state} at {_where(frame)}: "
+                "exiting without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(128 + ints.signum)
         if self.store is not None:
-            beat = {"t": time.time(), "step": self.step, "where": self.where, "waiting": waiting, "idle": idle}
+            beat = {
+                "t": time.time(),
+                "step": self.step,
+                "where": self.where,
+                "waiting": waiting,
+                "idle": idle,
+            }
             try:
                 self.store.set(f"hb{self.rank}", json.dumps(beat))
             except Exception:  # noqa: BLE001 (the launcher's store is gone: no more heartbeats)

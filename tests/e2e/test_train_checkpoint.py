@@ -161,7 +161,9 @@ def test_corrupt_shard_file_fails_before_launch_or_at_load_with_exit_2(reference
         f.write_bytes(f.read_bytes()[:100])
     rc = cli_main(["train", "--nproc", "1", *ARGS, "--out", str(tmp_path / "o1"), "--resume", str(bad)])
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 2 and last.startswith(f"raggedfsdp train: error: corrupt checkpoint: {bad}: __0_0.distcp has 100 bytes"), last
+    assert rc == 2 and last.startswith(
+        f"raggedfsdp train: error: corrupt checkpoint: {bad}: __0_0.distcp has 100 bytes"
+    ), last
     proc, _ = _run(
         [*_cli(), "train", "--nproc", "1", *ARGS, "--out", str(tmp_path / "o"), "--resume", str(bad),
          "--checkpoint.verify", "false"]

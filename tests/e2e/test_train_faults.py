@@ -124,14 +124,18 @@ def _cases(rank, world, tmp):
 
     # 3. strict loads: tying, fewer layers, another width: every key named; allow_partial loads.
     for i, (over, want) in enumerate([
-        ({"model__tie_embeddings": "true"}, r"unexpected in the checkpoint \(4\): model.output.weight, "
-         r"optim.state.output.weight.exp_avg.*config differs \(1\): model.tie_embeddings: None -> True"),
+        ({"model__tie_embeddings": "true"}, (r"unexpected in the checkpoint \(4\): model.output.weight, "
+         r"optim.state.output.weight.exp_avg.*config differs \(1\): model.tie_embeddings: None -> True")),
         ({"model__n_layers": "1"}, r"unexpected in the checkpoint \(36\): model.layers.1.attention.wk.weight"),
         ({"model__dim": "48", "model__n_heads": "4", "model__n_kv_heads": "2"},
          r"shape mismatch \(\d+\): model.layers.0.attention.wk.weight \(checkpoint \[\d+, 32\], model \[\d+, 48\]\)"),
     ]):  # fmt: skip
         cfg = _cfg(tmp / f"strict{i}", checkpoint__resume=str(step2), **over)
-        _raises(CheckpointError, f"checkpoint {step2} does not match the model: .*{want}", lambda: _trainer(cfg))
+        _raises(
+            CheckpointError,
+            f"checkpoint {step2} does not match the model: .*{want}",
+            lambda cfg=cfg: _trainer(cfg),
+        )
     cfg = _cfg(tmp / "partial", checkpoint__resume=str(step2), checkpoint__allow_partial="true",
                model__tie_embeddings="true")  # fmt: skip
     tr = _trainer(cfg)
@@ -163,8 +167,10 @@ def _cases(rank, world, tmp):
     assert resolve_resume("auto", ck, run_id=run_id, notes=notes) == ck / "step-2"
     assert notes == [
         f"--resume auto: skipping {ck / 'step-4'}: __1_0.distcp fails its SHA-256 check (corrupted on disk)",
-        f"--resume auto: skipping {ck / 'step-3'}: __0_0.distcp has 100 bytes, the manifest says "
-        f"{integrity.read_manifest(ck / 'step-3')['files']['__0_0.distcp']['bytes']} (truncated?)",
+        (
+            f"--resume auto: skipping {ck / 'step-3'}: __0_0.distcp has 100 bytes, the manifest says "
+            f"{integrity.read_manifest(ck / 'step-3')['files']['__0_0.distcp']['bytes']} (truncated?)"
+        ),
         "--resume auto: ignoring checkpoints of other runs: step-9 (run foreign)",
     ], notes
     _raises(CheckpointError, r"corrupt checkpoint: .*step-4: __1_0.distcp fails its SHA-256",
@@ -194,7 +200,9 @@ def _cases(rank, world, tmp):
     _raises(DivergenceError, r"loss diverged at step 2: .* > training.divergence_ratio=0.5 x the run's first "
             r"loss", lambda: tr.train_step(2))  # fmt: skip
     if rank == 1:
-        next(p for p in tr.model.parameters() if p.to_local().numel()).to_local().detach().view(-1)[0] = float("nan")
+        next(p for p in tr.model.parameters() if p.to_local().numel()).to_local().detach().view(-1)[0] = (
+            float("nan")
+        )
     _raises(FaultError, r"refusing to save step 2: the model or optimizer state holds NaN/Inf",
             lambda: tr.save(2, 1e-3))  # fmt: skip
     tr.close()
@@ -334,13 +342,15 @@ def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
     timeout 120 s) the job ends in seconds and the last line names rank 1, not the waiting rank 0."""
     cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "6", "--out", str(tmp_path / "o"),
            "--job.hang_timeout_s", "3", "--job.pg_timeout_s", "120"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=_env("hang@step3:rank1"))
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=150, env=_env("hang@step3:rank1")
+    )
     elapsed = time.time() - _fault_time(proc.stderr)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        "raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 3."
-    ), last
+    assert last.startswith("raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 3."), (
+        last
+    )
     assert "at step 3" in last and "faults.py" in last and "not in a collective" in last, last
     assert "[rank 1/2] main thread's Python stack:" in proc.stderr
     assert elapsed < 40, f"{elapsed:.1f}s from the hang to the job's end (process-group timeout: 120 s)"
@@ -350,7 +360,9 @@ def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_pa
     out = tmp_path / "o"
     cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "5", "--checkpoint-interval", "1",
            "--checkpoint.keep_latest", "1", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=_env("nan@step3:rank1"))
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=150, env=_env("nan@step3:rank1")
+    )
     elapsed = time.time() - _fault_time(proc.stderr)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]

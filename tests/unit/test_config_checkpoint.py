@@ -63,6 +63,8 @@ def test_resolve_resume(tmp_path):
     notes = []
     assert resolve_resume("auto", tmp_path, run_id="r1", notes=notes) is None
     assert notes == [
-        f"--resume auto: skipping {tmp_path / 'step-3'}: manifest.json missing (an incomplete save, or "
-        "not written by raggedfsdp train)"
+        (
+            f"--resume auto: skipping {tmp_path / 'step-3'}: manifest.json missing (an incomplete save, "
+            "or not written by raggedfsdp train)"
+        )
     ]

@@ -74,7 +74,9 @@ def test_guard_divergence():
 
 def test_batch_checks_name_rank_step_sample_and_offset():
     tokens = torch.arange(1000) % 256
-    s = BatchSampler(tokens.to(torch.uint8), seq_len=8, global_batch_size=8, world_size=2, rank=1, grad_accum=2)
+    s = BatchSampler(
+        tokens.to(torch.uint8), seq_len=8, global_batch_size=8, world_size=2, rank=1, grad_accum=2
+    )
     inputs, targets = s.get(5, 1)
     assert batch_id(s, 5, 1, 1) == "step5:rows6-7 (rank 1, micro-step 1)"
     check_batch(inputs, targets, sampler=s, step=5, micro=1, vocab_size=256)
@@ -109,9 +111,14 @@ def test_manifest_verification(tmp_path):
     integrity.write_manifest(tmp_path, run_id="r", step=1, files=files)
     assert integrity.verify_step_folder(tmp_path) is None
     (tmp_path / "__0_0.distcp").write_bytes(b"a" * 99 + b"b")
-    assert integrity.verify_step_folder(tmp_path) == "__0_0.distcp fails its SHA-256 check (corrupted on disk)"
+    assert (
+        integrity.verify_step_folder(tmp_path) == "__0_0.distcp fails its SHA-256 check (corrupted on disk)"
+    )
     (tmp_path / "__1_0.distcp").write_bytes(b"")
     assert integrity.verify_step_folder(tmp_path) == "file(s) not in the manifest: __1_0.distcp"
+    (tmp_path / "__1_0.distcp").unlink()
+    (tmp_path / ".metadata").unlink()  # a deleted newest .metadata is not an older step's resume
+    assert integrity.verify_step_folder(tmp_path) == ".metadata is missing"
 
 
 def test_out_lock_and_policy(tmp_path):
