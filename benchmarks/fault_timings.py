@@ -1,5 +1,5 @@
 """Fault campaign for `raggedfsdp train` (issue 11): for each injected fault, the time from the fault
-to the job's end, the exit code and the last line the user sees.
+to the last line the user sees (printed after every rank exited), the exit code and that line.
 
     python benchmarks/fault_timings.py [--nproc 2] [--only nan,hang]
 
@@ -77,13 +77,19 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
     steps = "400" if name.endswith("launcher") else "8"
     cmd = [*_cli(), "train", "--nproc", str(nproc), *ARGS, "--steps", steps, "--out", str(tmp / name), *extra]
     if not name.endswith("launcher"):
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300)
-        end = time.time()
-        t0 = _fault_t(proc.stderr)
-        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        lines, t_last = [], time.time()
+        for line in proc.stderr:  # the time of the last line the user sees (all ranks have exited)
+            lines.append(line)
+            t_last = time.time()
+        out = proc.stdout.read()
+        proc.wait()
+        t0 = _fault_t("".join(lines))
+        last = (lines[-1] if lines else "").strip()
         if proc.returncode == 0:
-            last = (proc.stdout.strip().splitlines() or [""])[-1]
-        return name, (end - t0) if t0 else float("nan"), proc.returncode, last
+            last = (out.strip().splitlines() or [""])[-1]
+            t_last = time.time()
+        return name, (t_last - t0) if t0 else float("nan"), proc.returncode, last
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     while "step   3/400" not in (proc.stdout.readline() or "step   3/400"):
         pass

@@ -94,6 +94,12 @@ class Interrupts:
                 signal.signal(sig, self._handler)
         return self
 
+    def uninstall(self) -> None:
+        """Back to the default actions (a failing rank: a launcher's SIGTERM should end it now)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+
     def _handler(self, signum, frame) -> None:
         if self.signum == 0:
             self.signum, self.at = signum, time.monotonic()

@@ -188,6 +188,10 @@ def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int
         except Interrupted:  # raised on every rank at the same step: still tear down together
             dist.barrier()
             raise
+        except BaseException:
+            if interrupts is not None:  # a failed rank: torchrun's SIGTERM may end it at once now
+                interrupts.uninstall()
+            raise
         dist.barrier()  # every rank is done with its collectives before any tears the group down
     finally:
         watchdog.stop()
