@@ -69,24 +69,31 @@ class StepStats:
         return not (self.bad_loss_ranks or self.bad_grad_ranks) and math.isfinite(self.grad_norm)
 
 
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(local tensor, counts here)``: a replicated DTensor counts on one rank only."""
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(local tensor, weight)``: the weight is 1 / (number of ranks holding the same piece), so
+    that summing ``weight * local`` over all ranks counts every element once (a DTensor replicated
+    over some mesh dims, e.g. HSDP's replicate dim, counts 1/size on each of those ranks)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(t, DTensor):
-        replicated = all(isinstance(p, Replicate) for p in t.placements)
-        return t.to_local(), (not replicated) or t.device_mesh.get_local_rank() == 0
-    return t, dist.get_rank() == 0  # a plain tensor is the same on every rank
+        copies = 1
+        for dim, p in enumerate(t.placements):
+            if isinstance(p, Replicate):
+                copies *= t.device_mesh.size(dim)
+        return t.to_local(), 1.0 / copies
+    return t, 1.0 / dist.get_world_size()  # a plain tensor: the same on every rank
 
 
 def local_sumsq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares (0-d float64) of this rank's part of ``tensors`` (DTensor shards or plain)."""
-    parts = [loc for loc, counts in map(_local, tensors) if counts and loc.numel() > 0]
+    """This rank's weighted sum of squares (0-d float64) of ``tensors`` (DTensor shards or plain):
+    the all-reduced sum is the global sum of squares."""
+    parts = [(loc, w) for loc, w in map(_local, tensors) if loc.numel() > 0]
     if not parts:
         dev = tensors[0].device if tensors else torch.device("cpu")
         return torch.zeros((), dtype=torch.float64, device=dev)
-    norms = torch._foreach_norm(parts)  # one foreach kernel, no host sync
-    return torch.stack([n.double() for n in norms]).square().sum()
+    norms = torch._foreach_norm([loc for loc, _ in parts])  # one foreach kernel, no host sync
+    weights = torch.tensor([w for _, w in parts], dtype=torch.float64, device=norms[0].device)
+    return (torch.stack([n.double() for n in norms]).square() * weights).sum()
 
 
 class StepGuard:
