@@ -12,8 +12,9 @@ Backends:
     python benchmarks/memory_vs_torch.py --nproc 3 --rank 2        # another simulated rank
     python benchmarks/memory_vs_torch.py --nproc 2 --backend gloo  # CPU, real gloo ranks (adds gloo scratch)
     python benchmarks/memory_vs_torch.py --device cuda             # NCCL, one process per GPU, CUDA allocator
-Add ``--rss`` (with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print the resident-set
-high-water growth of the measured step next to it, as a cross-check of the CPU method. The last
+Add ``--rss`` (with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print, as a
+cross-check of the CPU method, the resident-set high-water growth over one step after warm-up
+(a separate pass) next to the measured step's transient (peak - state). The last
 line printed is one JSON object with every number.
 """
 
@@ -37,6 +38,28 @@ def _rss_hwm() -> tuple[int, int]:
     return int(d["VmRSS"].split()[0]) * 1024, int(d["VmHWM"].split()[0]) * 1024
 
 
+def _rss_step(build, loss, warmup: int) -> int:
+    """RSS high-water growth over one step after warm-up (VmHWM reset via /proc/self/clear_refs)."""
+    import gc
+
+    model, opt = build()
+    for _ in range(warmup):
+        loss(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss0, _ = _rss_hwm()
+    loss(model).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    growth = _rss_hwm()[1] - rss0
+    del model, opt
+    gc.collect()
+    return growth
+
+
 def measure(rank: int, ws: int, args) -> dict:
     """Every (dtype, backend) measurement on this rank (a process group must be initialised)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -55,13 +78,9 @@ def measure(rank: int, ws: int, args) -> dict:
         row = {}
         for b in ("ragged", "torch"):
             build = builder(b, init, mesh, pdt, d=args.dim, n=args.blocks)
-            if args.rss:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                rss0, _ = _rss_hwm()
             r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup)._asdict()
             if args.rss:
-                r["rss_hwm_growth_bytes"] = _rss_hwm()[1] - rss0
+                r["rss_step_growth_bytes"] = _rss_step(build, loss_fn(x), args.warmup)
             row[b] = r
         for k in ("fwd_bwd_peak_bytes", "optim_peak_bytes", "state_bytes"):
             row[f"ratio_{k.removesuffix('_bytes')}"] = row["ragged"][k] / max(row["torch"][k], 1)
@@ -76,14 +95,15 @@ def _print(res: dict, args, ws: int, rank: int) -> None:
     print(f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit {unit / MiB:.2f} MiB "
           f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}; device {args.device}; ws {ws}; rank {rank}")
     print(f"{'dtype':5s} {'backend':7s} {'state MiB':>10s} {'fwd+bwd peak':>13s} {'optim peak':>11s}"
-          + (f" {'RSS hwm growth':>15s}" if args.rss else ""))
+          + (f" {'step transient':>15s} {'RSS step growth':>15s}" if args.rss else ""))
     for dt, row in res.items():
         for b in ("ragged", "torch"):
             r = row[b]
             line = (f"{dt:5s} {b:7s} {r['state_bytes'] / MiB:10.2f} {r['fwd_bwd_peak_bytes'] / MiB:13.2f} "
                     f"{r['optim_peak_bytes'] / MiB:11.2f}")
             if args.rss:
-                line += f" {r['rss_hwm_growth_bytes'] / MiB:15.2f}"
+                transient = max(r["fwd_bwd_peak_bytes"], r["optim_peak_bytes"]) - r["state_bytes"]
+                line += f" {transient / MiB:15.2f} {r['rss_step_growth_bytes'] / MiB:15.2f}"
             print(line)
         print(f"{dt:5s} ratio ragged/torch: fwd+bwd peak {row['ratio_fwd_bwd_peak']:.3f}, optimizer-step peak "
               f"{row['ratio_optim_peak']:.3f}, fwd+bwd transient (peak - state) {row['ratio_fwd_bwd_transient']:.3f}")

@@ -65,7 +65,7 @@ def builder(backend: str, init: dict, mesh, param_dtype=None, *, d: int = D, n: 
         for b in model.blocks:
             fs(b, mesh=mesh, mp_policy=mp_policy)
         fs(model, mesh=mesh, mp_policy=mp_policy)
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
 
     return build
 
