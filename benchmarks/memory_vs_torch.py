@@ -62,9 +62,9 @@ def _rss_step(build, loss, warmup: int) -> int:
 
 def measure(rank: int, ws: int, args) -> dict:
     """Every (dtype, backend) measurement on this rank (a process group must be initialised)."""
+    from _memory import MemNet, builder, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from _memory import MemNet, builder, loss_fn
     from raggedfsdp.fsdp.memory import measure_train_step
 
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")

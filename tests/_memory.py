@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
-import torch.nn as nn
+from torch import nn
 
 D, N_BLOCKS, BATCH = 512, 8, 16
 

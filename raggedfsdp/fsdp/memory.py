@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import torch
 
@@ -128,7 +128,7 @@ def live_tensor_bytes(device: torch.device | str = "cpu") -> int:
                     t = getattr(obj, "_local_tensor", obj)
                     if isinstance(t, torch.Tensor) and t.device.type == dev_type:
                         tensors.append(t)
-            except Exception:  # noqa: BLE001 - objects whose isinstance() misbehaves are skipped
+            except Exception:  # noqa: BLE001, S112 - objects whose isinstance() misbehaves are skipped
                 continue
     return storage_bytes(tensors)
 
@@ -231,7 +231,7 @@ class PeakMemory:
         self._active = False
         self._global_total = False if self.is_cuda else enable_cpu_allocator_accounting()
 
-    def __enter__(self) -> PeakMemory:
+    def __enter__(self) -> Self:
         if self._active:
             raise RuntimeError("PeakMemory is already active; use a second PeakMemory after this one exits")
         self.peak_bytes = self.end_bytes = self.peak_reserved_bytes = None

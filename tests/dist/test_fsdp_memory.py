@@ -33,10 +33,8 @@ acceptance test. The frozen-base case (issue 13 item 1): a unit with a frozen
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from _memory import BATCH, D, MemNet, builder, loss_fn, run_fake_rank
 
 K_RS_BUFFERS = 1
@@ -89,9 +87,9 @@ def _step_case(rank, ws):
 
 def _frozen_case(rank, ws):
     """Issue 13 item 1: frozen Linear(2048, 2048) + trainable Linear(2048, 4) in one unit."""
+    from _memory import backends
     from torch.distributed.device_mesh import init_device_mesh
 
-    from _memory import backends
     from raggedfsdp.fsdp.memory import PeakMemory, storage_bytes
 
     mesh = init_device_mesh("cpu", (ws,))

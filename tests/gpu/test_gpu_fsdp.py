@@ -20,7 +20,6 @@ import copy
 
 import pytest
 import torch
-
 from _memory import MemNet, builder, loss_fn
 from _nccl import record, run_nccl, world_size
 
@@ -212,8 +211,9 @@ def test_bf16_gradients_match_single_gpu():
 
 # ---- meta-device init on CUDA -------------------------------------------------------------------------
 def _meta_case(rank, ws):
-    import raggedfsdp
     from torch.distributed.tensor import DTensor
+
+    import raggedfsdp
 
     mesh = _mesh(ws)
 
@@ -273,8 +273,9 @@ def _intervals(prof):
 
 
 def _overlap_case(rank, ws):
-    import raggedfsdp
     from torch.profiler import ProfilerActivity, profile
+
+    import raggedfsdp
 
     mesh = _mesh(ws)
     torch.manual_seed(0)

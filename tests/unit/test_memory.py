@@ -75,9 +75,8 @@ def test_errors():
     with m:
         with pytest.raises(RuntimeError, match="already active"):
             m.__enter__()
-        with pytest.raises(RuntimeError):
-            with PeakMemory():  # a second profiler session
-                pass
+        with pytest.raises(RuntimeError), PeakMemory():  # a second profiler session
+            pass
     with pytest.raises(ValueError, match="warmup_steps"):
         measure_train_step(lambda: None, lambda m: None, warmup_steps=0)
 
