@@ -39,11 +39,20 @@ def _shard(model, fs, mesh, **kw):
     return model
 
 
-def _full_grads(model):
+def _full(t):
+    """Full tensor of a (possibly CPU-offloaded) DTensor, gathered over its CUDA mesh; plain tensors as is."""
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().cpu()
-            for n, p in model.named_parameters() if p.grad is not None}
+    if not isinstance(t, DTensor):
+        return t
+    if t.device.type != t.device_mesh.device_type:  # CPU offload: the shard lives on the host
+        t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                               shape=t.shape, stride=t.stride())
+    return t.full_tensor()
+
+
+def _full_grads(model):
+    return {n: _full(p.grad).float().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _rel_err(a: dict, b: dict) -> float:
@@ -211,7 +220,6 @@ def test_bf16_gradients_match_single_gpu():
 
 # ---- meta-device init on CUDA -------------------------------------------------------------------------
 def _meta_case(rank, ws):
-    from torch.distributed.tensor import DTensor
 
     import raggedfsdp
 
@@ -231,7 +239,7 @@ def _meta_case(rank, ws):
     init_params(model)
     ref.to_empty(device="cuda")
     init_params(ref)
-    full = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    full = {n: _full(p) for n, p in model.named_parameters()}
     max_diff = max(float((full[n] - p).abs().max()) for n, p in ref.named_parameters())
     devices = sorted({p.device.type for p in model.parameters()})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -239,7 +247,7 @@ def _meta_case(rank, ws):
     loss_fn(x)(model).backward()
     opt.step()
     return {"max_abs_diff_vs_single_device_init": max_diff, "devices": devices,
-            "finite": bool(all(torch.isfinite(p.full_tensor()).all() for p in model.parameters()))}
+            "finite": bool(all(torch.isfinite(_full(p)).all() for p in model.parameters()))}
 
 
 def test_meta_device_init_on_cuda_matches_single_device_init():
