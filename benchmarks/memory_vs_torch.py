@@ -12,7 +12,7 @@ Backends:
     python benchmarks/memory_vs_torch.py --nproc 3 --rank 2        # another simulated rank
     python benchmarks/memory_vs_torch.py --nproc 2 --backend gloo  # CPU, real gloo ranks (adds gloo scratch)
     python benchmarks/memory_vs_torch.py --device cuda             # NCCL, one process per GPU, CUDA allocator
-Add ``--rss`` (with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print, as a
+Add ``--breakdown 8`` to list what each forward + backward peak is made of (CPU). Add ``--rss`` (with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print, as a
 cross-check of the CPU method, the resident-set high-water growth over one step after warm-up
 (a separate pass) next to the measured step's transient (peak - state). The last
 line printed is one JSON object with every number.
@@ -78,7 +78,10 @@ def measure(rank: int, ws: int, args) -> dict:
         row = {}
         for b in ("ragged", "torch"):
             build = builder(b, init, mesh, pdt, d=args.dim, n=args.blocks)
-            r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup)._asdict()
+            r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup, breakdown=args.breakdown)._asdict()
+            owners = r.pop("fwd_bwd_peak_owners")
+            if args.breakdown:
+                r["fwd_bwd_peak_owners"] = [[n, op] for n, op in owners]
             if args.rss:
                 r["rss_step_growth_bytes"] = _rss_step(build, loss_fn(x), args.warmup)
             row[b] = r
@@ -105,6 +108,10 @@ def _print(res: dict, args, ws: int, rank: int) -> None:
                 transient = max(r["fwd_bwd_peak_bytes"], r["optim_peak_bytes"]) - r["state_bytes"]
                 line += f" {transient / MiB:15.2f} {r['rss_step_growth_bytes'] / MiB:15.2f}"
             print(line)
+        for b in ("ragged", "torch") if args.breakdown else ():
+            print(f"{dt:5s} {b}: blocks allocated in the step and live at its fwd+bwd peak:")
+            for n, op in row[b]["fwd_bwd_peak_owners"]:
+                print(f"        {n / MiB:8.3f} MiB  {op}")
         print(f"{dt:5s} ratio ragged/torch: fwd+bwd peak {row['ratio_fwd_bwd_peak']:.3f}, optimizer-step peak "
               f"{row['ratio_optim_peak']:.3f}, fwd+bwd transient (peak - state) {row['ratio_fwd_bwd_transient']:.3f}")
 
@@ -179,6 +186,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=16, help="rows per rank")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--param-dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
+                    help="CPU: print the N largest blocks live at each fwd+bwd peak and the ops that allocated them")
     ap.add_argument("--rss", action="store_true", help="also print the RSS high-water growth (CPU, Linux)")
     args = ap.parse_args(argv)
     if args.nproc is None:
@@ -197,7 +206,8 @@ def main(argv=None) -> dict:
     rank = min(res)
     _print(res[rank], args, args.nproc, rank)
     summary = {"config": {k: v for k, v in vars(args).items()}, "rank": rank, "results": res[rank],
-               "max_over_ranks": {dt: {k: max(res[r][dt]["ragged"][k] for r in res) for k in res[rank][dt]["ragged"]}
+               "max_over_ranks": {dt: {k: max(res[r][dt]["ragged"][k] for r in res)
+                                       for k in res[rank][dt]["ragged"] if k.endswith("_bytes")}
                                   for dt in res[rank]}}
     print(json.dumps(summary))
     return summary

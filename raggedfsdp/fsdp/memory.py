@@ -133,8 +133,17 @@ def live_tensor_bytes(device: torch.device | str = "cpu") -> int:
     return storage_bytes(tensors)
 
 
-def _cpu_timeline(prof) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
-    """CPU allocator events ``(time_ns, signed bytes, total_allocated)`` and marker ``(start, end)`` ns."""
+def _op_chain(e, depth: int = 4) -> str:
+    names, p = [], e.parent
+    while p is not None and len(names) < depth:
+        names.append(p.name)
+        p = p.parent
+    return " < ".join(names) or "(no op)"
+
+
+def _cpu_timeline(prof, with_owner: bool = False):
+    """CPU allocator events ``(time_ns, signed bytes, total_allocated[, ptr, op chain])`` and marker
+    ``(start, end)`` ns."""
     results = getattr(prof.profiler, "kineto_results", None)
     tree = getattr(results, "experimental_event_tree", None)
     if tree is None:
@@ -150,7 +159,10 @@ def _cpu_timeline(prof) -> tuple[list[tuple[int, int, int]], list[tuple[int, int
         kind, fields = e.typed
         if kind == torch._C._profiler._EventType.Allocation:
             if fields.device.type == "cpu":
-                allocs.append((e.start_time_ns, fields.alloc_size, fields.total_allocated))
+                ev = (e.start_time_ns, fields.alloc_size, fields.total_allocated)
+                if with_owner:
+                    ev += (fields.ptr, _op_chain(e) if fields.alloc_size > 0 else "")
+                allocs.append(ev)
         elif kind == torch._C._profiler._EventType.TorchOp and e.name == _MARK:
             marks.append((e.start_time_ns, e.end_time_ns))
     allocs.sort(key=lambda x: x[0])
@@ -161,7 +173,7 @@ def _cpu_timeline(prof) -> tuple[list[tuple[int, int, int]], list[tuple[int, int
 def _cpu_windows(allocs, marks, baseline: int, global_total: bool) -> list[MemoryWindow]:
     """Split the allocator timeline at the markers (the first one is the region's entry)."""
     levels, running = [], 0
-    for _, n, total in allocs:
+    for _, n, total, *_ in allocs:
         running += n
         levels.append(total if global_total else running)
     windows, i = [], 0
@@ -189,6 +201,28 @@ def _cpu_windows(allocs, marks, baseline: int, global_total: bool) -> list[Memor
     return [MemoryWindow(w.baseline_bytes + off, w.peak_bytes, w.end_bytes + off) for w in windows]
 
 
+def _peak_owners(allocs, marks, global_total: bool, top: int) -> list[list[tuple[int, str]]]:
+    """Per window: the blocks allocated in it and live at its peak, ``(bytes, allocating op chain)``."""
+    bounds = [m[1] for m in marks] + [float("inf")]
+    return [_window_owners([e for e in allocs if t0 < e[0] < t1], global_total, top)
+            for t0, t1 in zip(bounds[:-1], [m[0] for m in marks[1:]] + [float("inf")])]
+
+
+def _window_owners(evs, global_total: bool, top: int) -> list[tuple[int, str]]:
+    live: dict[int, tuple[int, str]] = {}
+    best, best_live, level, running = None, {}, 0, 0
+    for _, n, total, ptr, chain in evs:
+        running += n
+        level = total if global_total else running
+        if n > 0:
+            live[ptr] = (n, chain)
+        else:
+            live.pop(ptr, None)
+        if best is None or level > best:
+            best, best_live = level, dict(live)
+    return sorted(best_live.values(), key=lambda v: -v[0])[:top]
+
+
 def _mark() -> None:
     """A profiler marker holding a 1-byte sentinel allocation: the allocator's level at this point."""
     with torch.profiler.record_function(_MARK):
@@ -201,6 +235,10 @@ class PeakMemory:
     Args:
         device: ``torch.device`` or string; ``cuda`` / ``cuda:i`` use that device's caching
             allocator, any other device type uses the CPU method. Default ``"cpu"``.
+        breakdown: CPU only: keep the ``breakdown`` largest blocks that were allocated in a window
+            and are live at its peak, as ``(bytes, "op < parent op < ...")`` (the profiler ops that
+            allocated them): what each peak is made of. ``peak_owners`` holds the last window's,
+            ``window_owners`` every window's. Default 0 (off).
 
     Attributes (bytes; ``None`` until exit): ``peak_bytes``, ``baseline_bytes``, ``end_bytes``
     (of the last window), ``windows`` (every window, in order); CUDA also ``peak_reserved_bytes``.
@@ -212,7 +250,7 @@ class PeakMemory:
             ``torch.profiler`` session is already running in this process.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", *, breakdown: int = 0):
         if not isinstance(device, (torch.device, str)):
             raise TypeError(
                 f"PeakMemory(device=...) takes a torch.device or a string such as 'cpu' or 'cuda:0', "
@@ -227,6 +265,9 @@ class PeakMemory:
         self.end_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
         self.windows: list[MemoryWindow] = []
+        self.breakdown = int(breakdown)
+        self.peak_owners: list[tuple[int, str]] = []
+        self.window_owners: list[list[tuple[int, str]]] = []
         self._prof = None
         self._active = False
         self._global_total = False if self.is_cuda else enable_cpu_allocator_accounting()
@@ -284,13 +325,16 @@ class PeakMemory:
         else:
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
-            allocs, marks = _cpu_timeline(prof)
+            allocs, marks = _cpu_timeline(prof, with_owner=self.breakdown > 0)
             if not marks:
                 raise RuntimeError(
                     "PeakMemory lost its profiler session (another torch.profiler session started and "
                     "ended inside the region); its figures are unknown"
                 )
             self.windows = _cpu_windows(allocs, marks, self.baseline_bytes, self._global_total)
+            if self.breakdown:
+                self.window_owners = _peak_owners(allocs, marks, self._global_total, self.breakdown)
+                self.peak_owners = self.window_owners[-1]
         self.baseline_bytes, self.peak_bytes, self.end_bytes = self.windows[-1]
         return False
 
@@ -309,12 +353,15 @@ class StepMemory(NamedTuple):
     the FSDP runtime keeps between steps); ``fwd_bwd_peak_bytes`` / ``optim_peak_bytes``: the peak
     during forward + backward / during ``optimizer.step()``; ``end_bytes``: live after the step's
     ``zero_grad``. A peak minus ``state_bytes`` is the step's transient memory.
+    ``fwd_bwd_peak_owners``: with ``breakdown > 0`` (CPU), the largest blocks live at the forward +
+    backward peak and the ops that allocated them (see :class:`PeakMemory`).
     """
 
     state_bytes: int
     fwd_bwd_peak_bytes: int
     optim_peak_bytes: int
     end_bytes: int
+    fwd_bwd_peak_owners: tuple = ()
 
 
 def measure_train_step(
@@ -322,6 +369,7 @@ def measure_train_step(
     loss_fn: Callable[[torch.nn.Module], torch.Tensor],
     device: torch.device | str = "cpu",
     warmup_steps: int = 1,
+    breakdown: int = 0,
 ) -> StepMemory:
     """Build a model and optimizer, train ``warmup_steps`` steps, then measure one step with :class:`PeakMemory`.
 
@@ -342,7 +390,7 @@ def measure_train_step(
             "optimizer state exists before the measured step"
         )
     gc.collect()
-    with PeakMemory(device) as m:
+    with PeakMemory(device, breakdown=breakdown) as m:
         model, opt = build()
         for _ in range(warmup_steps):
             loss_fn(model).backward()
@@ -364,4 +412,5 @@ def measure_train_step(
         fwd_bwd_peak_bytes=fb.baseline_bytes + fb.peak_bytes - origin,
         optim_peak_bytes=st.baseline_bytes + st.peak_bytes - origin,
         end_bytes=zg.end_bytes - origin,
+        fwd_bwd_peak_owners=tuple(m.window_owners[1]) if m.window_owners else (),
     )

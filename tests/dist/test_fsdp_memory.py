@@ -80,7 +80,8 @@ def _step_case(rank, ws):
             "grads": (K_RS_BUFFERS + 1) * unit_numel * gsize,
             "adamw_tmp": int(1.01 * 2 * n_params * 4 / ws),
         }
-        res = {b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x)) for b in ("ragged", "torch")}
+        res = {b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x), breakdown=8)
+               for b in ("ragged", "torch")}
         out[dt_name] = {"bound": bound, **{b: r._asdict() for b, r in res.items()}}
     return out
 
@@ -145,8 +146,10 @@ def test_step_peak_memory_bounded_and_at_most_fsdp2(ws):
             )
             where = f"ws={ws} rank={rank} {dt}"
             if rag["fwd_bwd_peak_bytes"] > fb_bound:
+                owners = "; ".join(f"{n / MiB:.2f} MiB by {op}" for n, op in rag["fwd_bwd_peak_owners"])
                 failures.append(f"{where}: fwd+bwd peak {rag['fwd_bwd_peak_bytes'] / MiB:.2f} MiB > bound "
-                                f"{fb_bound / MiB:.2f} MiB ({ {k: round(v / MiB, 2) for k, v in b.items()} })")
+                                f"{fb_bound / MiB:.2f} MiB ({ {k: round(v / MiB, 2) for k, v in b.items()} }); "
+                                f"allocated in the step and live at the peak: {owners}")
             if rag["fwd_bwd_peak_bytes"] > tor["fwd_bwd_peak_bytes"]:
                 failures.append(f"{where}: fwd+bwd peak {ratio_fb:.3f}x torch fully_shard's")
             if rag["optim_peak_bytes"] > opt_bound:

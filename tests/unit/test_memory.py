@@ -170,3 +170,17 @@ def test_peak_matches_rss_high_water_mark():
     assert peak == 2 * (1024 * 1024 + 1024) * 4 + 24_000_000
     # RSS adds page rounding, small-block malloc arenas and the profiler's own buffers
     assert abs(rss_growth - peak) <= 0.05 * peak + 2 * 2**20, (peak, rss_growth)
+
+
+def test_breakdown_names_the_blocks_live_at_the_peak():
+    a = torch.randn(256, 256)
+    with PeakMemory(breakdown=3) as m:
+        keep = torch.empty(100_000)  # 400 KB, live at the peak
+        tmp = a @ a  # 256 KiB, live at the peak
+        del tmp
+        m.reset()
+        small = torch.empty(10)
+    (n0, op0), (n1, op1) = m.window_owners[0][:2]
+    assert (n0, n1) == (400_000, 256 * 256 * 4) and "empty" in op0 and "mm" in op1, m.window_owners
+    assert m.peak_owners == [(40, m.peak_owners[0][1])]
+    del keep, small
