@@ -281,7 +281,8 @@ apply()
 # and frees update the total (gloo's worker threads free collective scratch the main thread
 # allocated), and frees of blocks allocated before a profiler session are reported with their
 # size. torch has no Python setter for c10 flags, so this writes the exported global with ctypes.
-# Cost: one mutex + hash-map update per CPU allocation for the rest of the process.
+# Cost: one mutex + hash-map update per CPU allocation for the rest of the process; with
+# TORCH_CPP_LOG_LEVEL=INFO c10 also logs every allocation (the default level, WARNING, does not).
 _CPU_ACCOUNTING: bool | None = None
 
 
