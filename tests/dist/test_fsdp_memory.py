@@ -9,9 +9,9 @@ of 16; ws 2 (rank 0) and 3 (rank 2), ``param_dtype`` fp32 and bf16 (reduce fp32)
 
 Per rank and configuration, with every figure relative to the live bytes before the model is built:
 
-    fwd+bwd peak <= sharded state + activations + 2 param units + root + (K+1) unsharded grad units
-                    + one weight gradient
-    optimizer-step peak <= sharded state + AdamW temporaries + (K+1) unsharded grad units
+    fwd+bwd peak <= sharded state + activations + 2 param units + (K+1) unsharded grad units
+                    + the root unit's params and grads + one weight gradient
+    optimizer-step peak <= sharded state + AdamW temporaries + the grad units above
     and fwd+bwd <= torch fully_shard's peak on the same model and rank (optimizer step: + max(64 KiB, 0.5%),
     the padding between tensors)
 
@@ -20,15 +20,17 @@ Per rank and configuration, with every figure relative to the live bytes before 
 * activations = the same local batch's forward peak in an unsharded model in ``param_dtype``, plus
   four activation-sized backward temporaries;
 * param units = the largest unit's numel x ``param_dtype`` bytes, twice (the current unit and one
-  prefetched), plus the root unit (FSDP2's default keeps the root unsharded after forward);
-  grad unit = numel x (``param_dtype`` + ``reduce_dtype`` bytes when they differ);
+  prefetched), plus the root unit's (FSDP2's default keeps the root unsharded after forward);
+  grad unit = numel x (``param_dtype`` + ``reduce_dtype`` bytes when they differ), K + 1 of them plus
+  the root unit's (its gradients are reduced in the final backward callback, in FSDP2 too);
   K = reduce-scatter input buffers alive at once (1, as FSDP2's default); one weight gradient =
   autograd's freshly computed gradient of the largest weight, alive until it is accumulated into
   the gradient buffer (torch's FSDP2 has the same temporary).
 
-Before the runtime keeps gradient memory bounded (issue 8 item 1), every unit's unsharded gradient
-buffer lives until the end of backward and this test fails; nothing here is marked xfail, it is the
-acceptance test. The frozen-base case (issue 13 item 1): a unit with a frozen
+K = 2 (``set_reduce_scatter_max_input_buffers(2)``) must raise the peak by exactly one grad unit.
+Before the runtime kept gradient memory bounded (issue 8 item 1) every unit's unsharded gradient
+buffer lived until the end of backward (55.3 MiB vs the 46.1 MiB bound at ws 2). Nothing here is
+marked xfail: it is the acceptance test, including "<= torch's peak". The frozen-base case (issue 13 item 1): a unit with a frozen
 ``Linear(2048, 2048, bias=False)`` and a trainable ``Linear(2048, 4)``, built on meta, frozen before
 ``fully_shard``, ws 2: the backward's peak and the gradients' storage must be at most torch's
 (frozen parameters hold no gradient storage).
@@ -80,13 +82,25 @@ def _step_case(rank, ws):
             "state": int(1.01 * 4 * n_params * 4 / ws) + 4096,
             "act": _act_bytes(init, x, param_dtype or torch.float32),
             "params": 2 * unit_numel * psize + (D * D + D) * psize,  # current + prefetched + the root
-            "grads": (K_RS_BUFFERS + 1) * unit_numel * gsize,
+            # (K+1) units + the root's: its reduce runs in the final callback (as FSDP2's, whose root
+            # has no post-backward hook on inputs that need grad)
+            "grads": (K_RS_BUFFERS + 1) * unit_numel * gsize + (D * D + D) * gsize,
             "grad_tmp": D * D * psize,  # autograd's new weight grad before it is accumulated
             "adamw_tmp": int(1.01 * 2 * n_params * 4 / ws),
         }
         res = {b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x), breakdown=8)
                for b in ("ragged", "torch")}
         out[dt_name] = {"bound": bound, **{b: r._asdict() for b, r in res.items()}}
+    # K = 2 reduce-scatter inputs in flight: exactly one more unsharded grad unit at the peak
+    build = builder("ragged", init, mesh)
+
+    def build_k2():
+        model, opt = build()
+        model.set_reduce_scatter_max_input_buffers(2)
+        return model, opt
+
+    out["fp32 K=2"] = measure_train_step(build_k2, loss_fn(x))._asdict()
+    out["unit_grad_bytes"] = unit_numel * 4
     return out
 
 
@@ -135,6 +149,13 @@ def test_step_peak_memory_bounded_and_at_most_fsdp2(ws):
     failures, rows = [], []
     for rank in [0] if ws == 2 else [ws - 1]:  # ranks hold near-identical pieces here; one each keeps it fast
         res = run_fake_rank(_step_case, ws, rank)
+        k2, unit_grad = res.pop("fp32 K=2"), res.pop("unit_grad_bytes")
+        extra = k2["fwd_bwd_peak_bytes"] - res["fp32"]["ragged"]["fwd_bwd_peak_bytes"]
+        rows.append(f"ws={ws} rank={rank} fp32 K=2: fwd+bwd peak {k2['fwd_bwd_peak_bytes'] / MiB:.2f} MiB "
+                    f"(+{extra / MiB:.2f} MiB over K=1; one grad unit is {unit_grad / MiB:.2f} MiB)")
+        if not 0 < extra <= unit_grad + 4096:
+            failures.append(f"ws={ws} rank={rank}: set_reduce_scatter_max_input_buffers(2) changed the peak by "
+                            f"{extra / MiB:.2f} MiB, expected one unsharded grad unit ({unit_grad / MiB:.2f} MiB)")
         for dt, r in res.items():
             b, rag, tor = r["bound"], r["ragged"], r["torch"]
             fb_bound = b["state"] + b["act"] + b["params"] + b["grads"] + b["grad_tmp"]

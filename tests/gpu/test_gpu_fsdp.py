@@ -132,10 +132,10 @@ def _peak_case(rank, ws, d, n, batch):
         psize, gsize = (2, 6) if dt else (4, 4)
         r = {b: measure_train_step(builder(b, init, mesh, dt, d=d, n=n), loss_fn(x), "cuda")._asdict()
              for b in ("ragged", "torch")}
-        # sharded state + current/prefetched units + the root + (K+1) grad units + one weight-gradient
+        # sharded state + current/prefetched units + the root's params and grads + (K+1) grad units + one weight-gradient
         # temporary (as tests/dist/test_fsdp_memory.py, K = 1)
         r["bound_without_activations"] = (int(1.01 * 4 * n_params * 4 / ws) + 2 * unit * psize
-                                          + (d * d + d) * psize + 2 * unit * gsize + d * d * psize)
+                                          + (d * d + d) * (psize + gsize) + 2 * unit * gsize + d * d * psize)
         r["ratio_fwd_bwd"] = r["ragged"]["fwd_bwd_peak_bytes"] / r["torch"]["fwd_bwd_peak_bytes"]
         r["ratio_optim"] = r["ragged"]["optim_peak_bytes"] / r["torch"]["optim_peak_bytes"]
         out[dt_name] = r
