@@ -69,7 +69,21 @@ class UnitBuffers:
                                          device=self.storage_device, shapes=self.shapes, pin_memory=self.pin,
                                          name="sharded grads")
             self.sharded_grads.zero_()
+        elif self.sharded_grads.alloc():  # released by release_sharded_grads(): re-grown, zeroed
+            self.sharded_grads.zero_()
         return self.sharded_grads
+
+    def release_sharded_grads(self) -> bool:
+        """Free the ``(S,)`` sharded grad storage while no ``.grad`` views it (after
+        ``zero_grad(set_to_none=True)``), so that between steps and early in backward a unit holds no
+        gradient memory -- as FSDP2, whose sharded grads are allocated per unit in backward. Views of
+        it stay valid and are re-grown by :meth:`sharded_grad_buffer`. Pinned (offload) buffers are
+        kept: re-pinning every step costs more than it saves. Local. Returns True if it freed."""
+        b = self.sharded_grads
+        if b is None or self.pin or b.data.device.type == "meta" or not b.is_allocated:
+            return False
+        b.free()
+        return True
 
     # ---- params ----------------------------------------------------------------------------
     def gather_params(self, group, *, stream=None, source: torch.Tensor | None = None,

@@ -104,6 +104,10 @@ class CommHandle:
         with on_stream(stream):
             if self.work is not None:
                 self.work.wait()
+                if dev.type == "cpu":
+                    # gloo's Work owns clones of its inputs: drop it once the host has waited (on CPU a
+                    # completed wait orders every later use), or the scratch stays alive with the handle
+                    self.work = None
             wait_stream(stream, self.stream)  # local copies issued on the side stream
         self.waited_on.add(key)
         for b in self.buffers:

@@ -469,6 +469,13 @@ class FSDPParamGroup:
     def divide_factor(self) -> float:
         return self.gradient_divide_factor or float(self.shard_world * self.replicate_world)
 
+    def release_unused_sharded_grads(self) -> None:
+        """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
+        iteration wrote it (called by the root before forward). Local."""
+        if self._sg_pending or any(fp.sharded.grad is not None for fp in self.fsdp_params):
+            return
+        self.bufs.release_sharded_grads()
+
     def sharded_grads_fresh(self) -> bool:
         """True if no trainable sharded param holds a grad (``zero_grad(set_to_none=True)``) and no
         reduction of this backward wrote the buffer yet.

@@ -120,6 +120,8 @@ class FSDPState:
             for st in root.all_states:
                 st._post_backward_done = False
                 st._pre_backward_done = False
+                if st.group is not None and torch.is_grad_enabled():
+                    st.group.release_unused_sharded_grads()  # after zero_grad(set_to_none=True)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
