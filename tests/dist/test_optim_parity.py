@@ -1,10 +1,15 @@
-"""Distributed Muon vs torch.optim.Muon / the single-device reference at world sizes 1, 3, 5 (+ HSDP, 8 ranks).
+"""Distributed Muon and AdamW8bit vs their single-device references at world sizes 1, 2, 3, 5 (+ HSDP, 8 ranks).
 
+Muon:
 For the same gradients the sharded parameters must equal the reference **bitwise** (the owner runs
 the very same bfloat16 Newton-Schulz on the very same matrix), whatever the layout: row- or
 element-granular pieces with empty ranks, whole matrices on one rank, 3-D expert stacks, plain
 tensors. Also asserted: every matrix orthogonalised exactly once per step on exactly one rank,
-2 collectives per step (0 when every matrix is whole on one rank), owner balance.
+2 collectives per step (0 when every matrix is whole on one rank).
+
+AdamW8bit: bit-identical to ``reference.adamw8bit_reference_step`` (hence across world sizes) on
+tile-aligned uneven layouts with empty ranks, 0 collectives; fp32 state for small / 1-D tensors
+decided from the global shape; a layout that cuts a tile raises a ValueError naming the parameter.
 """
 
 import pytest
@@ -72,6 +77,59 @@ def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, e
     assert opt.state[params[0]]["momentum_buffer"].placements == params[0].placements
 
 
+Q_SHAPES = [(64, 72), (96, 64), (2, 64, 33), (64, 8), (300,), (32, 32)]  # last 3: fp32 state (small)
+
+
+def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from _optim_cases import full, layout, make_param, set_grad
+    from raggedfsdp import RaggedShard
+    from raggedfsdp.optim import AdamW8bit
+    from raggedfsdp.optim.reference import adamw8bit_reference_step, tile_eligible
+
+    nshard = mesh.size(mesh.ndim - 1)
+    g = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(s, generator=g) for s in Q_SHAPES]
+    params = []
+    for i, f in enumerate(fulls):
+        br = 32 if tile_eligible(tuple(f.shape)) else 1
+        rs = layout("row" if f.ndim > 1 else "element", f.shape, nshard, seed + i, block_rows=br)
+        params.append(make_param(f, mesh, (rs,) if mesh.ndim == 1 else (Replicate(), rs), rank_in_dim))
+    refs = [f.clone() for f in fulls]
+    states = [{} for _ in fulls]
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    opt = AdamW8bit(params, **kw)
+    for _ in range(3):
+        grads = [torch.randn(f.shape, generator=g) * (i + 1) for i, f in enumerate(fulls)]
+        for p, gr in zip(params, grads):
+            set_grad(p, gr, rank_in_dim)
+        with CommDebugMode() as comm:
+            opt.step()
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        for r, gr, st in zip(refs, grads, states):
+            adamw8bit_reference_step(r, gr, st, **kw)
+    for i, (p, r, st) in enumerate(zip(params, refs, states)):
+        assert torch.equal(full(p), r), (i, Q_SHAPES[i], (full(p) - r).abs().max())
+        ost = opt.state[p]
+        assert ("exp_avg_codes" in ost) == tile_eligible(Q_SHAPES[i]) == ("exp_avg_codes" in st)
+        if "exp_avg_codes" in st:
+            assert ost["exp_avg_codes"].dtype == torch.uint8
+            assert torch.equal(full(ost["exp_avg_codes"]).view(-1), st["exp_avg_codes"].view(-1))
+            assert torch.equal(full(ost["exp_avg_sq_scale"]), st["exp_avg_sq_scale"])
+    # a piece that cuts a 32-row tile is refused, naming the parameter and the fix
+    if nshard > 1:
+        bad = make_param(fulls[1], mesh, (RaggedShard((0,), (1,) * nshard),) if mesh.ndim == 1 else
+                         (Replicate(), RaggedShard((0,), (1,) * nshard)), rank_in_dim)
+        try:
+            AdamW8bit([bad])
+        except ValueError as e:
+            assert "cuts a 32x32 tile" in str(e) and "shard_placement_fn" in str(e), e
+        else:
+            raise AssertionError("a tile-cutting layout was accepted")
+
+
 def _muon_1d(rank, ws):
     import raggedfsdp  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,10 +139,11 @@ def _muon_1d(rank, ws):
     _check_muon(rank, ws, mesh, rank, KINDS[::-1], 1, nesterov=False, adjust_lr_fn="match_rms_adamw")
     # every matrix whole on one rank: no communication at all
     _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0)
+    _check_adamw8bit(rank, ws, mesh, rank, 4)
 
 
-@pytest.mark.parametrize("ws", [1, 3, 5])
-def test_muon_matches_torch_at_world_sizes(ws):
+@pytest.mark.parametrize("ws", [1, 2, 3, 5])
+def test_optimizers_match_references_at_world_sizes(ws):
     run_distributed(_muon_1d, ws)
 
 
@@ -95,9 +154,10 @@ def _muon_hsdp(rank, ws):
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
     # 2 collectives per step, both over the 2-rank shard group: nothing crosses the replicate dim
     _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS, 3, expect_colls=2)
+    _check_adamw8bit(rank, ws, mesh, mesh.get_local_rank(1), 6)
 
 
-def test_muon_hsdp_2x2():
+def test_optimizers_hsdp_2x2():
     run_distributed(_muon_hsdp, 4)
 
 
