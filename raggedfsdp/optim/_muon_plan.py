@@ -3,10 +3,13 @@
 Every rank of a process group computes the same plan from global metadata only (shapes and the
 ``RaggedShard`` flat ranges), so ranks agree on owners and on every split without talking.
 
-* A matrix whose elements all lie on one rank is owned by that rank: no communication at all.
-* The others are assigned by LPT (longest processing time first) on the Newton-Schulz cost
-  ``rows * cols * min(rows, cols)``, onto the least-loaded rank after the local matrices' load;
-  ties go to the rank holding the largest part of the matrix (fewest bytes moved), then the lowest rank.
+* Owners are assigned by LPT (longest processing time first) on the Newton-Schulz cost
+  ``rows * cols * min(rows, cols)``.
+* A matrix whose elements all lie on one rank is owned by that rank, with no communication at all,
+  as long as that keeps the rank within ``(1 + balance_slack)`` of the mean load (default 1.1);
+  ``balance_slack=None`` makes locality absolute.
+* Split matrices go to the least-loaded rank; ties go to the rank holding the largest part of the
+  matrix (fewest bytes moved), then the lowest rank.
 Source: Megatron's LayerWise Muon (LPT over whole-matrix owners), Canzona (arXiv 2602.06079,
 decoupling the logical owner from the physical shard); peers-2026-12.md section 5.
 """
@@ -56,25 +59,46 @@ def split_matrices(item: int, mats: list[tuple[int, int, int, int]], ranges) -> 
     return out
 
 
-def assign_owners(matrices: list[Matrix], world_size: int) -> tuple[list[int], list[int]]:
+def assign_owners(
+    matrices: list[Matrix], world_size: int, balance_slack: float | None = 0.1
+) -> tuple[list[int], list[int]]:
     """Owner rank of every matrix and the resulting per-rank Newton-Schulz load (``ns_cost`` units).
 
+    First every matrix whole on one rank stays there (no communication) and the split ones are
+    placed by LPT, largest cost first, on the least-loaded rank (ties: the rank holding most of it,
+    then the lowest rank). If that leaves ``max / mean > 1 + balance_slack``, a second LPT pass
+    lets a whole matrix stay local only while its rank stays under ``(1 + balance_slack) * mean``,
+    and the better-balanced of the two is used. ``balance_slack=None``: locality is absolute.
     Deterministic: depends only on the matrices' shapes and parts. O(M log M + M * W).
     """
+    owners, loads = _lpt(matrices, world_size, None)
+    if balance_slack is None or balance(loads) <= 1 + balance_slack:
+        return owners, loads
+    owners2, loads2 = _lpt(matrices, world_size, (1 + balance_slack) * sum(loads) / world_size)
+    return (owners2, loads2) if balance(loads2) < balance(loads) else (owners, loads)
+
+
+def _lpt(matrices: list[Matrix], world_size: int, cap: float | None) -> tuple[list[int], list[int]]:
     owners = [-1] * len(matrices)
     loads = [0] * world_size
-    for i, m in enumerate(matrices):
-        if m.whole_on is not None:
-            owners[i] = m.whole_on
-            loads[m.whole_on] += m.cost
-    rest = sorted((i for i, m in enumerate(matrices) if m.whole_on is None), key=lambda i: (-matrices[i].cost, i))
-    for i in rest:
-        held = [0] * world_size
-        for q, lo, hi in matrices[i].parts:
-            held[q] = hi - lo
-        q = min(range(world_size), key=lambda q: (loads[q], -held[q], q))
+    if cap is None:
+        for i, m in enumerate(matrices):
+            if m.whole_on is not None:
+                owners[i] = m.whole_on
+                loads[m.whole_on] += m.cost
+    for i in sorted(range(len(matrices)), key=lambda i: (-matrices[i].cost, i)):
+        m = matrices[i]
+        if owners[i] >= 0:
+            continue
+        if m.whole_on is not None and loads[m.whole_on] + m.cost <= cap:
+            q = m.whole_on
+        else:
+            held = [0] * world_size
+            for r, lo, hi in m.parts:
+                held[r] = hi - lo
+            q = min(range(world_size), key=lambda q: (loads[q], -held[q], q))
         owners[i] = q
-        loads[q] += matrices[i].cost
+        loads[q] += m.cost
     return owners, loads
 
 

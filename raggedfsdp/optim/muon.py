@@ -56,6 +56,10 @@ class Muon(Optimizer):
         ns_coefficients, eps, ns_steps: the quintic Newton-Schulz (``reference.newton_schulz``).
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or ``"match_rms_adamw"``.
         ns_dtype: keyword-only, dtype of Newton-Schulz and of the exchanged pieces (torch: bfloat16).
+        balance_slack: keyword-only. A matrix whole on one rank is orthogonalised there with no
+            communication unless that puts its rank above ``(1 + balance_slack)`` times the mean
+            Newton-Schulz load (``_muon_plan.assign_owners``); ``None``: never move whole matrices.
+        betas: keyword-only, default AdamW betas of ``algorithm="adamw"`` groups.
 
     Parameters: plain 2-D/3-D tensors, or DTensors with placements ``(RaggedShard,)`` or
     ``(Replicate(), RaggedShard)`` with any ``local_units`` (row- or element-granular, empty pieces).
@@ -88,6 +92,7 @@ class Muon(Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
+        balance_slack: float | None = 0.1,
         betas: tuple[float, float] = (0.9, 0.999),
     ) -> None:
         for nm, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
@@ -102,6 +107,7 @@ class Muon(Optimizer):
                         adjust_lr_fn=adjust_lr_fn, algorithm="muon", betas=tuple(betas))
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
+        self.balance_slack = balance_slack
         self._index: dict[int, int] = {}
         self._infos: dict[int, ShardInfo] = {}
         self._plans: dict[Any, tuple[list[Matrix], list[int]]] = {}
@@ -182,14 +188,14 @@ class Muon(Optimizer):
             for i, (_, info, _, _) in enumerate(items):
                 mats += split_matrices(i, matrices_of(info.shape), info.ranges)
             ws = items[0][1].world_size
-            owners, _ = assign_owners(mats, ws)
+            owners, _ = assign_owners(mats, ws, self.balance_slack)
             # to_owner[q]: (j, lo, hi) of my parts of split matrices owned by q;
             # from_rank[q]: (j, lo, hi) of q's parts of split matrices owned by me (both in j order)
             to_owner: list[list] = [[] for _ in range(ws)]
             from_rank: list[list] = [[] for _ in range(ws)]
             for j, m in enumerate(mats):
-                if m.whole_on is not None:
-                    continue
+                if m.whole_on == owners[j]:
+                    continue  # computed where it lies: no communication
                 for q, lo, hi in m.parts:
                     if q == me:
                         to_owner[owners[j]].append((j, lo, hi))
@@ -204,7 +210,7 @@ class Muon(Optimizer):
         me, dt = info0.rank, self.ns_dtype
         mats, owners, to_owner, from_rank = self._plan(items, me)
         starts = [items[m.item][1].ranges[me][0] for m in mats]  # param-flat offset of my piece
-        shared = any(m.whole_on is None for m in mats)  # global metadata: the same on every rank
+        shared = any(m.whole_on != o for m, o in zip(mats, owners))  # global metadata: same on every rank
 
         full: dict[int, Tensor] = {}
         if shared:  # gather split matrices to their owners: one all_to_all_single
@@ -231,7 +237,7 @@ class Muon(Optimizer):
             stats["ns_calls"] += 1
             stats["ns_flops"] += ns_flops(m.rows, m.cols, group["ns_steps"])
             stats["ns_matrices"].append((self._index[id(p)], m.start // m.numel))
-            if m.whole_on is not None:
+            if m.whole_on == me:
                 self._apply(items, m, ortho[j], m.start, m.start + m.numel, starts[j])
         if shared:  # scatter the orthogonalised rows back: one all_to_all_single
             send = [ortho[j][lo - mats[j].start:hi - mats[j].start] for lst in from_rank for j, lo, hi in lst]

@@ -22,7 +22,8 @@ KINDS = ["row", "element", "whole", "row", "element", "row"]
 LR, WD = 0.02, 0.1
 
 
-def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, expect_colls=None, **kw):
+def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, expect_colls=None, muon_kw=None,
+                **kw):
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.debug import CommDebugMode
@@ -43,7 +44,7 @@ def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, e
         fulls.append(params[-1].detach().clone())
     refs = [torch.nn.Parameter(f.clone()) for f in fulls]
     bufs = [torch.zeros_like(f) for f in fulls]
-    opt = Muon(params, lr=LR, weight_decay=WD, **kw)
+    opt = Muon(params, lr=LR, weight_decay=WD, **kw, **(muon_kw or {}))
     tref = torch.optim.Muon([r for r in refs if r.ndim == 2], lr=LR, weight_decay=WD, **kw)
     for step in range(3):
         grads = [torch.randn(f.shape, generator=g) for f in fulls]
@@ -120,8 +121,9 @@ def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
             assert torch.equal(full(ost["exp_avg_sq_scale"]), st["exp_avg_sq_scale"])
     # a piece that cuts a 32-row tile is refused, naming the parameter and the fix
     if nshard > 1:
-        bad = make_param(fulls[1], mesh, (RaggedShard((0,), (1,) * nshard),) if mesh.ndim == 1 else
-                         (Replicate(), RaggedShard((0,), (1,) * nshard)), rank_in_dim)
+        units = (1,) * (nshard - 1) + ((4 if nshard <= 3 else 8) - (nshard - 1),)  # 1152 or 576 elements
+        rs = RaggedShard((0, 1), units)  # pieces of 16 or 8 rows of (64, 72): they cut 32-row tiles
+        bad = make_param(fulls[0], mesh, (rs,) if mesh.ndim == 1 else (Replicate(), rs), rank_in_dim)
         try:
             AdamW8bit([bad])
         except ValueError as e:
@@ -137,8 +139,10 @@ def _muon_1d(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     _check_muon(rank, ws, mesh, rank, KINDS, 0, expect_colls=0 if ws == 1 else 2)
     _check_muon(rank, ws, mesh, rank, KINDS[::-1], 1, nesterov=False, adjust_lr_fn="match_rms_adamw")
-    # every matrix whole on one rank: no communication at all
-    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0)
+    # every matrix whole on one rank: no communication at all when locality is absolute, and
+    # (ws > 1) whole matrices moved to balance the Newton-Schulz load by default: still exact
+    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw=dict(balance_slack=None))
+    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=2 if ws > 1 else 0)
     _check_adamw8bit(rank, ws, mesh, rank, 4)
 
 
