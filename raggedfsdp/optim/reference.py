@@ -162,6 +162,42 @@ def _code_book(signed: bool) -> tuple[Tensor, Tensor]:
     return t, (t[:-1] + t[1:]) / 2
 
 
+@lru_cache(maxsize=None)
+def _encode_table(signed: bool) -> tuple[Tensor, Tensor]:
+    """Lookup table for :func:`encode`: the code of the smallest value of each 2^15-ulp fp32 bucket.
+
+    A bucket (sign, exponent and the top 8 mantissa bits of an fp32) spans 0.4 % relative, finer than
+    the code book's spacing, so it holds at most one midpoint (checked here) and one comparison
+    finishes the rounding. Returns ``(code (2^17,) uint8, the midpoint above it (2^17,) fp32)``.
+    """
+    _, mids = _code_book(signed)
+    keys = torch.arange(1 << 17, dtype=torch.int64)
+    sign = (keys >> 16).bool()
+    lo_bits = (keys << 15) | torch.where(sign, 0x7FFF, 0)
+    hi_bits = (keys << 15) | torch.where(sign, 0, 0x7FFF)
+    lo = lo_bits.to(torch.int32).view(torch.float32)
+    hi = hi_bits.to(torch.int32).view(torch.float32)
+    lut = torch.bucketize(lo, mids)
+    finite = lo.abs() <= 1.0
+    span = torch.bucketize(hi, mids) - lut
+    assert int(span[finite & hi.abs().le(1.0)].max()) <= 1, "code book finer than the lookup buckets"
+    mid_of_key = torch.cat([mids, torch.tensor([float("inf")])])[lut]
+    return lut.clamp(max=255).to(torch.uint8), mid_of_key
+
+
+def encode(xn: Tensor, signed: bool) -> Tensor:
+    """uint8 code of the nearest code-book value for fp32 ``xn`` in ``[-1, 1]`` (``[0, 1]`` unsigned).
+
+    Same result as ``torch.bucketize(xn, midpoints)`` (ties round down), about 10x faster on CPU:
+    a table lookup on the top 17 bits of each fp32 plus one comparison. Element-wise.
+    """
+    lut, mid = _encode_table(signed)
+    lut, mid = lut.to(xn.device), mid.to(xn.device)
+    x = xn.float().contiguous()
+    key = (x.view(torch.int32).to(torch.int64) >> 15) & 0x1FFFF
+    return lut[key] + (x > mid[key])
+
+
 def zero_code(signed: bool) -> int:
     """The code of 0.0 (the initial state)."""
     return int((_code_book(signed)[0] == 0).nonzero().item())
@@ -191,11 +227,10 @@ def quantize_tiles(x: Tensor, block: tuple[int, int], signed: bool) -> tuple[Ten
     Each element is divided by its tile's absmax (0 -> 1) and rounded to the nearest code-book value.
     Purely per tile: the result for a tile depends on that tile only.
     """
-    book, mids = _code_book(signed)
     scales = tile_absmax(x, block)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     xn = x.float() / _scales_full(safe, block[0], block[1], x.shape[1])
-    codes = torch.bucketize(xn, mids.to(x.device)).to(torch.uint8)
+    codes = encode(xn, signed)
     return codes, scales
 
 

@@ -175,3 +175,15 @@ def test_adamw8bit_state_dict_round_trip_continues_exactly():
             adamw8bit_reference_step(r, g, st, lr=1e-2)
     assert all(torch.equal(p.detach(), r) for p, r in zip(ps, refs))
     assert math.isclose(opt.state[ps[0]]["step"].item(), 4)
+
+
+def test_fast_encoder_equals_bucketize_nearest_code():
+    from raggedfsdp.optim.reference import encode
+
+    torch.manual_seed(5)
+    for signed in (True, False):
+        book, mids = _code_book(signed)
+        edge = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), book])
+        x = torch.cat([torch.rand(50000) * 2 - 1, edge]).clamp(-1 if signed else 0, 1)
+        x = x * torch.logspace(-9, 0, x.numel())[torch.randperm(x.numel())]
+        assert torch.equal(encode(x, signed), torch.bucketize(x, mids).to(torch.uint8))
