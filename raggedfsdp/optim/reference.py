@@ -193,9 +193,9 @@ def encode(xn: Tensor, signed: bool) -> Tensor:
     """
     lut, mid = _encode_table(signed)
     lut, mid = lut.to(xn.device), mid.to(xn.device)
-    x = xn.float().contiguous()
-    key = (x.view(torch.int32).to(torch.int64) >> 15) & 0x1FFFF
-    return lut[key] + (x > mid[key])
+    x = xn.float().contiguous().view(-1)
+    key = (x.view(torch.int32) >> 15) & 0x1FFFF  # sign, exponent, top 8 mantissa bits
+    return (lut.index_select(0, key) + (x > mid.index_select(0, key))).view(xn.shape)
 
 
 def zero_code(signed: bool) -> int:
@@ -237,7 +237,8 @@ def quantize_tiles(x: Tensor, block: tuple[int, int], signed: bool) -> tuple[Ten
 def dequantize_tiles(codes: Tensor, scales: Tensor, block: tuple[int, int], signed: bool) -> Tensor:
     """fp32 values of ``codes`` (2-D uint8) with per-tile ``scales``: ``book[code] * scale``."""
     book = _code_book(signed)[0].to(codes.device)
-    return book[codes.long()] * _scales_full(scales, block[0], block[1], codes.shape[1])
+    vals = book.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+    return vals * _scales_full(scales, block[0], block[1], codes.shape[1])
 
 
 MIN_8BIT_NUMEL = 4096
