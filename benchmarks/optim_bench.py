@@ -99,10 +99,10 @@ def main() -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     torch.set_num_threads(1) if args.device == "cpu" else None
-    import raggedfsdp  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
+    import raggedfsdp  # noqa: F401
     from raggedfsdp.optim import AdamW8bit, Muon, muon_param_groups
 
     mesh = init_device_mesh(args.device, (ws,))
@@ -147,7 +147,7 @@ def main() -> None:
             with CommDebugMode() as c2:
                 t2.step()
             out.append(f"  torch Muon on FSDP2      {t_fsdp2:8.1f} ms | collectives/step {c2.get_total_counts()} "
-                       f"({dict((str(k).split('.')[-1], v) for k, v in c2.get_comm_counts().items())})")
+                       f"({ {str(k).split('.')[-1]: v for k, v in c2.get_comm_counts().items()} })")
             del m2, t2
         except Exception as e:  # noqa: BLE001 - a baseline that does not run is reported, not fatal
             out.append(f"  torch Muon on FSDP2: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")

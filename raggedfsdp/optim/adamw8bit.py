@@ -83,7 +83,7 @@ class AdamW8bit(Optimizer):
         block = tuple(int(b) for b in block)
         if len(block) != 2 or min(block) < 1:
             raise ValueError(f"AdamW8bit: block={block} must be two positive ints (rows, cols), e.g. (32, 32)")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, block=block))
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "block": block})
         self._index = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
         for group in self.param_groups:
             for p in group["params"]:
@@ -144,8 +144,8 @@ class AdamW8bit(Optimizer):
         for group in self.param_groups:
             b1, b2 = group["betas"]
             block = tuple(group["block"])
-            kw = dict(lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
-                      weight_decay=group["weight_decay"])
+            kw = {"lr": float(group["lr"]), "beta1": b1, "beta2": b2, "eps": group["eps"],
+                      "weight_decay": group["weight_decay"]}
             for p in group["params"]:
                 if p.grad is None:
                     continue

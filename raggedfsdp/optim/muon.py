@@ -102,9 +102,9 @@ class Muon(Optimizer):
             raise ValueError(f"Muon: adjust_lr_fn={adjust_lr_fn!r} must be one of {ADJUST_LR_FNS}")
         if ns_steps >= 100:
             raise ValueError(f"Muon: ns_steps={ns_steps} must be < 100")
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, algorithm="muon", betas=tuple(betas))
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+                        "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps,
+                        "adjust_lr_fn": adjust_lr_fn, "algorithm": "muon", "betas": tuple(betas)}
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.balance_slack = balance_slack
@@ -154,7 +154,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = dict(collectives=0, ns_calls=0, ns_flops=0, ns_matrices=[], sent_elements=0)
+        stats = {"collectives": 0, "ns_calls": 0, "ns_flops": 0, "ns_matrices": [], "sent_elements": 0}
         buckets: dict[tuple, list] = defaultdict(list)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":

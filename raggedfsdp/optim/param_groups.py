@@ -42,8 +42,8 @@ def muon_param_groups(
         else:
             adamw.append(p)
     groups = [
-        dict(params=muon, algorithm="muon", lr=lr, weight_decay=weight_decay),
-        dict(params=adamw, algorithm="adamw", lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-             weight_decay=adamw_weight_decay),
+        {"params": muon, "algorithm": "muon", "lr": lr, "weight_decay": weight_decay},
+        {"params": adamw, "algorithm": "adamw", "lr": adamw_lr, "betas": tuple(adamw_betas), "eps": adamw_eps,
+             "weight_decay": adamw_weight_decay},
     ]
     return [g for g in groups if g["params"]]

@@ -22,7 +22,7 @@ scaling (our code book and tiles are our own construction).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -138,7 +138,7 @@ def muon_reference_step(
 # ---------------------------------------------------------------------------------------------
 # 8-bit block-wise quantisation
 # ---------------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
+@cache
 def _code_book(signed: bool) -> tuple[Tensor, Tensor]:
     """Sorted 256-entry fp32 code book in ``[-1, 1]`` (signed) or ``[0, 1]``, and its 255 midpoints.
 
@@ -162,7 +162,7 @@ def _code_book(signed: bool) -> tuple[Tensor, Tensor]:
     return t, (t[:-1] + t[1:]) / 2
 
 
-@lru_cache(maxsize=None)
+@cache
 def _encode_table(signed: bool) -> tuple[Tensor, Tensor]:
     """Lookup table for :func:`encode`: the code of the smallest value of each 2^15-ulp fp32 bucket.
 

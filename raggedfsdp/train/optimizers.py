@@ -57,9 +57,9 @@ def build_optimizer(o: Any, model: nn.Module) -> torch.optim.Optimizer:
 
         groups = muon_param_groups(model, lr=o.lr, weight_decay=o.weight_decay, adamw_lr=o.lr,
                                    adamw_betas=betas, adamw_eps=o.eps)
-        muon = next((g for g in groups if g["algorithm"] == "muon"), dict(params=[]))
+        muon = next((g for g in groups if g["algorithm"] == "muon"), {"params": []})
         rest = [p for g in groups if g["algorithm"] == "adamw" for p in g["params"]]
-        adamw = dict(algorithm="adamw", lr=o.lr, betas=betas, eps=o.eps)
+        adamw = {"algorithm": "adamw", "lr": o.lr, "betas": betas, "eps": o.eps}
         return Muon([dict(muon, algorithm="muon"),
                      dict(adamw, params=[p for p in rest if p.ndim >= 2], weight_decay=o.weight_decay),
                      dict(adamw, params=[p for p in rest if p.ndim < 2], weight_decay=0.0)],

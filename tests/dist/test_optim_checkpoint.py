@@ -6,7 +6,6 @@ reshards on load. The oracle is the single-device run of all 4 steps.
 """
 
 import torch
-
 from _dist import run_distributed
 
 M_SHAPES = [(64, 48), (2, 32, 24), (48,)]   # Muon: matrix, expert stack, and a vector for the AdamW group
@@ -28,8 +27,8 @@ def _make_opt(which, params):
     from raggedfsdp.optim import AdamW8bit, Muon
 
     if which == "muon":
-        groups = [dict(params=params[:2]), dict(params=params[2:], algorithm="adamw", lr=3e-3, eps=1e-8,
-                                                   betas=(0.9, 0.95), weight_decay=0.0)]
+        groups = [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw", "lr": 3e-3, "eps": 1e-8,
+                                                   "betas": (0.9, 0.95), "weight_decay": 0.0}]
         return Muon(groups, lr=0.02)
     return AdamW8bit(params, lr=1e-2, weight_decay=0.05)
 
@@ -59,9 +58,9 @@ def _reference(which):
 
 
 def _build(which, rank, ws, seed, fulls):
+    from _optim_cases import layout, make_param
     from torch.distributed.device_mesh import init_device_mesh
 
-    from _optim_cases import layout, make_param
     from raggedfsdp.optim.reference import tile_eligible
 
     mesh = init_device_mesh("cpu", (ws,))
@@ -90,9 +89,10 @@ def _run_steps(params, opt, shapes, steps, rank):
 
 
 def _save(rank, ws, path):
-    import raggedfsdp  # noqa: F401
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    import raggedfsdp  # noqa: F401
 
     for which in ("muon", "adamw8bit"):
         shapes = M_SHAPES if which == "muon" else Q_SHAPES
@@ -104,8 +104,8 @@ def _save(rank, ws, path):
 
 
 def _load(rank, ws, path):
-    import raggedfsdp  # noqa: F401
     import torch.distributed.checkpoint as dcp
+    from _optim_cases import full
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -113,7 +113,7 @@ def _load(rank, ws, path):
         set_optimizer_state_dict,
     )
 
-    from _optim_cases import full
+    import raggedfsdp  # noqa: F401
 
     for which in ("muon", "adamw8bit"):
         shapes = M_SHAPES if which == "muon" else Q_SHAPES

@@ -14,7 +14,6 @@ decided from the global shape; a layout that cuts a tile raises a ValueError nam
 
 import pytest
 import torch
-
 from _dist import run_distributed
 
 SHAPES = [(64, 48), (18, 40), (40, 18), (3, 16, 24), (7, 5), (33, 1)]
@@ -25,10 +24,10 @@ LR, WD = 0.02, 0.1
 def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, expect_colls=None, muon_kw=None,
                 **kw):
     import torch.distributed as dist
+    from _optim_cases import full, layout, make_param, set_grad
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from _optim_cases import full, layout, make_param, set_grad
     from raggedfsdp.optim import Muon
     from raggedfsdp.optim.reference import muon_reference_step
 
@@ -82,10 +81,10 @@ Q_SHAPES = [(64, 72), (96, 64), (2, 64, 33), (64, 8), (300,), (32, 32)]  # last 
 
 
 def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
+    from _optim_cases import full, layout, make_param, set_grad
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from _optim_cases import full, layout, make_param, set_grad
     from raggedfsdp import RaggedShard
     from raggedfsdp.optim import AdamW8bit
     from raggedfsdp.optim.reference import adamw8bit_reference_step, tile_eligible
@@ -100,7 +99,7 @@ def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
         params.append(make_param(f, mesh, (rs,) if mesh.ndim == 1 else (Replicate(), rs), rank_in_dim))
     refs = [f.clone() for f in fulls]
     states = [{} for _ in fulls]
-    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    kw = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
     opt = AdamW8bit(params, **kw)
     for _ in range(3):
         grads = [torch.randn(f.shape, generator=g) * (i + 1) for i, f in enumerate(fulls)]
@@ -133,15 +132,16 @@ def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
 
 
 def _muon_1d(rank, ws):
-    import raggedfsdp  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp  # noqa: F401
 
     mesh = init_device_mesh("cpu", (ws,))
     _check_muon(rank, ws, mesh, rank, KINDS, 0, expect_colls=0 if ws == 1 else 2)
     _check_muon(rank, ws, mesh, rank, KINDS[::-1], 1, nesterov=False, adjust_lr_fn="match_rms_adamw")
     # every matrix whole on one rank: no communication at all when locality is absolute, and
     # (ws > 1) whole matrices moved to balance the Newton-Schulz load by default: still exact
-    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw=dict(balance_slack=None))
+    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw={"balance_slack": None})
     _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=2 if ws > 1 else 0)
     _check_adamw8bit(rank, ws, mesh, rank, 4)
     if ws == 3:
@@ -212,8 +212,9 @@ def test_optimizers_match_references_at_world_sizes(ws):
 
 
 def _muon_hsdp(rank, ws):
-    import raggedfsdp  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp  # noqa: F401
 
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
     # 2 collectives per step, both over the 2-rank shard group: nothing crosses the replicate dim
@@ -227,11 +228,11 @@ def test_optimizers_hsdp_2x2():
 
 def _muon_tiny_on_8(rank, ws):
     """(18, D) on 8 ranks: most ranks hold nothing (dion#74 hung here); element pieces too."""
-    import raggedfsdp  # noqa: F401
+    from _optim_cases import full, make_param, set_grad
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from _optim_cases import full, make_param, set_grad
+    import raggedfsdp  # noqa: F401
     from raggedfsdp import RaggedShard
     from raggedfsdp.optim import Muon
 

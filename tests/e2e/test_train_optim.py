@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_train_cli import SMALL, _cli, _records, _run
 
 from raggedfsdp.cli import main as cli_main
-from test_train_cli import SMALL, _cli, _records, _run
 
 
 @pytest.mark.parametrize("optim", ["muon", "adamw8bit"])

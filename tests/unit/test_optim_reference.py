@@ -21,7 +21,7 @@ from raggedfsdp.optim.reference import (
 
 
 @pytest.mark.parametrize("shape", [(32, 16), (16, 40), (9, 9)])
-@pytest.mark.parametrize("kw", [{}, dict(nesterov=False, adjust_lr_fn="match_rms_adamw", momentum=0.9)])
+@pytest.mark.parametrize("kw", [{}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw", "momentum": 0.9}])
 def test_muon_reference_and_plain_tensor_muon_equal_torch_muon(shape, kw):
     torch.manual_seed(0)
     w = torch.randn(shape)
