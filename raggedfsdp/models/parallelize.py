@@ -70,6 +70,7 @@ def apply_fsdp(
     backend: str = "ragged",
     mp_policy: Any = None,
     reshard_after_forward: bool = True,
+    shard_placement_fn: Any = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``backend``'s ``fully_shard``: each of ``model.layers``, then the root.
 
@@ -81,6 +82,8 @@ def apply_fsdp(
             means the default policy (no casting).
         reshard_after_forward: free each block's unsharded parameters after its forward (ZeRO-3,
             re-gathered in backward) or keep them until backward (ZeRO-2-like, more memory).
+        shard_placement_fn: ``"ragged"`` only: the block policy (e.g. ``AdamW8bit.shard_placement_fn``);
+            ``None`` is the default layout. Raises ``ValueError`` with the ``"torch"`` backend.
 
     Returns:
         ``model`` (now an FSDP module; its parameters are DTensors).
@@ -91,7 +94,15 @@ def apply_fsdp(
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"apply_fsdp expects model.layers to be an nn.ModuleList, got {type(layers)}")
+    kw: dict[str, Any] = {}
+    if shard_placement_fn is not None:
+        if backend != "ragged":
+            raise ValueError(
+                f"apply_fsdp: shard_placement_fn is a raggedfsdp block policy; backend={backend!r} cannot honour it "
+                "(use backend 'ragged')"
+            )
+        kw["shard_placement_fn"] = shard_placement_fn
     for block in layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, **kw)
     return model

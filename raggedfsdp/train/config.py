@@ -97,7 +97,12 @@ class TrainingConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: str = _f("adamw", "optimizer (adamw: torch.optim.AdamW, foreach)")
+    name: str = _f(
+        "adamw",
+        "adamw (torch.optim.AdamW) | muon (raggedfsdp.optim.Muon + AdamW for embeddings/head/norms) | "
+        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout); also picks the layout",
+        flag="--optim",
+    )
     lr: float = _f(3e-3, "peak learning rate", flag="--lr")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
@@ -214,7 +219,7 @@ class TrainConfig:
         if not 0.0 <= o.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         choices = {
-            "optimizer.name": (o.name, ("adamw",)),
+            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit")),
             "optimizer.schedule": (o.schedule, ("cosine", "constant")),
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
@@ -239,6 +244,11 @@ class TrainConfig:
             )
         if self.job.pg_timeout_s <= 0:
             raise ValueError(f"job.pg_timeout_s must be > 0, got {self.job.pg_timeout_s}")
+        if o.name != "adamw" and f.backend != "ragged":
+            raise ValueError(
+                f"optimizer.name={o.name!r} needs RaggedShard parameters: use fsdp.backend='ragged' "
+                f"(got {f.backend!r}), or optimizer.name='adamw'"
+            )
         # Model: builds the flavor with the overrides (raises on bad names or shapes).
         from raggedfsdp.models import build_model_config
 

@@ -32,6 +32,7 @@ from raggedfsdp.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
@@ -139,6 +140,7 @@ class Trainer:
             backend=cfg.fsdp.backend,
             mp_policy=mp_policy,
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
         )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
@@ -153,17 +155,8 @@ class Trainer:
             apply_fsdp(model, mesh, **fsdp_kw)
         self.model = model
 
-        # Optimizer: decay matrices and embeddings, not norm gains.
-        o = cfg.optimizer
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            foreach=True,
-        )
+        # Optimizer (adamw | muon | adamw8bit): decay matrices and embeddings, not norm gains.
+        self.optimizer = build_optimizer(cfg.optimizer, model)
 
         # Checkpoint / resume.
         c = cfg.checkpoint
@@ -269,9 +262,7 @@ class Trainer:
                 config_diff=self._config_diff(path),
             )
         # The config is the source of truth for hyperparameters (the LR is set every step).
-        o = self.cfg.optimizer
-        for group, wd in zip(self.optimizer.param_groups, (o.weight_decay, 0.0)):
-            group.update(weight_decay=wd, betas=(o.beta1, o.beta2), eps=o.eps)
+        apply_hparams(self.optimizer, self.cfg.optimizer)
         self.start_step = int(state["step"])
         self.resumed_from = path
         if int(state["seed"]) != self.cfg.job.seed:

@@ -1,0 +1,13 @@
+"""Structure-aware optimizers on RaggedShard parameters (veScale-FSDP section 5; docs/optim.md).
+
+* :class:`Muon` -- distributed Muon: one Newton-Schulz per matrix per step on one owner rank.
+* :class:`AdamW8bit` -- block-wise 8-bit AdamW with per-tile scales local to each rank.
+* :func:`muon_param_groups` -- matrices to Muon, the rest to AdamW.
+* :mod:`raggedfsdp.optim.reference` -- single-device reference implementations (test oracles).
+"""
+
+from raggedfsdp.optim.adamw8bit import AdamW8bit, tile_placement_fn
+from raggedfsdp.optim.muon import Muon
+from raggedfsdp.optim.param_groups import muon_param_groups
+
+__all__ = ["AdamW8bit", "Muon", "muon_param_groups", "tile_placement_fn"]
