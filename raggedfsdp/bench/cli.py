@@ -48,6 +48,9 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: 128)")
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"], help="all-gathered param dtype")
     p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"], help="reduce-scatter dtype")
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True,
+                   help="AdamW foreach=True (torch's default on CUDA; on CPU torch defaults to the per-tensor "
+                        "loop, whose DTensor dispatch costs both systems a third of the step); default: on")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: 0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
@@ -101,9 +104,14 @@ def worker_argv(args) -> list[str]:
     """The worker's flags reproducing ``args`` (everything but ``--nproc``)."""
     out = []
     for key, val in vars(args).items():
-        if key in ("nproc", "func", "command") or val is None or val is False:
+        if key in ("nproc", "func", "command") or val is None:
             continue
         flag = "--" + key.replace("_", "-")
+        if key == "foreach":
+            out.append(flag if val else "--no-foreach")
+            continue
+        if val is False:
+            continue
         out += [flag] if val is True else [flag, str(val)]
     return out
 

@@ -9,11 +9,12 @@ Phases (collective: every rank runs every phase):
 2. ``--steps`` timed repetitions, the order inside a repetition alternating (raggedfsdp first on even
    repetitions, torch first on odd) so slow drift of a shared machine cancels; a barrier (and a CUDA
    sync) before each timed step; a step's time is that of the slowest rank;
-3. one counted step of each: copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
+3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
    its persistent state (sharded params + optimizer state) plus the step's peak above its start;
-5. optionally (``--profile DIR``) more steps of each under ``cProfile`` on rank 0, one ``.pstats`` file each.
+5. optionally (``--profile DIR``) more steps of each under ``cProfile`` on rank 0 (``DIR/<system>.pstats``)
+   and one under ``torch.profiler`` (``DIR/<system>.ops.txt``, ops by self CPU time).
 The loss printed for each system is the mean over ranks of the last step's LM loss; they must agree.
 """
 
@@ -33,14 +34,19 @@ import torch.nn.functional as F
 SYSTEMS = {"raggedfsdp": "ragged", "torch": "torch"}
 
 
-def _step(model, opt, tok) -> torch.Tensor:
+def _forward_backward(model, tok) -> torch.Tensor:
     logits = model(tok[:, :-1])  # (b, T, V)
     loss = F.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
-    aux = getattr(model, "aux_loss", None)
+    aux = getattr(model, "aux_loss", None)  # MoE load-balancing loss (in the graph)
     (loss + aux if aux is not None else loss).backward()
+    return loss.detach()
+
+
+def _step(model, opt, tok) -> torch.Tensor:
+    loss = _forward_backward(model, tok)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss
 
 
 def _sync(device) -> None:
@@ -54,7 +60,7 @@ def _build(args, spec, backend, mesh, device):
     model = spec.build(args).to(device)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     spec.wraps[args.wrap](model, mesh, backend, mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.foreach)
     return model, opt
 
 
@@ -117,8 +123,11 @@ def run(args: argparse.Namespace) -> dict | None:
     for n in names:
         model, opt = systems[n]
         syncs = _CudaSyncCounter(device)
-        with CopyCounter() as cc, StepCounter() as sc, syncs:
-            _step(model, opt, batches[k].to(device))
+        tok = batches[k].to(device)
+        with CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
+            _forward_backward(model, tok)
+        opt.step()  # the optimizer step is the same code for both systems: not counted
+        opt.zero_grad(set_to_none=True)
         counts[n] = dict(copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
                          backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
                          collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
@@ -157,7 +166,8 @@ def run(args: argparse.Namespace) -> dict | None:
         )
     r, tt = out["raggedfsdp"], out["torch"]
     return dict(
-        model=args.model, flavor=args.flavor, experts=getattr(args, "experts", None), wrap=args.wrap,
+        model=args.model, flavor=args.flavor, wrap=args.wrap,
+        experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
         torch_version=torch.__version__, threads_per_rank=torch.get_num_threads(),
@@ -209,10 +219,19 @@ def _profile(args, systems, batches, device, rank) -> None:
             _sync(device)
             if rank == 0:
                 prof.disable()
+        from torch.profiler import ProfilerActivity, profile
+
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+            _step(model, opt, batches[0].to(device))
+            _sync(device)
         if rank == 0:
             path = os.path.join(args.profile, f"{n}.pstats")
             prof.dump_stats(path)
-            _progress(args, rank, f"profile of {args.profile_steps} {n} steps (rank 0) -> {path}")
+            with open(os.path.join(args.profile, f"{n}.ops.txt"), "w") as f:
+                f.write(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            _progress(args, rank, f"profile of {args.profile_steps} {n} steps (rank 0) -> {path}, "
+                                  f"op table of one step -> {n}.ops.txt")
 
 
 def _device(args) -> torch.device:
