@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
+from raggedfsdp.models import apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train.checkpoint import (
     config_hash,
     load_checkpoint,
@@ -219,6 +219,7 @@ class Trainer:
             self._inject_failure(step)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
+        self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
         sync_toggle = accum > 1 and hasattr(self.model, "set_requires_gradient_sync")
         for micro in range(accum):
             inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
@@ -227,8 +228,12 @@ class Trainer:
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(inputs)  # (b, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
-            loss.backward()
+            aux = aux_loss(self.model)  # e.g. MoE load balancing (weighted, in the graph); None: dense
+            (loss if aux is None else loss + aux / accum).backward()
             loss_sum += loss.detach()
+            if aux is not None:
+                prev = self.aux_loss_sum if self.aux_loss_sum is not None else 0.0
+                self.aux_loss_sum = prev + aux.detach().float() / accum
         max_norm = t.max_norm if t.max_norm > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if isinstance(grad_norm, DTensor):
@@ -349,10 +354,12 @@ class Trainer:
             loss, grad_norm, lr = self.train_step(step)
             is_last = step == t.steps
             if step == first or step % m.log_every == 0 or is_last:
-                stats = torch.stack([loss, grad_norm.to(loss.device)])
+                aux = self.aux_loss_sum
+                stats = torch.stack([loss, grad_norm.to(loss.device)] + ([aux.to(loss.device)] if aux is not None else []))
                 dist.all_reduce(stats)  # sum of per-rank losses (grad_norm is already global)
                 loss_val = stats[0].item() / self.world_size
                 grad_val = stats[1].item() / self.world_size
+                extra = {"aux_loss": stats[2].item() / self.world_size} if aux is not None else {}
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
@@ -361,6 +368,7 @@ class Trainer:
                         "step": step,
                         "loss": loss_val,
                         "grad_norm": grad_val,
+                        **extra,
                         "lr": lr,
                         "tokens_per_s": tokens_per_step / dt,
                         "tokens_per_s_per_rank": tokens_per_step / dt / self.world_size,
