@@ -6,6 +6,7 @@
 table of both systems with ratios, or with ``--json`` one JSON object::
 
     {"throughput_ratio": torch step time / raggedfsdp step time (> 1: raggedfsdp faster),
+     "cpu_time_ratio": the same for the CPU seconds a rank spends per step (robust on a loaded machine),
      "peak_memory_ratio": raggedfsdp peak / torch peak (max over ranks; < 1: raggedfsdp smaller),
      "raggedfsdp": {"step_seconds_median", "copy_bytes", "padding_bytes", "collectives",
                     "collective_bytes", "host_syncs", "peak_memory_bytes", "final_loss", ...},
@@ -160,6 +161,8 @@ def format_report(r: dict) -> str:
         f"{'':22s}{'raggedfsdp':>16s}{'torch':>16s}   ratio",
         f"{'step time median':22s}{a['step_seconds_median'] * 1e3:13.1f} ms{b['step_seconds_median'] * 1e3:13.1f} ms"
         f"   throughput x{r['throughput_ratio']:.3f}",
+        f"{'CPU time / step / rank':22s}{a['cpu_seconds_median'] * 1e3:13.1f} ms{b['cpu_seconds_median'] * 1e3:13.1f} ms"
+        f"   x{r['cpu_time_ratio']:.3f}",
         f"{'peak memory (max rank)':22s}{_mib(a['peak_memory_bytes']):>16s}{_mib(b['peak_memory_bytes']):>16s}"
         f"   x{r['peak_memory_ratio']:.3f}",
         f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",

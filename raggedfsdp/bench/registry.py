@@ -25,6 +25,27 @@ def wrap_per_layer(model: nn.Module, mesh: Any, backend: str, mp_policy: Any) ->
     return apply_fsdp(model, mesh, backend=backend, mp_policy=mp_policy)
 
 
+def wrap_every(k: int) -> WrapFn:
+    """``k`` consecutive blocks per FSDP unit (``fully_shard([blocks...])``: one all-gather and one
+    reduce-scatter for all ``k``), then the root: fewer, larger collectives than ``wrap_per_layer``."""
+
+    def wrap(model: nn.Module, mesh: Any, backend: str, mp_policy: Any) -> nn.Module:
+        from raggedfsdp.models.parallelize import _backend_api
+
+        fully_shard, _ = _backend_api(backend)
+        blocks = list(model.layers)
+        for i in range(0, len(blocks), k):
+            fully_shard(blocks[i : i + k], mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        return model
+
+    return wrap
+
+
+def _default_wraps() -> dict[str, WrapFn]:
+    return {"layer": wrap_per_layer, "layers:2": wrap_every(2), "layers:4": wrap_every(4)}
+
+
 @dataclass(frozen=True)
 class BenchModel:
     """A benchmarkable model family.
@@ -38,7 +59,7 @@ class BenchModel:
     name: str
     build: Callable[[Any], nn.Module]
     default_flavor: str
-    wraps: dict[str, WrapFn] = field(default_factory=lambda: {"layer": wrap_per_layer})
+    wraps: dict[str, WrapFn] = field(default_factory=_default_wraps)
     description: str = ""
 
 

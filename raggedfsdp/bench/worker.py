@@ -8,12 +8,14 @@ Phases (collective: every rank runs every phase):
 1. warm-up steps of both (not timed);
 2. ``--steps`` timed repetitions, the order inside a repetition alternating (raggedfsdp first on even
    repetitions, torch first on odd) so slow drift of a shared machine cancels; a barrier (and a CUDA
-   sync) before each timed step; a step's time is that of the slowest rank;
+   sync) before each timed step; a step's time is that of the slowest rank; also the CPU time
+   (``time.process_time``, all threads of the rank's process) per step, mean over ranks, which a
+   loaded machine disturbs much less than wall time (``cpu_time_ratio``; on CUDA it is host time only);
 3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
    its persistent state (sharded params + optimizer state) plus the step's peak above its start;
-5. optionally (``--profile DIR``) more steps of each under ``cProfile`` on rank 0 (``DIR/<system>.pstats``)
+5. optionally (``--profile DIR``) more steps of each under ``cProfile`` (CPU-time clock) on rank 0 (``DIR/<system>.pstats``)
    and one under ``torch.profiler`` (``DIR/<system>.ops.txt``, ops by self CPU time).
 The loss printed for each system is the mean over ranks of the last step's LM loss; they must agree.
 """
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> dict | None:
                for _ in range(args.warmup + args.steps + 2 + args.profile_steps)]
     names = list(systems)
     times = {n: [] for n in names}
+    cpu = {n: [] for n in names}  # CPU seconds of this process per step (all its threads)
     losses = {n: [] for n in names}
     for i in range(args.warmup + args.steps):
         tok = batches[i].to(device)
@@ -98,13 +101,14 @@ def run(args: argparse.Namespace) -> dict | None:
             model, opt = systems[n]
             _sync(device)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = _step(model, opt, tok)
             _sync(device)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             losses[n].append(loss)
             if i >= args.warmup:
                 times[n].append(dt)
+                cpu[n].append(dc)
         if i >= args.warmup:
             j = i - args.warmup + 1
             _progress(args, rank, f"step {j}/{args.steps}  raggedfsdp {times['raggedfsdp'][-1] * 1e3:.1f} ms  "
@@ -114,6 +118,9 @@ def run(args: argparse.Namespace) -> dict | None:
     # slowest rank per step
     t = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    c = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(c)
+    c /= ws  # mean over ranks
     final = torch.stack([losses[n][-1].float() for n in names]).cpu()
     dist.all_reduce(final)
     final /= ws
@@ -158,6 +165,7 @@ def run(args: argparse.Namespace) -> dict | None:
         per_rank = [int(g[a, 1]) for g in gathered]
         out[n] = dict(
             step_seconds_median=med, step_seconds=st,
+            cpu_seconds_median=statistics.median(c[a].tolist()),
             tokens_per_second=ws * args.batch * args.seq / med,
             peak_memory_bytes=max(per_rank), peak_memory_bytes_per_rank=per_rank,
             state_bytes_per_rank=[int(g[a, 0]) for g in gathered],
@@ -173,6 +181,7 @@ def run(args: argparse.Namespace) -> dict | None:
         torch_version=torch.__version__, threads_per_rank=torch.get_num_threads(),
         num_params=sum(p.numel() for p in systems["torch"][0].parameters()),
         throughput_ratio=tt["step_seconds_median"] / r["step_seconds_median"],
+        cpu_time_ratio=tt["cpu_seconds_median"] / r["cpu_seconds_median"],
         peak_memory_ratio=r["peak_memory_bytes"] / max(tt["peak_memory_bytes"], 1),
         copy_bytes_ratio=r["copy_bytes"] / max(tt["copy_bytes"], 1),
         collectives_ratio=r["collectives"] / max(tt["collectives"], 1),
@@ -210,7 +219,7 @@ def _profile(args, systems, batches, device, rank) -> None:
 
     os.makedirs(args.profile, exist_ok=True)
     for n, (model, opt) in systems.items():
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: waits on peers / a loaded machine drop out
         for tok in batches[: args.profile_steps]:
             dist.barrier()
             if rank == 0:
