@@ -150,6 +150,10 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:9.2f} MiB"
 
 
+def _fb(r: dict) -> str:
+    return f"{r['forward_peak_bytes'] / 2**20:.1f} / {r['backward_peak_bytes'] / 2**20:.1f}"
+
+
 def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
@@ -165,6 +169,7 @@ def format_report(r: dict) -> str:
         f"   x{r['cpu_time_ratio']:.3f}",
         f"{'peak memory (max rank)':22s}{_mib(a['peak_memory_bytes']):>16s}{_mib(b['peak_memory_bytes']):>16s}"
         f"   x{r['peak_memory_ratio']:.3f}",
+        f"{'  peak fwd / bwd (MiB)':22s}{_fb(a):>16s}{_fb(b):>16s}   (bwd: above the end of forward)",
         f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",
         f"{'collectives / step':22s}{a['collectives']:16d}{b['collectives']:16d}",
         f"{'collective bytes/step':22s}{a['collective_bytes']:16,d}{b['collective_bytes']:16,d}",

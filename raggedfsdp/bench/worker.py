@@ -15,6 +15,8 @@ Phases (collective: every rank runs every phase):
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
    its persistent state (sharded params + optimizer state) plus the step's peak above its start;
+   then one more step split into phases: forward peak (above the step's start) and backward peak
+   (above the end of forward), max over ranks;
 5. optionally (``--profile DIR``) more steps of each under ``cProfile`` (CPU-time clock) on rank 0 (``DIR/<system>.pstats``)
    and one under ``torch.profiler`` (``DIR/<system>.ops.txt``, ops by self CPU time).
 The loss printed for each system is the mean over ranks of the last step's LM loss; they must agree.
@@ -148,7 +150,18 @@ def run(args: argparse.Namespace) -> dict | None:
         dist.barrier()
         with peak_memory(device) as pm:
             _step(model, opt, tok)
-        mem.append([base, base + pm.peak_bytes])
+        # the same step split in phases (PeakMemory does not nest): where the peak is
+        with peak_memory(device) as pf:
+            logits = model(tok[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
+            aux = getattr(model, "aux_loss", None)
+            loss = loss + aux if aux is not None else loss
+        with peak_memory(device) as pb:
+            loss.backward()
+        del logits, loss, aux
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mem.append([base, base + pm.peak_bytes, pf.peak_bytes, pb.peak_bytes])
     mem_t = torch.tensor(mem, dtype=torch.float64)
     gathered = [torch.zeros_like(mem_t) for _ in range(ws)]
     dist.all_gather(gathered, mem_t)
@@ -169,6 +182,8 @@ def run(args: argparse.Namespace) -> dict | None:
             tokens_per_second=ws * args.batch * args.seq / med,
             peak_memory_bytes=max(per_rank), peak_memory_bytes_per_rank=per_rank,
             state_bytes_per_rank=[int(g[a, 0]) for g in gathered],
+            forward_peak_bytes=max(int(g[a, 2]) for g in gathered),  # above the step's start
+            backward_peak_bytes=max(int(g[a, 3]) for g in gathered),  # above the end of forward
             padding_bytes=padding_bytes(model, SYSTEMS[n], ws),
             final_loss=float(final[a]), **counts[n],
         )
