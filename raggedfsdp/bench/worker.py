@@ -260,7 +260,7 @@ def _profile(args, systems, batches, device, rank) -> None:
 
 def _device(args) -> torch.device:
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

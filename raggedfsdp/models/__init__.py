@@ -33,15 +33,15 @@ def build_model(name: str, flavor: str, **overrides) -> Llama:
 
 
 __all__ = [
-    "MODELS",
     "LLAMA_FLAVORS",
+    "MODELS",
     "MOE_FLAVORS",
     "Llama",
     "LlamaConfig",
     "MoE",
     "MoEConfig",
-    "aux_loss",
     "apply_fsdp",
+    "aux_loss",
     "build_model",
     "build_model_config",
     "make_mp_policy",

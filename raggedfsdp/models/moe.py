@@ -63,7 +63,7 @@ from raggedfsdp.models.llama import (
     precompute_rope,
 )
 
-__all__ = ["MoEConfig", "MOE_FLAVORS", "MoE", "MoEBlock", "MoEFeedForward", "SeparateExperts", "FusedExperts"]
+__all__ = ["MOE_FLAVORS", "FusedExperts", "MoE", "MoEBlock", "MoEConfig", "MoEFeedForward", "SeparateExperts"]
 
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_LAYOUTS = ("fused", "separate")

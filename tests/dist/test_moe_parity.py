@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from _dist import run_distributed
 from _toy_models import full_params
 
@@ -89,7 +88,7 @@ def _moe_parity(rank, ws):
                 assert abs(a - b) < 1e-5, f"{layout}/{name}: step {i} loss {a} != reference {b}"
             got = full_params(model)
             for k, v in want.items():
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{layout}/{name} {k}: {m}")
+                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, w=f"{layout}/{name}": f"{w} {k}: {m}")
 
 
 def test_moe_fsdp_parity_ws3_unrouted_experts():

@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
 from test_train_cli import SMALL, _cli
 
 
