@@ -35,8 +35,8 @@ Dispatch (plain torch): flatten the N*k assignments, ``argsort`` them by expert 
 token rows with ``index_select``, run each expert on its contiguous slice, multiply by the routing
 weights and ``index_add_`` (scatter-add) back into token order. Every expert runs every step, even on
 zero tokens, so each expert parameter always has a gradient (zeros when it got no token): FSDP's
-reduce-scatter then sees the same tensors on every rank whatever the routing (torch's FSDP2 would
-otherwise mismatch across ranks). The per-expert split sizes are read on the host (one
+reduce-scatter then sees the same tensors on every rank whatever the routing (torch's FSDP2 job
+fails otherwise, see benchmarks/README.md). The per-expert split sizes are read on the host (one
 device-to-host sync per MoE layer, as in any dispatch without grouped GEMM).
 
 Initialisation (``init_weights(seed)``): as the dense model; each expert matrix is drawn from a
