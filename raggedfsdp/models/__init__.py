@@ -7,9 +7,15 @@ returns an un-initialised model (call ``init_weights(seed)`` after ``to_empty`` 
 from __future__ import annotations
 
 from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
+from raggedfsdp.models.moe import MOE_FLAVORS, MoE, MoEConfig
 from raggedfsdp.models.parallelize import apply_fsdp, make_mp_policy
 
-MODELS: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama)}
+MODELS: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama), "moe": (MoEConfig, MoE)}
+
+
+def aux_loss(model):
+    """The auxiliary loss of ``model``'s last forward (0-d, in the graph; e.g. MoE load balancing), or None."""
+    return getattr(model, "aux_loss", None)
 
 
 def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig:
@@ -27,11 +33,15 @@ def build_model(name: str, flavor: str, **overrides) -> Llama:
 
 
 __all__ = [
-    "MODELS",
     "LLAMA_FLAVORS",
+    "MODELS",
+    "MOE_FLAVORS",
     "Llama",
     "LlamaConfig",
+    "MoE",
+    "MoEConfig",
     "apply_fsdp",
+    "aux_loss",
     "build_model",
     "build_model_config",
     "make_mp_policy",

@@ -60,13 +60,17 @@ class JobConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = _f("llama", "model family (see raggedfsdp.models.MODELS)")
-    flavor: str = _f("tiny", "named size: debug | tiny | small | base", flag="--model")
+    flavor: str = _f("tiny", "named size: debug | tiny | small | base (moe: moe-debug | moe-tiny | ...)", flag="--model")
     dim: int | None = _f(None, "override the flavor's model dim")
     n_layers: int | None = _f(None, "override the flavor's number of blocks")
     n_heads: int | None = _f(None, "override the flavor's query heads")
     n_kv_heads: int | None = _f(None, "override the flavor's key/value heads (GQA)")
     ffn_dim: int | None = _f(None, "override the flavor's SwiGLU hidden dim (0: 8/3 * dim)")
     tie_embeddings: bool | None = _f(None, "tie the output projection to the input embedding")
+    experts: str | None = _f(None, "moe: expert storage, separate (many small tensors) | fused ((X, D, F) stacks)")
+    n_experts: int | None = _f(None, "moe: override the flavor's routed experts per block")
+    top_k: int | None = _f(None, "moe: override the flavor's experts per token")
+    aux_loss_coef: float | None = _f(None, "moe: weight of the load-balancing loss added to the LM loss")
     init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
 
 
@@ -184,7 +188,8 @@ class TrainConfig:
 
     def model_overrides(self) -> dict[str, Any]:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
-        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
+                "experts", "n_experts", "top_k", "aux_loss_coef")
         return {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
 
     def validate(self, world_size: int | None = None) -> None:

@@ -28,7 +28,8 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
         return f"{head} | eval_loss {rec['eval_loss']:.4f} | eval_ppl {ppl:.2f}"
     return (
         f"{head} | loss {rec['loss']:.4f} | grad_norm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e}"
-        f" | tok/s {rec['tokens_per_s']:,.0f} | step {rec['step_time_s'] * 1e3:.0f} ms"
+        + (f" | aux {rec['aux_loss']:.4f}" if "aux_loss" in rec else "")
+        + f" | tok/s {rec['tokens_per_s']:,.0f} | step {rec['step_time_s'] * 1e3:.0f} ms"
     )
 
 

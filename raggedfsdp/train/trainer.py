@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
+from raggedfsdp.models import apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train import ckpt_integrity as integrity
 from raggedfsdp.train.checkpoint import (
     config_hash,
@@ -374,6 +374,7 @@ class Trainer:
             self.faults.inject_step(step, self.rank)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
+        self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
         sync_toggle = accum > 1 and hasattr(self.model, "set_requires_gradient_sync")
         for micro in range(accum):
             self.watchdog.progress(f"step {step} micro-step {micro}", step)
@@ -387,8 +388,12 @@ class Trainer:
                     loss = loss * float("nan")
                 elif self.faults.take("inf", step):
                     loss = loss * float("inf")
-            loss.backward()
+            aux = aux_loss(self.model)  # e.g. MoE load balancing (weighted, in the graph); None: dense
+            (loss if aux is None else loss + aux / accum).backward()
             loss_sum += loss.detach()
+            if aux is not None:
+                prev = self.aux_loss_sum if self.aux_loss_sum is not None else 0.0
+                self.aux_loss_sum = prev + aux.detach().float() / accum
         self.watchdog.progress(f"step {step} optimizer", step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         signum = self.interrupts.signum if self.interrupts is not None else 0
@@ -527,6 +532,11 @@ class Trainer:
             is_last = step == t.steps
             if step == first or step % m.log_every == 0 or is_last:
                 loss_val, grad_val = st.loss, st.grad_norm
+                extra = {}
+                if self.aux_loss_sum is not None:  # mean over ranks of the aux loss (log steps only)
+                    aux_t = self.aux_loss_sum.detach().clone().to(self.device)
+                    dist.all_reduce(aux_t)
+                    extra = {"aux_loss": aux_t.item() / self.world_size}
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
@@ -535,6 +545,7 @@ class Trainer:
                         "step": step,
                         "loss": loss_val,
                         "grad_norm": grad_val,
+                        **extra,
                         "lr": lr,
                         "tokens_per_s": tokens_per_step / dt,
                         "tokens_per_s_per_rank": tokens_per_step / dt / self.world_size,

@@ -14,7 +14,7 @@ LAYER = {
     "fsdp": 3,
     "optim": 4, "checkpoint": 4,
     "models": 5,
-    "train": 6, "cli": 6, "__main__": 6,
+    "train": 6, "cli": 6, "__main__": 6, "bench": 6,
 }
 
 

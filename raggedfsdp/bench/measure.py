@@ -1,0 +1,182 @@
+"""What ``raggedfsdp bench`` counts besides time: collectives, host syncs, padding, state and peak memory.
+
+All of it is local to the calling rank (no collective); the bench gathers the per-rank results.
+
+- ``StepCounter``: a ``TorchDispatchMode`` counting every ``c10d`` collective dispatched under it
+  (number and bytes: the larger of its input / output, i.e. the unsharded size of an all-gather or
+  reduce-scatter) and the ops that force a device-to-host sync (``aten._local_scalar_dense``, i.e.
+  ``.item()``, ``nonzero``, ``masked_select``, ``unique``, device-to-CPU copies). A ``.tolist()``
+  does not dispatch and is not seen (the MoE model's one per MoE layer, the same for both systems).
+  On CUDA the bench also counts the syncs ``torch.cuda.set_sync_debug_mode`` reports.
+- ``padding_bytes``: bytes of padding in the collective buffers of each system's layout.
+- ``state_bytes``: persistent bytes of this rank's sharded params and optimizer state.
+- ``peak_memory``: ``raggedfsdp.fsdp.memory.PeakMemory`` (the project's shared method: CUDA allocator
+  peak on GPU; CPU allocator events from ``torch.profiler`` on CPU); ``_FallbackPeakMemory`` below
+  applies the same method where that module is not installed yet.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+_SYNC_OPS = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+    aten.is_nonzero.default, aten.equal.default,
+}
+_SYNC_PACKETS = {"aten._unique2", "aten.unique_consecutive", "aten.unique_dim"}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class StepCounter(TorchDispatchMode):
+    """Collectives (``calls``/``bytes`` per c10d op) and host syncs (``host_syncs``) dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+        self.host_syncs = 0
+        self.sync_ops: collections.Counter = collections.Counter()
+
+    @property
+    def collectives(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        pkt = str(func.overloadpacket)
+        if pkt.startswith("c10d.") and "barrier" not in pkt and "monitored" not in pkt:
+            ins = _nbytes(_tensors(args[0]) if args else [])
+            outs = _nbytes(_tensors(args[1]) if len(args) > 1 else [])
+            name = pkt.removeprefix("c10d.")
+            self.calls[name] += 1
+            self.bytes[name] += max(ins, outs)
+        elif func in _SYNC_OPS or pkt in _SYNC_PACKETS or (
+            func in (aten._to_copy.default, aten.copy_.default) and _is_d2h(func, args, kwargs)
+        ):
+            self.host_syncs += 1
+            self.sync_ops[pkt] += 1
+        return out
+
+
+def _is_d2h(func, args, kwargs) -> bool:
+    src = args[1] if func is aten.copy_.default else args[0]
+    if not isinstance(src, torch.Tensor) or src.device.type == "cpu":
+        return False
+    if func is aten.copy_.default:
+        return args[0].device.type == "cpu"
+    dev = (kwargs or {}).get("device")
+    return dev is not None and torch.device(dev).type == "cpu"
+
+
+def padding_bytes(model: torch.nn.Module, backend: str, world_size: int) -> int:
+    """Padding bytes in the sharded collective buffers of ``model`` (summed over its FSDP units).
+
+    raggedfsdp: each unit's planned layout padding (elements) times the element size. torch's
+    FSDP2 pads every parameter on dim 0 to a multiple of the world size (``ceil(d0/ws)*ws`` rows).
+    """
+    if backend == "ragged":
+        total, seen = 0, set()
+        for m in model.modules():
+            st = getattr(m, "_raggedfsdp_state", None)
+            g = getattr(st, "group", None)
+            if g is None or id(g) in seen:
+                continue
+            seen.add(id(g))
+            elem = torch.empty((), dtype=getattr(g, "orig_dtype", torch.float32)).element_size()
+            total += int(g.layout.padding) * elem
+        return total
+    total = 0
+    for p in model.parameters():
+        d0 = p.shape[0]
+        rows = -(-d0 // world_size) * world_size
+        total += (rows - d0) * (math.prod(p.shape) // max(d0, 1)) * p.element_size()
+    return total
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's sharded parameters plus optimizer state (distinct storages, local pieces)."""
+    tensors = list(model.parameters())
+    for st in optimizer.state.values():
+        tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    try:
+        from raggedfsdp.fsdp.memory import storage_bytes
+    except ImportError:
+        storage_bytes = _storage_bytes
+    return storage_bytes(tensors)
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            if st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def peak_memory(device: torch.device):
+    """``PeakMemory(device)`` from ``raggedfsdp.fsdp.memory`` (the shared method), else the fallback."""
+    try:
+        from raggedfsdp.fsdp.memory import PeakMemory
+    except ImportError:
+        return _FallbackPeakMemory(device)
+    return PeakMemory(device)
+
+
+class _FallbackPeakMemory:
+    """The shared method's core (see the module docstring): ``peak_bytes`` above the entry baseline."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            return False
+        self._prof.__exit__(*exc)
+        events = sorted(
+            (e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        live = peak = 0
+        for _, n in events:
+            live += n
+            peak = max(peak, live)
+        self.peak_bytes = peak
+        return False

@@ -1,0 +1,290 @@
+"""Per-rank body of ``raggedfsdp bench`` (run under torchrun by ``raggedfsdp bench --nproc N``).
+
+Both systems hold the same model (same init), see the same tokens and use the same AdamW in one
+process: ``raggedfsdp.fully_shard`` ("raggedfsdp") and ``torch.distributed.fsdp.fully_shard``
+("torch"), with the same FSDP units (the model's ``--wrap`` policy) and mixed-precision policy.
+Phases (collective: every rank runs every phase):
+
+1. warm-up steps of both (not timed);
+2. ``--steps`` timed repetitions, the order inside a repetition alternating (raggedfsdp first on even
+   repetitions, torch first on odd) so slow drift of a shared machine cancels; a barrier (and a CUDA
+   sync) before each timed step; a step's time is that of the slowest rank; also the CPU time
+   (``time.process_time``, all threads of the rank's process) per step, mean over ranks, which a
+   loaded machine disturbs much less than wall time (``cpu_time_ratio``; on CUDA it is host time only);
+3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
+   collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
+4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
+   its persistent state (sharded params + optimizer state) plus the step's peak above its start;
+   then one more step split into phases: forward peak (above the step's start) and backward peak
+   (above the end of forward), max over ranks;
+5. optionally (``--profile DIR``) more steps of each under ``cProfile`` (CPU-time clock) on rank 0 (``DIR/<system>.pstats``)
+   and one under ``torch.profiler`` (``DIR/<system>.ops.txt``, ops by self CPU time).
+The loss printed for each system is the mean over ranks of the last step's LM loss; they must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SYSTEMS = {"raggedfsdp": "ragged", "torch": "torch"}
+
+
+def _forward_backward(model, tok) -> torch.Tensor:
+    logits = model(tok[:, :-1])  # (b, T, V)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
+    aux = getattr(model, "aux_loss", None)  # MoE load-balancing loss (in the graph)
+    (loss + aux if aux is not None else loss).backward()
+    return loss.detach()
+
+
+def _step(model, opt, tok) -> torch.Tensor:
+    loss = _forward_backward(model, tok)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(args, spec, backend, mesh, device):
+    from raggedfsdp.models import make_mp_policy
+
+    model = spec.build(args).to(device)
+    mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    spec.wraps[args.wrap](model, mesh, backend, mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.foreach)
+    return model, opt
+
+
+def _progress(args, rank, msg) -> None:
+    if rank == 0 and not args.quiet:
+        print(f"raggedfsdp bench: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Run the benchmark on this rank (process group already initialised); rank 0 returns the result."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp  # noqa: F401  (installs the RaggedShard patches)
+    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, state_bytes
+    from raggedfsdp.bench.registry import get_bench_model
+    from raggedfsdp.fsdp.copy_accounting import CopyCounter
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    device = _device(args)
+    spec = get_bench_model(args.model)
+    args.flavor = args.flavor or spec.default_flavor
+    args.wrap = args.wrap or next(iter(spec.wraps))
+    mesh = init_device_mesh(device.type, (ws,))
+    systems = {name: _build(args, spec, backend, mesh, device) for name, backend in SYSTEMS.items()}
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
+    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+               for _ in range(args.warmup + args.steps + 2 + args.profile_steps)]
+    names = list(systems)
+    times = {n: [] for n in names}
+    cpu = {n: [] for n in names}  # CPU seconds of this process per step (all its threads)
+    losses = {n: [] for n in names}
+    for i in range(args.warmup + args.steps):
+        tok = batches[i].to(device)
+        order = names if i % 2 == 0 else names[::-1]
+        for n in order:
+            model, opt = systems[n]
+            _sync(device)
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = _step(model, opt, tok)
+            _sync(device)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            losses[n].append(loss)
+            if i >= args.warmup:
+                times[n].append(dt)
+                cpu[n].append(dc)
+        if i >= args.warmup:
+            j = i - args.warmup + 1
+            _progress(args, rank, f"step {j}/{args.steps}  raggedfsdp {times['raggedfsdp'][-1] * 1e3:.1f} ms  "
+                                  f"torch {times['torch'][-1] * 1e3:.1f} ms (rank 0)")
+        else:
+            _progress(args, rank, f"warm-up {i + 1}/{args.warmup}")
+    # slowest rank per step
+    t = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    c = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(c)
+    c /= ws  # mean over ranks
+    final = torch.stack([losses[n][-1].float() for n in names]).cpu()
+    dist.all_reduce(final)
+    final /= ws
+
+    counts = {}
+    k = args.warmup + args.steps
+    for n in names:
+        model, opt = systems[n]
+        syncs = _CudaSyncCounter(device)
+        tok = batches[k].to(device)
+        with CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
+            _forward_backward(model, tok)
+        opt.step()  # the optimizer step is the same code for both systems: not counted
+        opt.zero_grad(set_to_none=True)
+        counts[n] = dict(copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
+                         backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
+                         collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
+                         host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
+    _progress(args, rank, "counted copies and collectives; measuring peak memory")
+    mem = []
+    for n in names:
+        model, opt = systems[n]
+        base = state_bytes(model, opt)
+        tok = batches[k + 1].to(device)
+        dist.barrier()
+        with peak_memory(device) as pm:
+            _step(model, opt, tok)
+        # the same step split in phases (PeakMemory does not nest): where the peak is
+        with peak_memory(device) as pf:
+            logits = model(tok[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
+            aux = getattr(model, "aux_loss", None)
+            loss = loss + aux if aux is not None else loss
+        with peak_memory(device) as pb:
+            loss.backward()
+        del logits, loss, aux
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mem.append([base, base + pm.peak_bytes, pf.peak_bytes, pb.peak_bytes])
+    mem_t = torch.tensor(mem, dtype=torch.float64)
+    gathered = [torch.zeros_like(mem_t) for _ in range(ws)]
+    dist.all_gather(gathered, mem_t)
+    if args.profile:
+        _profile(args, systems, batches[k + 2:], device, rank)
+
+    if rank != 0:
+        return None
+    out: dict = {}
+    for a, n in enumerate(names):
+        st = t[a].tolist()
+        med = statistics.median(st)
+        model, _ = systems[n]
+        per_rank = [int(g[a, 1]) for g in gathered]
+        out[n] = dict(
+            step_seconds_median=med, step_seconds=st,
+            cpu_seconds_median=statistics.median(c[a].tolist()),
+            tokens_per_second=ws * args.batch * args.seq / med,
+            peak_memory_bytes=max(per_rank), peak_memory_bytes_per_rank=per_rank,
+            state_bytes_per_rank=[int(g[a, 0]) for g in gathered],
+            forward_peak_bytes=max(int(g[a, 2]) for g in gathered),  # above the step's start
+            backward_peak_bytes=max(int(g[a, 3]) for g in gathered),  # above the end of forward
+            padding_bytes=padding_bytes(model, SYSTEMS[n], ws),
+            final_loss=float(final[a]), **counts[n],
+        )
+    r, tt = out["raggedfsdp"], out["torch"]
+    return dict(
+        model=args.model, flavor=args.flavor, wrap=args.wrap,
+        experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
+        nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
+        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
+        torch_version=torch.__version__, threads_per_rank=torch.get_num_threads(),
+        num_params=sum(p.numel() for p in systems["torch"][0].parameters()),
+        throughput_ratio=tt["step_seconds_median"] / r["step_seconds_median"],
+        cpu_time_ratio=tt["cpu_seconds_median"] / r["cpu_seconds_median"],
+        peak_memory_ratio=r["peak_memory_bytes"] / max(tt["peak_memory_bytes"], 1),
+        copy_bytes_ratio=r["copy_bytes"] / max(tt["copy_bytes"], 1),
+        collectives_ratio=r["collectives"] / max(tt["collectives"], 1),
+        final_loss_abs_diff=abs(r["final_loss"] - tt["final_loss"]),
+        raggedfsdp=r, torch=tt,
+    )
+
+
+class _CudaSyncCounter:
+    """On CUDA: the number of syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports; 0 elsewhere."""
+
+    def __init__(self, device):
+        self.device, self.count = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            import warnings
+
+            self._w = warnings.catch_warnings(record=True)
+            self._log = self._w.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+            self._w.__exit__(*exc)
+            self.count = sum("synchroniz" in str(w.message) for w in self._log)
+        return False
+
+
+def _profile(args, systems, batches, device, rank) -> None:
+    import cProfile
+
+    os.makedirs(args.profile, exist_ok=True)
+    for n, (model, opt) in systems.items():
+        prof = cProfile.Profile(time.process_time)  # CPU time: waits on peers / a loaded machine drop out
+        for tok in batches[: args.profile_steps]:
+            dist.barrier()
+            if rank == 0:
+                prof.enable()
+            _step(model, opt, tok.to(device))
+            _sync(device)
+            if rank == 0:
+                prof.disable()
+        from torch.profiler import ProfilerActivity, profile
+
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+            _step(model, opt, batches[0].to(device))
+            _sync(device)
+        if rank == 0:
+            path = os.path.join(args.profile, f"{n}.pstats")
+            prof.dump_stats(path)
+            with open(os.path.join(args.profile, f"{n}.ops.txt"), "w") as f:
+                f.write(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            _progress(args, rank, f"profile of {args.profile_steps} {n} steps (rank 0) -> {path}, "
+                                  f"op table of one step -> {n}.ops.txt")
+
+
+def _device(args) -> torch.device:
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from datetime import timedelta
+
+    from raggedfsdp.bench.cli import build_arg_parser, format_report
+
+    args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if "RANK" not in os.environ:  # one process, no torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        print(json.dumps(result) if args.json else format_report(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
