@@ -6,13 +6,14 @@ returns an un-initialised model (call ``init_weights(seed)`` after ``to_empty`` 
 
 from __future__ import annotations
 
+from raggedfsdp.models.hybrid import HYBRID_FLAVORS, Hybrid, HybridConfig
 from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
-from raggedfsdp.models.parallelize import apply_fsdp, make_mp_policy
+from raggedfsdp.models.parallelize import FSDP_UNITS, apply_fsdp, fsdp_unit_modules, make_mp_policy
 
-MODELS: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama)}
+MODELS: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama), "hybrid": (HybridConfig, Hybrid)}
 
 
-def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig:
+def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig | HybridConfig:
     """The config of model ``name`` in size ``flavor`` with ``overrides`` applied."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
@@ -20,19 +21,51 @@ def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig:
     return cfg_cls.flavor(flavor, **overrides)
 
 
-def build_model(name: str, flavor: str, **overrides) -> Llama:
+def build_model(name: str, flavor: str, **overrides) -> Llama | Hybrid:
     """Build (not initialise) model ``name`` in size ``flavor``; honours the current default device."""
-    _, model_cls = MODELS[name]
-    return model_cls(build_model_config(name, flavor, **overrides))
+    cfg = build_model_config(name, flavor, **overrides)
+    return MODELS[name][1](cfg)
+
+
+def model_units(name: str, flavor: str, unit: str = "layer", **overrides):
+    """The FSDP units of a built-in model as planner ``Unit``s (shapes only: built on the meta device).
+
+    One unit per ``fully_shard`` call that :func:`apply_fsdp` makes with this ``unit``, holding the
+    parameters that call manages, in registration order (the root unit last) -- the input of
+    :func:`raggedfsdp.planner.memory_estimate.estimate_memory` and of the planner.
+    """
+    import torch
+
+    from raggedfsdp.planner.archs import Unit
+
+    with torch.device("meta"):
+        model = build_model(name, flavor, **overrides)
+    out, seen = [], set()
+    for label, modules in fsdp_unit_modules(model, unit):
+        params = []
+        for i, mod in enumerate(modules):
+            prefix = f"{i}." if len(modules) > 1 else ""
+            for pname, p in mod.named_parameters(prefix=prefix.rstrip(".")):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append((pname, tuple(p.shape)))
+        out.append(Unit(label, tuple(params)))
+    return out
 
 
 __all__ = [
+    "FSDP_UNITS",
+    "HYBRID_FLAVORS",
     "MODELS",
     "LLAMA_FLAVORS",
+    "Hybrid",
+    "HybridConfig",
     "Llama",
     "LlamaConfig",
     "apply_fsdp",
     "build_model",
     "build_model_config",
+    "fsdp_unit_modules",
     "make_mp_policy",
+    "model_units",
 ]
