@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         plan_cli = None
     if plan_cli is not None:
         plan_cli.add_parser(sub)
+    from raggedfsdp.train import estimate_cli
+
+    estimate_cli.add_parser(sub)
     return parser
 
 

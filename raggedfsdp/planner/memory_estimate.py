@@ -305,6 +305,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0][:8]
 
 
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def format_report(est: MemoryEstimate, *, label: str = "") -> str:
     """The text table of ``raggedfsdp estimate-memory``."""
     r = est.recipe
@@ -312,7 +319,7 @@ def format_report(est: MemoryEstimate, *, label: str = "") -> str:
     hsdp = f" (HSDP: {est.replicate} replicas x {m} ranks)" if est.replicate > 1 else ""
     src = f"{label}: " if label else ""
     lines = [
-        f"{src}{est.num_params:,} params ({est.num_params / 1e9:.3g}B), world size {est.world_size}{hsdp}",
+        f"{src}{est.num_params:,} params ({_count(est.num_params)}), world size {est.world_size}{hsdp}",
         f"recipe {r.name}: {r.description}",
         f"persistent state, one copy: {format_bytes(est.total_bytes)} "
         f"({r.total:g} B/param x {est.num_params:,})",

@@ -128,3 +128,20 @@ def test_estimate_matches_measured_unsharded_allocations():
         z0 = est.stage(0)
         assert (got["params"], got["grads"], got["optim"]) == (z0.params, z0.grads, z0.optim), name
         assert est.num_params == model.cfg.num_params()
+
+
+def test_cli(capsys):
+    import json
+
+    from raggedfsdp.cli import main
+
+    assert main(["estimate-memory", "--params", "27e9", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "432 GB" in out and "113 GB" in out and "59.9 GB" in out and "6.75 GB" in out
+    assert main(["estimate-memory", "--model", "hybrid:debug", "--unit", "superblock", "-m", "3,5", "--json"]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert [r["world_size"] for r in recs] == [3, 5] and all(r["shapes_known"] for r in recs)
+    assert main(["estimate-memory", "--params", "1e9", "--world-size", "6", "--replicate", "4"]) == 2
+    assert "replicate=4 must divide world_size=6" in capsys.readouterr().err
+    assert main(["estimate-memory", "--model", "llama:debug", "--unit", "superblock", "-m", "2"]) == 2
+    assert "needs a hybrid model" in capsys.readouterr().err
