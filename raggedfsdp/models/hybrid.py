@@ -294,12 +294,13 @@ class GatedDeltaNet(nn.Module):
         rep = self.nv // self.nk
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)  # (B, T, Hv, Dk)
-        q = F.normalize(q.float(), dim=-1) * self.dk**-0.5
-        k = F.normalize(k.float(), dim=-1)
-        b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)  # (B, T, Hv) each
+        work = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in fp32 at least
+        q = F.normalize(q.to(work), dim=-1) * self.dk**-0.5
+        k = F.normalize(k.to(work), dim=-1)
+        b, a = self.in_proj_ba(x).to(work).chunk(2, dim=-1)  # (B, T, Hv) each
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # log-decay <= 0
-        o, _ = gated_delta_rule_chunked(q, k, v.float(), g, beta, chunk_size=self.chunk_size)
+        g = -self.A_log.to(work).exp() * F.softplus(a + self.dt_bias.to(work))  # log-decay <= 0
+        o, _ = gated_delta_rule_chunked(q, k, v.to(work), g, beta, chunk_size=self.chunk_size)
         o = self.norm(o.to(x.dtype)) * F.silu(z.reshape(B, T, self.nv, self.dv))  # (B, T, Hv, Dv)
         return self.out_proj(o.reshape(B, T, val))
 

@@ -48,8 +48,10 @@ class JobConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _f("llama", "model family (see raggedfsdp.models.MODELS)")
-    flavor: str = _f("tiny", "named size: debug | tiny | small | base", flag="--model")
+    name: str = _f("llama", "model family: llama | hybrid (Gated DeltaNet + full attention)")
+    flavor: str = _f(
+        "tiny", "named size: debug | tiny | small | base (hybrid: debug | tiny | small)", flag="--model"
+    )
     dim: int | None = _f(None, "override the flavor's model dim")
     n_layers: int | None = _f(None, "override the flavor's number of blocks")
     n_heads: int | None = _f(None, "override the flavor's query heads")
@@ -100,6 +102,11 @@ class FSDPConfig:
     param_dtype: str = _f("fp32", "compute dtype of all-gathered params: fp32 | bf16", flag="--param-dtype")
     reduce_dtype: str = _f("fp32", "gradient reduce-scatter dtype: fp32 | bf16", flag="--reduce-dtype")
     reshard_after_forward: bool = _f(True, "free gathered block params after forward (ZeRO-3)")
+    unit: str = _f(
+        "layer",
+        "FSDP unit: layer (one per block) | superblock (hybrid models: one per 3 linear + 1 full "
+        "attention layers); compare them with raggedfsdp bench --model hybrid --wrap layer,superblock",
+    )
 
 
 @dataclass(kw_only=True)
@@ -196,6 +203,7 @@ class TrainConfig:
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
+            "fsdp.unit": (f.unit, ("layer", "superblock")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
             "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
@@ -209,6 +217,11 @@ class TrainConfig:
         from raggedfsdp.models import build_model_config
 
         mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
+        if f.unit == "superblock" and not getattr(mcfg, "full_attention_interval", 0):
+            raise ValueError(
+                f"fsdp.unit='superblock' needs a hybrid model (super-blocks of linear + full attention); "
+                f"model.name={self.model.name!r} has plain layers: use --fsdp.unit layer or --model.name hybrid"
+            )
         if t.seq_len > mcfg.max_seq_len:
             raise ValueError(
                 f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={mcfg.max_seq_len} "

@@ -85,6 +85,7 @@ class Trainer:
             backend=cfg.fsdp.backend,
             mp_policy=mp_policy,
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            unit=cfg.fsdp.unit,
         )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
