@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     from raggedfsdp.train import estimate_cli
 
     estimate_cli.add_parser(sub)
+    from raggedfsdp.train import convert
+
+    convert.add_parser(sub)
     return parser
 
 

@@ -59,6 +59,11 @@ class ModelConfig:
     ffn_dim: int | None = _f(None, "override the flavor's SwiGLU hidden dim (0: 8/3 * dim)")
     tie_embeddings: bool | None = _f(None, "tie the output projection to the input embedding")
     init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
+    init_from: str = _f(
+        "",
+        "start from a Hugging Face safetensors folder (llama; e.g. written by raggedfsdp convert); "
+        "each rank reads only its own pieces",
+    )
 
 
 @dataclass(kw_only=True)
@@ -217,6 +222,10 @@ class TrainConfig:
         from raggedfsdp.models import build_model_config
 
         mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
+        if self.model.init_from and self.model.name != "llama":
+            raise ValueError(
+                f"model.init_from loads Hugging Face LLaMA weights; model.name={self.model.name!r} is not llama"
+            )
         if f.unit == "superblock" and not getattr(mcfg, "full_attention_interval", 0):
             raise ValueError(
                 f"fsdp.unit='superblock' needs a hybrid model (super-blocks of linear + full attention); "

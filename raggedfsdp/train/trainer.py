@@ -98,6 +98,10 @@ class Trainer:
             model.init_weights(cfg.job.seed)
             model.to(device)
             apply_fsdp(model, mesh, **fsdp_kw)
+        if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
+            from raggedfsdp.train.convert import load_hf_weights
+
+            load_hf_weights(model, cfg.model.init_from)
         self.model = model
 
         # Optimizer: decay matrices and embeddings, not norm gains.
