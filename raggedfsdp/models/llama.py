@@ -117,6 +117,11 @@ LLAMA_FLAVORS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512),
     "small": LlamaConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=1024),
     "base": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=2048),
+    # LLaMA-3 8B shapes (the `llama3-8b` preset; GPU clusters, tokenized data with this vocabulary).
+    "llama3-8b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
 }
 
 

@@ -376,16 +376,25 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
 def load_config(
     path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
 ) -> TrainConfig:
-    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated (no world size)."""
+    """Defaults, then the TOML file at ``path`` or the preset of that name (if any; see
+    :mod:`raggedfsdp.train.presets`), then ``overrides``; validated (no world size)."""
     if path:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"invalid TOML in {path}: {e}") from None
-        cfg = config_from_dict(data, source=str(path))
+        from raggedfsdp.train.presets import PRESETS, trainable_config
+
+        if str(path) in PRESETS and not os.path.exists(path):
+            cfg = config_from_dict(trainable_config(str(path)), source=f"preset {path!r}")
+        else:
+            try:
+                with open(path, "rb") as fh:
+                    data = tomllib.load(fh)
+            except FileNotFoundError:
+                raise ValueError(
+                    f"config file not found: {path} (and not a preset: {', '.join(PRESETS)}; "
+                    "see --config list)"
+                ) from None
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"invalid TOML in {path}: {e}") from None
+            cfg = config_from_dict(data, source=str(path))
     else:
         cfg = TrainConfig()
     apply_overrides(cfg, overrides or {})
@@ -396,9 +405,28 @@ def load_config(
 # -- command line ------------------------------------------------------------------------------
 
 
+class _ConfigAction(argparse.Action):
+    """``--config list`` prints the presets and exits; anything else is stored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "list":
+            from raggedfsdp.train.presets import format_presets
+
+            print(format_presets())
+            parser.exit(0)
+        setattr(namespace, self.dest, values)
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one ``--section.key`` option per field (plus the short aliases)."""
-    parser.add_argument("--config", metavar="FILE.toml", default=None, help="TOML config file")
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml|NAME",
+        default=None,
+        action=_ConfigAction,
+        help="TOML config file or a shipped preset (debug, llama-tiny, hybrid-tiny, moe-tiny, llama3-8b; "
+        "'--config list' describes them)",
+    )
     for sec_name, sec_cls in _sections().items():
         group = parser.add_argument_group(f"[{sec_name}]") if sec_name != "debug" else parser
         defaults = sec_cls()

@@ -75,7 +75,15 @@ def resolve_units(model: str, unit: str):
     """``(label, units)`` for a built-in model (``name:flavor`` or ``name-flavor``), or a planner table /
     ``config.json``. Raises ``ValueError`` naming the model and the choices."""
     from raggedfsdp.models import MODELS, model_units
+    from raggedfsdp.train.presets import PRESETS
 
+    if model in PRESETS:  # a shipped preset: its training model, else its planner table
+        preset = PRESETS[model]
+        m = preset.config.get("model", {})
+        if m.get("name") in MODELS and not preset.arch:
+            return model, model_units(m["name"], m.get("flavor", "tiny"), unit)
+        if preset.arch:
+            model = preset.arch
     name, sep, flavor = model.partition(":")
     if not sep:
         name, sep, flavor = model.partition("-")
