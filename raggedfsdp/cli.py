@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     from raggedfsdp.train import convert
 
     convert.add_parser(sub)
+    from raggedfsdp.train import tokens
+
+    tokens.add_parser(sub)
     return parser
 
 

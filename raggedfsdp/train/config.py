@@ -58,6 +58,7 @@ class ModelConfig:
     n_kv_heads: int | None = _f(None, "override the flavor's key/value heads (GQA)")
     ffn_dim: int | None = _f(None, "override the flavor's SwiGLU hidden dim (0: 8/3 * dim)")
     tie_embeddings: bool | None = _f(None, "tie the output projection to the input embedding")
+    vocab_size: int | None = _f(None, "override the vocabulary size (a tokenized --data .bin: its tokenizer's)")
     init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
     init_from: str = _f(
         "",
@@ -69,7 +70,10 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = _f(
-        "", "text file or folder of text files; empty: the Python stdlib's .py sources", flag="--data"
+        "",
+        "text file or folder of text files, or a pre-tokenized .bin (raggedfsdp tokenize); empty: the "
+        "Python stdlib's .py sources",
+        flag="--data",
     )
     max_bytes: int = _f(4_000_000, "use at most this many bytes of the corpus (0: no cap)")
     val_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for evaluation")
@@ -168,7 +172,7 @@ class TrainConfig:
 
     def model_overrides(self) -> dict[str, Any]:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
-        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "vocab_size")
         return {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
 
     def validate(self, world_size: int | None = None) -> None:
@@ -253,8 +257,19 @@ class TrainConfig:
         corpus size in bytes. Cheap: file sizes only (no tokenization).
         """
         from raggedfsdp.train.data import check_data
+        from raggedfsdp.train.tokens import is_token_bin, token_bin_info
 
         d = self.data
+        if is_token_bin(d.path):
+            from raggedfsdp.models import build_model_config
+
+            vocab = token_bin_info(d.path).vocab_size
+            mv = build_model_config(self.model.name, self.model.flavor, **self.model_overrides()).vocab_size
+            if vocab is not None and vocab > mv:
+                raise ValueError(
+                    f"data {d.path!r} was tokenized with a vocabulary of {vocab:,} but the model has "
+                    f"vocab_size={mv:,}; pass --model.vocab_size {vocab}"
+                )
         return check_data(
             d.path, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seq_len=self.training.seq_len
         )
