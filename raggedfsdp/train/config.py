@@ -44,6 +44,9 @@ class JobConfig:
     pg_timeout_s: float = _f(
         120.0, "process-group timeout in seconds (a stuck collective errors out after this)"
     )
+    peak_tflops: float = _f(
+        0.0, "peak TFLOP/s of one device for the MFU figure (0: from the GPU name; none on CPU)"
+    )
 
 
 @dataclass(kw_only=True)
@@ -126,6 +129,7 @@ class MetricsConfig:
     eval_every: int = _f(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "evaluation size, in global batches of the held-out split")
     jsonl: bool = _f(True, "write OUT/metrics.jsonl on rank 0")
+    tensorboard: bool = _f(True, "also write TensorBoard event files to OUT/tb (when tensorboard is installed)")
 
 
 @dataclass(kw_only=True)

@@ -34,7 +34,7 @@ from raggedfsdp.train.checkpoint import (
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import BatchSampler, check_split, eval_windows, load_corpus, windows
 from raggedfsdp.train.lr_schedule import lr_at
-from raggedfsdp.train.metrics import MetricsLogger
+from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,9 @@ class Trainer:
             jsonl=cfg.metrics.jsonl,
             total_steps=t.steps,
             resume_step=self.start_step if self.resumed_from is not None else None,
+            flops_per_token=model_flops_per_token(self.model_cfg, t.seq_len),
+            peak_flops=peak_flops(device, cfg.fsdp.param_dtype, cfg.job.peak_tflops),
+            tensorboard=cfg.metrics.tensorboard,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -358,6 +361,8 @@ class Trainer:
                 dist.all_reduce(stats)  # sum of per-rank losses (grad_norm is already global)
                 loss_val = stats[0].item() / self.world_size
                 grad_val = stats[1].item() / self.world_size
+                peak = torch.tensor([float(peak_memory_bytes(self.device))], device=self.device)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest rank's peak
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
@@ -372,6 +377,7 @@ class Trainer:
                         "step_time_s": dt,
                         "tokens_seen": step * tokens_per_step,
                         "elapsed_s": now - start,
+                        "peak_memory_bytes": int(peak.item()),
                     }
                 )
                 if step == first:
