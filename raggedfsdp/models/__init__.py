@@ -56,8 +56,8 @@ def model_units(name: str, flavor: str, unit: str = "layer", **overrides):
 __all__ = [
     "FSDP_UNITS",
     "HYBRID_FLAVORS",
-    "MODELS",
     "LLAMA_FLAVORS",
+    "MODELS",
     "Hybrid",
     "HybridConfig",
     "Llama",

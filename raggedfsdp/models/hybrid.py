@@ -161,14 +161,30 @@ class HybridConfig:
 HYBRID_FLAVORS: dict[str, HybridConfig] = {
     # 1 super-block, uneven shapes: unit tests.
     "debug": HybridConfig(
-        dim=32, n_layers=4, n_heads=4, n_kv_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=8, linear_value_head_dim=8, ffn_dim=96, chunk_size=16, max_seq_len=256,
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        ffn_dim=96,
+        chunk_size=16,
+        max_seq_len=256,
     ),
     # 2 super-blocks: `raggedfsdp train --config hybrid-tiny`.
     "tiny": HybridConfig(dim=128, n_layers=8, max_seq_len=512),
     "small": HybridConfig(
-        dim=256, n_layers=8, n_heads=8, n_kv_heads=4, linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=32, linear_value_head_dim=32, max_seq_len=1024,
+        dim=256,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        max_seq_len=1024,
     ),
 }
 
@@ -177,7 +193,11 @@ HYBRID_FLAVORS: dict[str, HybridConfig] = {
 
 
 def gated_delta_rule_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: the recurrence one time step at a time.
@@ -205,8 +225,13 @@ def gated_delta_rule_recurrent(
 
 
 def gated_delta_rule_chunked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    chunk_size: int = 64, state: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule chunk by chunk; same arguments and result as the recurrent reference.
 
@@ -273,7 +298,11 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba = nn.Linear(cfg.dim, 2 * self.nv, bias=False)  # D -> b, a (per value head)
         conv_ch = 2 * key + val
         self.conv1d = nn.Conv1d(
-            conv_ch, conv_ch, cfg.linear_conv_kernel_dim, groups=conv_ch, bias=False,
+            conv_ch,
+            conv_ch,
+            cfg.linear_conv_kernel_dim,
+            groups=conv_ch,
+            bias=False,
             padding=cfg.linear_conv_kernel_dim - 1,
         )  # weight (2*key + val, 1, kernel): causal depthwise conv over q, k, v
         self.dt_bias = nn.Parameter(torch.empty(self.nv))

@@ -205,7 +205,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 def estimate_memory(
-    num_params: int | float | None = None,
+    num_params: float | None = None,
     *,
     units: Sequence[Unit] | None = None,
     world_size: int,
@@ -265,7 +265,9 @@ def estimate_memory(
             if shapes not in plans:
                 grans, _, _ = resolve_unit_blocks(u, pol, cache)
                 numels = [math.prod(s) for s in shapes]
-                plans[shapes] = plan_layout(numels, grans, m, align=align, order="best", shapes=shapes).shard_size
+                plans[shapes] = plan_layout(
+                    numels, grans, m, align=align, order="best", shapes=shapes
+                ).shard_size
             unit_rows.append((u.name, u.numel, plans[shapes]))
         count = sum(n for _, n, _ in unit_rows)
         shard = sum(s for _, _, s in unit_rows)
@@ -274,7 +276,9 @@ def estimate_memory(
     else:
         if isinstance(num_params, float):
             if not (num_params >= 0 and num_params.is_integer()):
-                raise ValueError(f"estimate_memory: num_params must be a whole number >= 0, got {num_params!r}")
+                raise ValueError(
+                    f"estimate_memory: num_params must be a whole number >= 0, got {num_params!r}"
+                )
             num_params = int(num_params)
         count = _check_int("num_params", num_params, 0)
         shard = -(-count // m)

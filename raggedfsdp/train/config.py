@@ -61,7 +61,7 @@ class ModelConfig:
     n_kv_heads: int | None = _f(None, "override the flavor's key/value heads (GQA)")
     ffn_dim: int | None = _f(None, "override the flavor's SwiGLU hidden dim (0: 8/3 * dim)")
     tie_embeddings: bool | None = _f(None, "tie the output projection to the input embedding")
-    vocab_size: int | None = _f(None, "override the vocabulary size (a tokenized --data .bin: its tokenizer's)")
+    vocab_size: int | None = _f(None, "override the vocabulary size (tokenized .bin data: the tokenizer's)")
     init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
     init_from: str = _f(
         "",
@@ -129,7 +129,7 @@ class MetricsConfig:
     eval_every: int = _f(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "evaluation size, in global batches of the held-out split")
     jsonl: bool = _f(True, "write OUT/metrics.jsonl on rank 0")
-    tensorboard: bool = _f(True, "also write TensorBoard event files to OUT/tb (when tensorboard is installed)")
+    tensorboard: bool = _f(True, "also write TensorBoard event files to OUT/tb (if tensorboard is installed)")
 
 
 @dataclass(kw_only=True)
@@ -232,12 +232,14 @@ class TrainConfig:
         mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
         if self.model.init_from and self.model.name != "llama":
             raise ValueError(
-                f"model.init_from loads Hugging Face LLaMA weights; model.name={self.model.name!r} is not llama"
+                "model.init_from loads Hugging Face LLaMA weights; "
+                f"model.name={self.model.name!r} is not llama"
             )
         if f.unit == "superblock" and not getattr(mcfg, "full_attention_interval", 0):
             raise ValueError(
                 f"fsdp.unit='superblock' needs a hybrid model (super-blocks of linear + full attention); "
-                f"model.name={self.model.name!r} has plain layers: use --fsdp.unit layer or --model.name hybrid"
+                f"model.name={self.model.name!r} has plain layers: use --fsdp.unit layer or "
+                "--model.name hybrid"
             )
         if t.seq_len > mcfg.max_seq_len:
             raise ValueError(

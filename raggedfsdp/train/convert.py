@@ -53,8 +53,11 @@ _LAYER_MAP = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight"}
+_TOP_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -118,17 +121,24 @@ def llama_config_from_hf(hf: dict[str, Any]):
             raise ValueError(f"config.json sets {key}=true; raggedfsdp's LLaMA has no biases")
     d, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if int(hf.get("head_dim") or d // nh) != d // nh:
-        raise ValueError(f"config.json head_dim={hf['head_dim']} != hidden_size / num_attention_heads = {d // nh}")
+        raise ValueError(
+            f"config.json head_dim={hf['head_dim']} != hidden_size / num_attention_heads = {d // nh}"
+        )
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling:
         raise ValueError(f"config.json uses RoPE scaling {scaling!r}; raggedfsdp's LLaMA has plain RoPE only")
     return LlamaConfig(
-        dim=d, n_layers=int(hf["num_hidden_layers"]), n_heads=nh,
-        n_kv_heads=int(hf.get("num_key_value_heads") or nh), vocab_size=int(hf["vocab_size"]),
-        ffn_dim=int(hf["intermediate_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        dim=d,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=nh,
+        n_kv_heads=int(hf.get("num_key_value_heads") or nh),
+        vocab_size=int(hf["vocab_size"]),
+        ffn_dim=int(hf["intermediate_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
@@ -152,11 +162,15 @@ def resolve_step_dir(path: str | os.PathLike) -> Path:
         return p
     if p.is_dir():
         steps = sorted(
-            (int(m.group(1)), c) for c in p.iterdir() if (m := re.match(r"^step-(\d+)$", c.name)) and c.is_dir()
+            (int(m.group(1)), c)
+            for c in p.iterdir()
+            if (m := re.match(r"^step-(\d+)$", c.name)) and c.is_dir()
         )
         if steps:
             return steps[-1][1]
-        raise ValueError(f"{str(p)!r} is neither a DCP checkpoint (no .metadata) nor a folder of step-N checkpoints")
+        raise ValueError(
+            f"{str(p)!r} is neither a DCP checkpoint (no .metadata) nor a folder of step-N checkpoints"
+        )
     raise ValueError(f"checkpoint {str(p)!r} does not exist")
 
 
@@ -308,7 +322,9 @@ def run(args) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
-        print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} params) from {step_dir} to {out}")
+        print(
+            f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} params) from {step_dir} to {out}"
+        )
         return 0
     try:
         name, cfg = _model_config(args, step_dir)

@@ -39,7 +39,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "hybrid-tiny), a planner table (llama3-8b, hybrid-27b, ...) or a Hugging Face config.json",
     )
     p.add_argument(
-        "--world-size", "-m", required=True, help="data-parallel ranks; a comma list estimates each (8,64,512)"
+        "--world-size",
+        "-m",
+        required=True,
+        help="data-parallel ranks; a comma list estimates each (8,64,512)",
     )
     p.add_argument(
         "--recipe",
@@ -48,10 +51,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="bytes per parameter: mixed (default: bf16 params/grads, fp32 master + AdamW moments, 16 B), "
         "bf16 (8 B), fp32 (16 B, no master), muon (12 B), adamw8bit (~10 B)",
     )
-    p.add_argument("--replicate", type=int, default=1, help="HSDP replica groups (must divide the world size)")
+    p.add_argument(
+        "--replicate", type=int, default=1, help="HSDP replica groups (must divide the world size)"
+    )
     p.add_argument("--unit", default="layer", help="FSDP unit with --model: layer | superblock (hybrids)")
     p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (a list for several world sizes)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (a list for several world sizes)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -122,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
         for ws in _progress(sizes):
             results.append(
                 estimate_memory(
-                    count, units=units, world_size=ws, recipe=args.recipe, replicate=args.replicate,
+                    count,
+                    units=units,
+                    world_size=ws,
+                    recipe=args.recipe,
+                    replicate=args.replicate,
                     policy=args.granularity if units is not None else None,
                 )
             )

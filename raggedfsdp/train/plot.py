@@ -34,7 +34,7 @@ def plot_metrics(
     for i, p in enumerate(map(Path, paths)):
         if p.is_dir():  # a run folder (OUT): its metrics.jsonl
             if not (p / "metrics.jsonl").is_file():
-                raise ValueError(f"{p} is a folder without a metrics.jsonl (give a run's OUT folder or the file)")
+                raise ValueError(f"{p} is a folder without a metrics.jsonl (pass the run folder or a file)")
             p = p / "metrics.jsonl"
         records = read_jsonl(p)
         train = [r for r in records if "loss" in r]

@@ -95,7 +95,9 @@ def trainable_config(name: str) -> dict[str, dict[str, Any]]:
         from raggedfsdp.models import MODELS
 
         if p.needs_model not in MODELS:
-            raise ValueError(f"preset {name!r} needs model family {p.needs_model!r}, not in this installation")
+            raise ValueError(
+                f"preset {name!r} needs model family {p.needs_model!r}, not in this installation"
+            )
     return {sec: dict(vals) for sec, vals in p.config.items()}
 
 

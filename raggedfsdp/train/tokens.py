@@ -69,7 +69,9 @@ def token_bin_info(path: str | os.PathLike) -> TokenBinInfo:
         )
     n = size // item
     if "num_tokens" in meta and int(meta["num_tokens"]) != n:
-        raise ValueError(f"token file {str(path)!r} holds {n} tokens but its sidecar says {meta['num_tokens']}")
+        raise ValueError(
+            f"token file {str(path)!r} holds {n} tokens but its sidecar says {meta['num_tokens']}"
+        )
     vocab = meta.get("vocab_size")
     return TokenBinInfo(p, dtype, n, int(vocab) if vocab is not None else None, meta.get("tokenizer"))
 
@@ -106,7 +108,9 @@ def load_token_corpus(path: str, *, max_tokens: int = 0, val_fraction: float = 0
     if len(mm) - n_val < 2 or n_val < 2:
         raise ValueError(f"token file {path!r} is too small ({len(mm)} tokens) to split into train/val")
     arr = TokenArray(mm)
-    return Corpus(train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1)
+    return Corpus(
+        train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1
+    )
 
 
 def write_token_bin(out: str | os.PathLike, ids, *, vocab_size: int, tokenizer: str | None = None) -> Path:
@@ -137,8 +141,12 @@ def add_parser(subparsers):
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("inputs", nargs="+", help="text files or folders of text files (each file is a document)")
-    p.add_argument("--tokenizer", required=True, help="a local Hugging Face tokenizer.json (or a folder with one)")
-    p.add_argument("--out", required=True, help="output .bin path (a NAME.bin.json sidecar is written next to it)")
+    p.add_argument(
+        "--tokenizer", required=True, help="a local Hugging Face tokenizer.json (or a folder with one)"
+    )
+    p.add_argument(
+        "--out", required=True, help="output .bin path (a NAME.bin.json sidecar is written next to it)"
+    )
     p.add_argument("--eos-token", default=None, help="token appended after each document (default: none)")
     p.set_defaults(func=run)
     return p
@@ -198,5 +206,7 @@ def run(args) -> int:
 
     out = write_token_bin(args.out, ids(), vocab_size=tok.get_vocab_size(), tokenizer=str(tok_path))
     info = token_bin_info(out)
-    print(f"wrote {info.num_tokens:,} {info.dtype} tokens (vocab {info.vocab_size:,}) from {len(files)} file(s) to {out}")
+    print(
+        f"wrote {info.num_tokens:,} {info.dtype} tokens (vocab {info.vocab_size:,}) from {len(files)} file(s) to {out}"
+    )
     return 0

@@ -263,7 +263,10 @@ def recommend(results: dict[str, dict]) -> tuple[str, str]:
     ta, tb = results[a]["step_seconds_median"], results[b]["step_seconds_median"]
     noise = max(_iqr(results[a]["step_seconds"]), _iqr(results[b]["step_seconds"]), NOISE_FLOOR * tb)
     if tb - ta > noise:
-        return a, f"{a} is {tb / ta:.2f}x faster than {b} (gap {1e3 * (tb - ta):.1f} ms > noise {1e3 * noise:.1f} ms)"
+        return (
+            a,
+            f"{a} is {tb / ta:.2f}x faster than {b} (gap {1e3 * (tb - ta):.1f} ms > noise {1e3 * noise:.1f} ms)",
+        )
     small = min(ranked[:2], key=lambda n: results[n]["peak_memory_bytes"])
     other = b if small == a else a
     ratio = results[other]["peak_memory_bytes"] / max(results[small]["peak_memory_bytes"], 1)
@@ -301,10 +304,14 @@ def format_wrap_report(r: dict, title: str = "") -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m raggedfsdp.train.wrap_compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m raggedfsdp.train.wrap_compare", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", default="hybrid", help="model family (default: hybrid)")
     p.add_argument("--flavor", default="tiny", help="named size (default: tiny)")
-    p.add_argument("--wrap", default="layer,superblock", help="comma list of FSDP units (default: layer,superblock)")
+    p.add_argument(
+        "--wrap", default="layer,superblock", help="comma list of FSDP units (default: layer,superblock)"
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--batch", type=int, default=2)
@@ -326,7 +333,10 @@ def hybrid_wraps(model_name: str, flavor: str, units: list[str], *, param_dtype:
         return m
 
     mp = make_mp_policy("ragged", param_dtype=param_dtype)
-    wraps = {u: (lambda model, mesh, u=u: apply_fsdp(model, mesh, backend="ragged", mp_policy=mp, unit=u)) for u in units}
+    wraps = {
+        u: (lambda model, mesh, u=u: apply_fsdp(model, mesh, backend="ragged", mp_policy=mp, unit=u))
+        for u in units
+    }
     return build, wraps
 
 
@@ -335,10 +345,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _build_parser().parse_args(argv)
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29541"))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29541"),
+        )
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -348,13 +363,23 @@ def main(argv: list[str] | None = None) -> int:
         build, wraps = hybrid_wraps(
             args.model, args.flavor, args.wrap.split(","), param_dtype=args.param_dtype, seed=args.seed
         )
-        r = compare_wraps(build, wraps, device=device, steps=args.steps, warmup=args.warmup,
-                          batch=args.batch, seq=args.seq, seed=args.seed)
+        r = compare_wraps(
+            build,
+            wraps,
+            device=device,
+            steps=args.steps,
+            warmup=args.warmup,
+            batch=args.batch,
+            seq=args.seq,
+            seed=args.seed,
+        )
     finally:
         dist.destroy_process_group()
     if r is not None:
         r.update(model=args.model, flavor=args.flavor, param_dtype=args.param_dtype)
-        print(json.dumps(r) if args.json else format_wrap_report(r, f"{args.model}/{args.flavor}"), flush=True)
+        print(
+            json.dumps(r) if args.json else format_wrap_report(r, f"{args.model}/{args.flavor}"), flush=True
+        )
     return 0
 
 

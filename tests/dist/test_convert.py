@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -16,7 +15,10 @@ pytest.importorskip("safetensors")
 def _full_params(model):
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _roundtrip(rank, ws, tmp):
@@ -54,7 +56,20 @@ def test_dcp_to_hf_logits_and_back(tmp_path):
 
     run_distributed(_roundtrip, 3, str(tmp_path))
     out = tmp_path / "hf"
-    assert main(["convert", str(tmp_path / "ckpt"), "--to", "safetensors", str(out), "--model-config", "llama:debug"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "ckpt"),
+                "--to",
+                "safetensors",
+                str(out),
+                "--model-config",
+                "llama:debug",
+            ]
+        )
+        == 0
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     ours = build_model("llama", "debug")
     ours.init_weights(7)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _dist import run_distributed
 
 STEPS = 2
@@ -62,9 +61,11 @@ def _parity(rank, ws):
     ref_losses, ref_grads = _run(ref, data, rank, 0)
     ref_params = _full(ref)
     mesh = init_device_mesh("cpu", (ws,))
-    cases = [("ragged", "layer"), ("ragged", "superblock"), ("torch", "superblock")] if ws == 3 else [
-        ("ragged", "superblock")
-    ]
+    cases = (
+        [("ragged", "layer"), ("ragged", "superblock"), ("torch", "superblock")]
+        if ws == 3
+        else [("ragged", "superblock")]
+    )
     for backend, unit in cases:
         model = build_model("hybrid", "debug")
         model.init_weights(0)
@@ -72,12 +73,16 @@ def _parity(rank, ws):
         losses, grads = _run(model, data, rank, ws)
         what = f"{backend}/{unit} ws={ws}"
         for n, g in ref_grads.items():
-            torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what} grad {n}: {m}")
+            torch.testing.assert_close(
+                grads[n], g, rtol=1e-5, atol=1e-7, msg=lambda m, w=what, n=n: f"{w} grad {n}: {m}"
+            )
         for i, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5 * abs(b), f"{what} step {i}: {a} vs {b}"
         got = _full(model)
         for n, p in ref_params.items():
-            torch.testing.assert_close(got[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {n}: {m}")
+            torch.testing.assert_close(
+                got[n], p, rtol=1e-5, atol=1e-6, msg=lambda m, w=what, n=n: f"{w} {n}: {m}"
+            )
 
 
 @pytest.mark.parametrize("ws", [3, 5])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _dist import run_distributed
+
 from raggedfsdp.planner.memory_estimate import RECIPES, estimate_memory, format_bytes, format_report
 
 
@@ -32,7 +32,11 @@ def test_lesson_figures_27b_on_64_ranks():
 
 def test_recipes_hsdp_and_errors():
     assert {k: r.total for k, r in RECIPES.items()} == {
-        "mixed": 16, "bf16": 8, "fp32": 16, "muon": 12, "adamw8bit": 2 + 2 + 4 + 2 + 8 / 256,
+        "mixed": 16,
+        "bf16": 8,
+        "fp32": 16,
+        "muon": 12,
+        "adamw8bit": 2 + 2 + 4 + 2 + 8 / 256,
     }
     # HSDP: 4 replicas of 16 ranks shard like plain FSDP on 16 ranks.
     a = estimate_memory(27e9, world_size=64, replicate=4)
@@ -138,7 +142,10 @@ def test_cli(capsys):
     assert main(["estimate-memory", "--params", "27e9", "--world-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "432 GB" in out and "113 GB" in out and "59.9 GB" in out and "6.75 GB" in out
-    assert main(["estimate-memory", "--model", "hybrid:debug", "--unit", "superblock", "-m", "3,5", "--json"]) == 0
+    assert (
+        main(["estimate-memory", "--model", "hybrid:debug", "--unit", "superblock", "-m", "3,5", "--json"])
+        == 0
+    )
     recs = json.loads(capsys.readouterr().out)
     assert [r["world_size"] for r in recs] == [3, 5] and all(r["shapes_known"] for r in recs)
     assert main(["estimate-memory", "--params", "1e9", "--world-size", "6", "--replicate", "4"]) == 2

@@ -9,8 +9,8 @@ parameters dominate the activations at this size). The recommendation rule is te
 from __future__ import annotations
 
 import torch
-
 from _dist import run_distributed
+
 from raggedfsdp.train.wrap_compare import format_wrap_report, recommend
 
 
@@ -43,7 +43,11 @@ def test_compare_wraps_hybrid():
 
 def test_recommend_rule():
     def res(times, peak):
-        return {"step_seconds_median": sorted(times)[len(times) // 2], "step_seconds": times, "peak_memory_bytes": peak}
+        return {
+            "step_seconds_median": sorted(times)[len(times) // 2],
+            "step_seconds": times,
+            "peak_memory_bytes": peak,
+        }
 
     fast = {"layer": res([1.0, 1.0, 1.01], 200), "superblock": res([0.5, 0.5, 0.51], 300)}
     assert recommend(fast)[0] == "superblock"

@@ -14,7 +14,11 @@ from raggedfsdp.train.metrics import MetricsLogger, format_line, model_flops_per
 
 @pytest.mark.parametrize(
     "name,flavor,kw,tol",
-    [("llama", "debug", {}, 0.01), ("llama", "debug", {"tie_embeddings": True}, 0.01), ("hybrid", "debug", {}, 0.05)],
+    [
+        ("llama", "debug", {}, 0.01),
+        ("llama", "debug", {"tie_embeddings": True}, 0.01),
+        ("hybrid", "debug", {}, 0.05),
+    ],
 )
 def test_flops_per_token_matches_flop_counter(name, flavor, kw, tol):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -36,10 +40,25 @@ def test_flops_per_token_matches_flop_counter(name, flavor, kw, tol):
 
 
 def test_mfu_memory_and_tensorboard(tmp_path):
-    log = MetricsLogger(tmp_path, enabled=True, jsonl=True, total_steps=10, flops_per_token=1e6,
-                        peak_flops=1e12, tensorboard=True)
-    rec = {"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 3e5,
-           "tokens_per_s_per_rank": 1e5, "step_time_s": 0.1, "peak_memory_bytes": 3 * 2**30}
+    log = MetricsLogger(
+        tmp_path,
+        enabled=True,
+        jsonl=True,
+        total_steps=10,
+        flops_per_token=1e6,
+        peak_flops=1e12,
+        tensorboard=True,
+    )
+    rec = {
+        "step": 1,
+        "loss": 2.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 3e5,
+        "tokens_per_s_per_rank": 1e5,
+        "step_time_s": 0.1,
+        "peak_memory_bytes": 3 * 2**30,
+    }
     log.log(rec)
     log.log({"step": 1, "eval_loss": 2.5, "elapsed_s": 1.0})
     log.close()

@@ -13,7 +13,12 @@ from raggedfsdp.train.presets import PRESETS
 
 def test_trainable_presets_load_and_override():
     cfg = load_config("hybrid-tiny", {"training.steps": "7"})
-    assert (cfg.model.name, cfg.model.flavor, cfg.fsdp.unit, cfg.training.steps) == ("hybrid", "tiny", "superblock", 7)
+    assert (cfg.model.name, cfg.model.flavor, cfg.fsdp.unit, cfg.training.steps) == (
+        "hybrid",
+        "tiny",
+        "superblock",
+        7,
+    )
     assert load_config("debug").model.flavor == "debug"
     default = load_config(None)
     tiny = load_config("llama-tiny")

@@ -24,7 +24,11 @@ def test_roundtrip_and_windows(tmp_path, vocab):
     docs = [rng.integers(0, vocab, size=n) for n in (500, 700, 300)]
     path = write_token_bin(tmp_path / "d.bin", docs, vocab_size=vocab)
     info = token_bin_info(path)
-    assert (info.dtype, info.num_tokens, info.vocab_size) == ("uint16" if vocab <= 65536 else "uint32", 1500, vocab)
+    assert (info.dtype, info.num_tokens, info.vocab_size) == (
+        "uint16" if vocab <= 65536 else "uint32",
+        1500,
+        vocab,
+    )
     ids = np.concatenate(docs)
     corpus = load_corpus(str(path), max_bytes=0, val_fraction=0.1)
     assert len(corpus.train) + len(corpus.val) == 1500 and len(corpus.val) == 150
@@ -35,9 +39,14 @@ def test_roundtrip_and_windows(tmp_path, vocab):
         assert x[row].tolist() == ids[o : o + 16].tolist() and y[row].tolist() == ids[o + 1 : o + 17].tolist()
     assert x.dtype == torch.int64
     # ranks' rows are disjoint and cover the global batch
-    rows = [set(BatchSampler(corpus.train, seq_len=16, global_batch_size=6, world_size=3, rank=r).rows()) for r in range(3)]
+    rows = [
+        set(BatchSampler(corpus.train, seq_len=16, global_batch_size=6, world_size=3, rank=r).rows())
+        for r in range(3)
+    ]
     assert set().union(*rows) == set(range(6)) and sum(map(len, rows)) == 6
-    assert check_data(str(path), max_bytes=0, val_fraction=0.1, seq_len=16) == 1500 * (2 if vocab <= 65536 else 4)
+    assert check_data(str(path), max_bytes=0, val_fraction=0.1, seq_len=16) == 1500 * (
+        2 if vocab <= 65536 else 4
+    )
 
 
 def test_bad_files(tmp_path):
@@ -70,7 +79,21 @@ def test_tokenize_and_train(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     del tokenizers
     out = tmp_path / "shakespeare.bin"
-    assert main(["tokenize", str(SHAKESPEARE), "--tokenizer", str(tmp_path), "--out", str(out), "--eos-token", "<eos>"]) == 0
+    assert (
+        main(
+            [
+                "tokenize",
+                str(SHAKESPEARE),
+                "--tokenizer",
+                str(tmp_path),
+                "--out",
+                str(out),
+                "--eos-token",
+                "<eos>",
+            ]
+        )
+        == 0
+    )
     info = token_bin_info(out)
     assert info.vocab_size == 300 and info.num_tokens > 100_000
     ids = np.fromfile(out, dtype="<u2")
@@ -81,9 +104,24 @@ def test_tokenize_and_train(tmp_path):
     with pytest.raises(ValueError, match="--model.vocab_size 300"):
         load_config("debug", {"data.path": str(out)}).check_data()
     run = subprocess.run(
-        [sys.executable, "-m", "raggedfsdp.train.worker", "--config", "debug", "--data", str(out),
-         "--model.vocab_size", "300", "--steps", "3", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "raggedfsdp.train.worker",
+            "--config",
+            "debug",
+            "--data",
+            str(out),
+            "--model.vocab_size",
+            "300",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 3/3" in run.stdout
