@@ -6,6 +6,7 @@ returns an un-initialised model (call ``init_weights(seed)`` after ``to_empty`` 
 
 from __future__ import annotations
 
+from raggedfsdp.models.hf import HF_PREFIX, HFCausalLM, HFModelConfig
 from raggedfsdp.models.hybrid import HYBRID_FLAVORS, Hybrid, HybridConfig
 from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
 from raggedfsdp.models.parallelize import FSDP_UNITS, apply_fsdp, fsdp_unit_modules, make_mp_policy
@@ -15,8 +16,12 @@ MODELS: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama), "hybrid":
 
 def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig | HybridConfig:
     """The config of model ``name`` in size ``flavor`` with ``overrides`` applied."""
+    if name.startswith(HF_PREFIX):  # a transformers architecture by name (models/hf.py)
+        return HFModelConfig.flavor(name[len(HF_PREFIX) :], flavor, **overrides)
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {sorted(MODELS)} or hf:<transformers architecture>"
+        )
     cfg_cls, _ = MODELS[name]
     return cfg_cls.flavor(flavor, **overrides)
 
@@ -24,6 +29,8 @@ def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig | Hyb
 def build_model(name: str, flavor: str, **overrides) -> Llama | Hybrid:
     """Build (not initialise) model ``name`` in size ``flavor``; honours the current default device."""
     cfg = build_model_config(name, flavor, **overrides)
+    if isinstance(cfg, HFModelConfig):
+        return HFCausalLM(cfg)
     return MODELS[name][1](cfg)
 
 

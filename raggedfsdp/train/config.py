@@ -230,6 +230,10 @@ class TrainConfig:
         from raggedfsdp.models import build_model_config
 
         mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
+        if self.model.name.startswith("hf:") and self.model.init_device == "meta":
+            raise ValueError(
+                f"model.name={self.model.name!r}: hf models initialise on the CPU; use --model.init_device cpu"
+            )
         if self.model.init_from and self.model.name != "llama":
             raise ValueError(
                 "model.init_from loads Hugging Face LLaMA weights; "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 __all__ = ["compare_wraps", "format_wrap_report", "recommend"]
 
@@ -123,8 +124,10 @@ def _state_bytes(model, opt) -> int:
     return _storage_bytes(tensors)
 
 
-def fsdp_padding_bytes(model) -> tuple[int, int]:
-    """``(padding bytes, number of FSDP units)`` of a model sharded by ``raggedfsdp.fully_shard``."""
+def fsdp_padding_bytes(model, world_size: int) -> tuple[int, int]:
+    """``(padding bytes, number of FSDP units)`` of a sharded model: the planned layouts' padding for
+    ``raggedfsdp.fully_shard``; for torch's ``fully_shard`` its ``Shard(0)`` padding (dim 0 rounded up
+    to a multiple of the world size, per parameter)."""
     total, seen = 0, set()
     for m in model.modules():
         g = getattr(getattr(m, "_raggedfsdp_state", None), "group", None)
@@ -132,7 +135,33 @@ def fsdp_padding_bytes(model) -> tuple[int, int]:
             continue
         seen.add(id(g))
         total += int(g.layout.padding) * torch.empty((), dtype=g.orig_dtype).element_size()
-    return total, len(seen)
+    if seen:
+        return total, len(seen)
+    groups = set()
+    for m in model.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        pg = getattr(get(), "_fsdp_param_group", None) if get is not None else None
+        if pg is not None:
+            groups.add(id(pg))
+    for p in model.parameters():
+        d0 = p.shape[0]
+        total += (-(-d0 // world_size) * world_size - d0) * (p.numel() // max(d0, 1)) * p.element_size()
+    return total, len(groups)
+
+
+class _CollectiveCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ``c10d`` collectives dispatched under it, by op (all-gathers, reduce-scatters, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        pkt = str(func.overloadpacket)
+        if pkt.startswith("c10d.") and "barrier" not in pkt:
+            name = pkt.removeprefix("c10d.").strip("_")
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def compare_wraps(
@@ -200,6 +229,12 @@ def compare_wraps(
     final = torch.stack([last[n].float().cpu() for n in names])
     dist.all_reduce(final)
     final /= ws
+    counts = {}
+    for n in names:  # one counted step each: collectives per step
+        model, opt = systems[n]
+        with _CollectiveCounter() as cc:
+            _step(model, opt, batches[-1].to(device))
+        counts[n] = cc.calls
     mem = []
     for n in names:
         model, opt = systems[n]
@@ -217,7 +252,7 @@ def compare_wraps(
     out: dict[str, dict] = {}
     for a, n in enumerate(names):
         st = t[a].tolist()
-        pad, units = fsdp_padding_bytes(systems[n][0])
+        pad, units = fsdp_padding_bytes(systems[n][0], ws)
         per_rank = [int(g[a, 1]) for g in gathered]
         out[n] = dict(
             step_seconds_median=statistics.median(st),
@@ -228,6 +263,7 @@ def compare_wraps(
             state_bytes_per_rank=[int(g[a, 0]) for g in gathered],
             padding_bytes=pad,
             fsdp_units=units,
+            collectives=counts[n],
             final_loss=float(final[a]),
         )
     best, reason = recommend(out)
@@ -288,13 +324,14 @@ def format_wrap_report(r: dict, title: str = "") -> str:
         f"({r['threads_per_rank']} threads each), batch/rank {r['batch_per_rank']} x seq {r['seq']}, "
         f"{r['steps']} alternated steps, torch {r['torch_version']}",
         f"{'wrap':<12} {'units':>5} {'step (median)':>14} {'tok/s':>10} {'peak mem/rank':>14} "
-        f"{'padding':>11} {'final loss':>11}",
+        f"{'padding':>11} {'final loss':>11}  collectives/step",
     ]
     for n, w in r["wraps"].items():
         lines.append(
             f"{n:<12} {w['fsdp_units']:>5} {1e3 * w['step_seconds_median']:>11.1f} ms "
             f"{w['tokens_per_second']:>10,.0f} {_mib(w['peak_memory_bytes']):>14} "
-            f"{_mib(w['padding_bytes']):>11} {w['final_loss']:>11.4f}"
+            f"{_mib(w['padding_bytes']):>11} {w['final_loss']:>11.4f}  "
+            + ", ".join(f"{k} {v}" for k, v in sorted(w.get("collectives", {}).items()))
         )
     lines.append(f"recommendation: --fsdp.unit {r['recommendation']} ({r['reason']})")
     return "\n".join(lines)
@@ -317,14 +354,24 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--backend", default="ragged", choices=["ragged", "torch"], help="whose fully_shard")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", action="store_true")
     return p
 
 
-def hybrid_wraps(model_name: str, flavor: str, units: list[str], *, param_dtype: str = "fp32", seed: int = 0):
-    """``(build, wraps)`` for :func:`compare_wraps` on a built-in model with ``raggedfsdp.fully_shard``."""
+def hybrid_wraps(
+    model_name: str,
+    flavor: str,
+    units: list[str],
+    *,
+    param_dtype: str = "fp32",
+    seed: int = 0,
+    backend: str = "ragged",
+):
+    """``(build, wraps)`` for :func:`compare_wraps` on a built-in model with ``backend``'s
+    ``fully_shard`` (``"ragged"``: ours, ``"torch"``: FSDP2)."""
     from raggedfsdp.models import apply_fsdp, build_model, make_mp_policy
 
     def build():
@@ -332,9 +379,9 @@ def hybrid_wraps(model_name: str, flavor: str, units: list[str], *, param_dtype:
         m.init_weights(seed)
         return m
 
-    mp = make_mp_policy("ragged", param_dtype=param_dtype)
+    mp = make_mp_policy(backend, param_dtype=param_dtype)
     wraps = {
-        u: (lambda model, mesh, u=u: apply_fsdp(model, mesh, backend="ragged", mp_policy=mp, unit=u))
+        u: (lambda model, mesh, u=u: apply_fsdp(model, mesh, backend=backend, mp_policy=mp, unit=u))
         for u in units
     }
     return build, wraps
@@ -361,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
     try:
         build, wraps = hybrid_wraps(
-            args.model, args.flavor, args.wrap.split(","), param_dtype=args.param_dtype, seed=args.seed
+            args.model,
+            args.flavor,
+            args.wrap.split(","),
+            param_dtype=args.param_dtype,
+            seed=args.seed,
+            backend=args.backend,
         )
         r = compare_wraps(
             build,
@@ -376,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     if r is not None:
-        r.update(model=args.model, flavor=args.flavor, param_dtype=args.param_dtype)
+        r.update(model=args.model, flavor=args.flavor, param_dtype=args.param_dtype, backend=args.backend)
         print(
             json.dumps(r) if args.json else format_wrap_report(r, f"{args.model}/{args.flavor}"), flush=True
         )

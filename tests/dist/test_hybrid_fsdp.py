@@ -85,6 +85,32 @@ def _parity(rank, ws):
             )
 
 
+def _hf_parity(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp.models import apply_fsdp, build_model
+
+    data = [t % 256 for t in _data(ws)]
+    ref = build_model("hf:LlamaForCausalLM", "tiny")
+    ref.init_weights(0)
+    ref_losses, ref_grads = _run(ref, data, rank, 0)
+    model = build_model("hf:LlamaForCausalLM", "tiny")
+    model.init_weights(0)
+    apply_fsdp(model, init_device_mesh("cpu", (ws,)), backend="ragged")
+    losses, grads = _run(model, data, rank, ws)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def _all(rank, ws):
+    _parity(rank, ws)
+    if ws == 3:
+        _hf_parity(rank, ws)
+
+
 @pytest.mark.parametrize("ws", [3, 5])
 def test_hybrid_fsdp_parity_layer_and_superblock(ws):
-    run_distributed(_parity, ws)
+    """ws=3 also trains an HF LlamaForCausalLM built by name (hf:LlamaForCausalLM) the same way."""
+    run_distributed(_all, ws)
