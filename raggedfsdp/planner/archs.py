@@ -347,7 +347,8 @@ def layers_per_unit(cfg: dict, unit: str) -> int:
         return 1
     if unit == "superblock":
         mt = str(cfg.get("model_type", "llama"))
-        if mt not in _HYBRID_TYPES and not cfg.get("layer_types"):
+        # transformers 5 writes layer_types for dense models too: hybrid only with linear-attention layers
+        if mt not in _HYBRID_TYPES and "linear_attention" not in (cfg.get("layer_types") or ()):
             raise ValueError(f"unit='superblock' needs a hybrid model; model_type={mt!r} has plain layers")
         return int(cfg.get("full_attention_interval", 4))
     if unit.startswith("layers:") and unit[7:].isdigit() and int(unit[7:]) >= 1:

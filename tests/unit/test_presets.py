@@ -50,3 +50,17 @@ def test_config_list(capsys):
     out = capsys.readouterr().out
     for name in PRESETS:
         assert name in out
+
+
+def test_dense_layer_types_is_not_hybrid():
+    """transformers 5 writes layer_types for dense Qwen3 too: only linear_attention entries make a hybrid."""
+    from raggedfsdp.planner.archs import layers_per_unit
+
+    with pytest.raises(ValueError, match="needs a hybrid model"):
+        layers_per_unit({"model_type": "qwen3", "layer_types": ["full_attention"] * 4}, "superblock")
+    hybrid = {
+        "model_type": "x",
+        "layer_types": ["linear_attention", "full_attention"],
+        "full_attention_interval": 2,
+    }
+    assert layers_per_unit(hybrid, "superblock") == 2
