@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     from raggedfsdp.train import tokens
 
     tokens.add_parser(sub)
+    from raggedfsdp.train import wrap_compare
+
+    wrap_compare.add_parser(sub)
     return parser
 
 

@@ -82,3 +82,10 @@ def _gathers(rank, ws):
 )
 def test_superblock_unit_gathers_once_per_superblock():
     run_distributed(_gathers, 2)
+
+
+def test_wrap_bench_cli_rejects_bad_arguments(capsys):
+    from raggedfsdp.cli import main
+
+    assert main(["wrap-bench", "--wrap", "layer"]) == 2
+    assert "at least two units" in capsys.readouterr().err
