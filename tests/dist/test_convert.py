@@ -48,6 +48,7 @@ def _roundtrip(rank, ws, tmp):
         assert torch.equal(got[n], t), n
 
 
+@pytest.mark.slow
 def test_dcp_to_hf_logits_and_back(tmp_path):
     from transformers import AutoModelForCausalLM
 

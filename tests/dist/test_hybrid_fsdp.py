@@ -110,7 +110,7 @@ def _all(rank, ws):
         _hf_parity(rank, ws)
 
 
-@pytest.mark.parametrize("ws", [3, 5])
+@pytest.mark.parametrize("ws", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_hybrid_fsdp_parity_layer_and_superblock(ws):
     """ws=3 also trains an HF LlamaForCausalLM built by name (hf:LlamaForCausalLM) the same way."""
     run_distributed(_all, ws)

@@ -38,6 +38,7 @@ def _compare(rank, ws):
     assert "layer" in text and "superblock" in text and "recommendation: --fsdp.unit" in text
 
 
+@pytest.mark.slow
 def test_compare_wraps_hybrid():
     run_distributed(_compare, 3)
 
@@ -74,6 +75,7 @@ def _gathers(rank, ws):
         assert out["ragged"]["superblock"] < out["ragged"]["layer"], out
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason="raggedfsdp.fully_shard on a list of modules re-gathers the unit for every module of the list "

@@ -13,6 +13,7 @@ import pytest
 SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 
 
+@pytest.mark.slow
 def test_hybrid_preset_trains_with_metrics(tmp_path):
     data = SHAKESPEARE if Path(SHAKESPEARE).is_file() else ""
     out = tmp_path / "run"

@@ -65,6 +65,7 @@ def test_bad_files(tmp_path):
         check_data(str(tmp_path / "small.bin"), max_bytes=0, val_fraction=0.1, seq_len=64)
 
 
+@pytest.mark.slow
 def test_tokenize_and_train(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
