@@ -92,6 +92,9 @@ class TokenArray:
             idx = idx.numpy()
         return torch.from_numpy(np.asarray(self._mm[idx], dtype=np.int64))
 
+    def tolist(self) -> list[int]:
+        return np.asarray(self._mm, dtype=np.int64).tolist()
+
     def max(self) -> int:
         return int(self._mm.max()) if len(self._mm) else -1
 
