@@ -10,11 +10,22 @@ import argparse
 import sys
 
 
+def _version() -> str:
+    """The installed distribution's version, without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raggedfsdp")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raggedfsdp",
         description="raggedfsdp: FSDP on RaggedShard DTensors with a structure-aware planner and DBuffers",
     )
+    parser.add_argument("--version", action="version", version=f"raggedfsdp {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     from raggedfsdp.train import cli as train_cli
 
@@ -28,10 +39,26 @@ def build_parser() -> argparse.ArgumentParser:
     from raggedfsdp.bench import cli as bench_cli
 
     bench_cli.add_parser(sub)
+    from raggedfsdp.train import estimate_cli
+
+    estimate_cli.add_parser(sub)
+    from raggedfsdp.train import convert
+
+    convert.add_parser(sub)
+    from raggedfsdp.train import tokens
+
+    tokens.add_parser(sub)
+    from raggedfsdp.train import wrap_compare
+
+    wrap_compare.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_ = sys.argv[1:] if argv is None else argv
+    if args_[:1] == ["--version"]:  # answered before the subcommands (and torch) are imported
+        print(f"raggedfsdp {_version()}")
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -6,11 +6,17 @@ returns an un-initialised model (call ``init_weights(seed)`` after ``to_empty`` 
 
 from __future__ import annotations
 
+from raggedfsdp.models.hf import HF_PREFIX, HFCausalLM, HFModelConfig
+from raggedfsdp.models.hybrid import HYBRID_FLAVORS, Hybrid, HybridConfig
 from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
 from raggedfsdp.models.moe import MOE_FLAVORS, MoE, MoEConfig
-from raggedfsdp.models.parallelize import apply_fsdp, make_mp_policy
+from raggedfsdp.models.parallelize import FSDP_UNITS, apply_fsdp, fsdp_unit_modules, make_mp_policy
 
-MODELS: dict[str, tuple[type, type]] = {"llama": (LlamaConfig, Llama), "moe": (MoEConfig, MoE)}
+MODELS: dict[str, tuple[type, type]] = {
+    "llama": (LlamaConfig, Llama),
+    "moe": (MoEConfig, MoE),
+    "hybrid": (HybridConfig, Hybrid),
+}
 
 
 def aux_loss(model):
@@ -18,24 +24,60 @@ def aux_loss(model):
     return getattr(model, "aux_loss", None)
 
 
-def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig:
+def build_model_config(name: str, flavor: str, **overrides) -> LlamaConfig | HybridConfig:
     """The config of model ``name`` in size ``flavor`` with ``overrides`` applied."""
+    if name.startswith(HF_PREFIX):  # a transformers architecture by name (models/hf.py)
+        return HFModelConfig.flavor(name[len(HF_PREFIX) :], flavor, **overrides)
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {sorted(MODELS)} or hf:<transformers architecture>"
+        )
     cfg_cls, _ = MODELS[name]
     return cfg_cls.flavor(flavor, **overrides)
 
 
-def build_model(name: str, flavor: str, **overrides) -> Llama:
+def build_model(name: str, flavor: str, **overrides) -> Llama | Hybrid:
     """Build (not initialise) model ``name`` in size ``flavor``; honours the current default device."""
-    _, model_cls = MODELS[name]
-    return model_cls(build_model_config(name, flavor, **overrides))
+    cfg = build_model_config(name, flavor, **overrides)
+    if isinstance(cfg, HFModelConfig):
+        return HFCausalLM(cfg)
+    return MODELS[name][1](cfg)
+
+
+def model_units(name: str, flavor: str, unit: str = "layer", **overrides):
+    """The FSDP units of a built-in model as planner ``Unit``s (shapes only: built on the meta device).
+
+    One unit per ``fully_shard`` call that :func:`apply_fsdp` makes with this ``unit``, holding the
+    parameters that call manages, in registration order (the root unit last) -- the input of
+    :func:`raggedfsdp.planner.memory_estimate.estimate_memory` and of the planner.
+    """
+    import torch
+
+    from raggedfsdp.planner.archs import Unit
+
+    with torch.device("meta"):
+        model = build_model(name, flavor, **overrides)
+    out, seen = [], set()
+    for label, modules in fsdp_unit_modules(model, unit):
+        params = []
+        for i, mod in enumerate(modules):
+            prefix = f"{i}." if len(modules) > 1 else ""
+            for pname, p in mod.named_parameters(prefix=prefix.rstrip(".")):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append((pname, tuple(p.shape)))
+        out.append(Unit(label, tuple(params)))
+    return out
 
 
 __all__ = [
+    "FSDP_UNITS",
+    "HYBRID_FLAVORS",
     "LLAMA_FLAVORS",
     "MODELS",
     "MOE_FLAVORS",
+    "Hybrid",
+    "HybridConfig",
     "Llama",
     "LlamaConfig",
     "MoE",
@@ -44,5 +86,7 @@ __all__ = [
     "aux_loss",
     "build_model",
     "build_model_config",
+    "fsdp_unit_modules",
     "make_mp_policy",
+    "model_units",
 ]

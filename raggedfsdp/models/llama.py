@@ -117,6 +117,11 @@ LLAMA_FLAVORS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512),
     "small": LlamaConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=1024),
     "base": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=2048),
+    # LLaMA-3 8B shapes (the `llama3-8b` preset; GPU clusters, tokenized data with this vocabulary).
+    "llama3-8b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
 }
 
 
@@ -143,13 +148,17 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (B, T, heads, E) by the angles in cos/sin (T, E/2)."""
-    x32 = x.float().unflatten(-1, (-1, 2))  # (B, T, h, E/2, 2)
-    x0, x1 = x32.unbind(-1)  # each (B, T, h, E/2)
+    """Rotate pairs (x[i], x[i + E/2]) of ``x`` (B, T, heads, E) by the angles in cos/sin (T, E/2).
+
+    This is the "rotate half" layout of Hugging Face transformers' LLaMA (``rotate_half``), so HF
+    checkpoints map onto this model by parameter name alone, without permuting the q/k rows
+    (Meta's original interleaved pairs (x[2i], x[2i+1]) would need that permutation).
+    """
+    x32 = x.float()
+    x0, x1 = x32.chunk(2, dim=-1)  # each (B, T, h, E/2)
     cos = cos[None, :, None, :]  # (1, T, 1, E/2)
     sin = sin[None, :, None, :]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, h, E/2, 2)
-    return out.flatten(-2).type_as(x)  # (B, T, h, E)
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).type_as(x)  # (B, T, h, E)
 
 
 class Attention(nn.Module):

@@ -15,6 +15,8 @@ vision towers are not included.
 Built-in tables (shapes from the public configs unless marked *assumed*):
 
 - ``llama3-8b`` / ``llama3-70b``: LLaMA-3 (GQA, 8 KV heads, vocab 128,256).
+- ``qwen3-moe-30b``: Qwen3-30B-A3B (48 layers, hidden 2,048, 128 experts of 768 per layer, top-8,
+  q/k norms, vocab 151,936, untied). About 30.5B parameters.
 - ``gpt-oss-120b``: 36 layers, hidden 2,880, 128 experts fused per layer as released
   (``gate_up_proj`` (128, 2880, 5760), ``down_proj`` (128, 2880, 2880) + biases), attention sinks.
 - ``deepseek-v3-671b``: 61 layers (3 dense, 58 MoE), MLA (q_lora 1,536, kv_lora 512, 128 heads),
@@ -89,6 +91,21 @@ BUILTIN: dict[str, dict] = {
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-moe-30b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
         tie_word_embeddings=False,
     ),
     "hybrid-27b": dict(
@@ -330,7 +347,8 @@ def layers_per_unit(cfg: dict, unit: str) -> int:
         return 1
     if unit == "superblock":
         mt = str(cfg.get("model_type", "llama"))
-        if mt not in _HYBRID_TYPES and not cfg.get("layer_types"):
+        # transformers 5 writes layer_types for dense models too: hybrid only with linear-attention layers
+        if mt not in _HYBRID_TYPES and "linear_attention" not in (cfg.get("layer_types") or ()):
             raise ValueError(f"unit='superblock' needs a hybrid model; model_type={mt!r} has plain layers")
         return int(cfg.get("full_attention_interval", 4))
     if unit.startswith("layers:") and unit[7:].isdigit() and int(unit[7:]) >= 1:

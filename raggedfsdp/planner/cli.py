@@ -137,6 +137,11 @@ def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str
         f"FSDP1/flat {_pct(plan.fsdp1_padding_ratio)}; worst unit {_pct(plan.max_unit_padding_ratio)}; "
         f"planning {plan.plan_seconds:.3f} s"
     )
+    per_rank = sum(u.layout.shard_size for u in plan.units)
+    lines.append(
+        f"per rank: {per_rank:,} elements = {2 * per_rank / 1e9:.3g} GB of bf16 params; ZeRO-3 persistent "
+        f"state {16 * per_rank / 1e9:.3g} GB at 16 B/param (other recipes, stages: raggedfsdp estimate-memory)"
+    )
     if choice is not None:
         lines.append(f"{choice.summary()}; search {choice.seconds:.3f} s")
     return "\n".join(lines)

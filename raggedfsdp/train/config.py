@@ -55,12 +55,18 @@ class JobConfig:
         "a rank that makes no progress for this long outside a collective is named as hung and the "
         "job stops (0: off; see train/watchdog.py)",
     )
+    peak_tflops: float = _f(
+        0.0, "peak TFLOP/s of one device for the MFU figure (0: from the GPU name; none on CPU)"
+    )
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _f("llama", "model family (see raggedfsdp.models.MODELS)")
-    flavor: str = _f("tiny", "named size: debug | tiny | small | base (moe: moe-debug | moe-tiny | ...)", flag="--model")
+    name: str = _f("llama", "model family: llama | moe | hybrid (Gated DeltaNet + full attention)")
+    flavor: str = _f(
+        "tiny", "named size: debug | tiny | small | base (moe: moe-debug | moe-tiny | ...; hybrid: debug | tiny | small)",
+        flag="--model",
+    )
     dim: int | None = _f(None, "override the flavor's model dim")
     n_layers: int | None = _f(None, "override the flavor's number of blocks")
     n_heads: int | None = _f(None, "override the flavor's query heads")
@@ -71,13 +77,22 @@ class ModelConfig:
     n_experts: int | None = _f(None, "moe: override the flavor's routed experts per block")
     top_k: int | None = _f(None, "moe: override the flavor's experts per token")
     aux_loss_coef: float | None = _f(None, "moe: weight of the load-balancing loss added to the LM loss")
+    vocab_size: int | None = _f(None, "override the vocabulary size (tokenized .bin data: the tokenizer's)")
     init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
+    init_from: str = _f(
+        "",
+        "start from a Hugging Face safetensors folder (llama; e.g. written by raggedfsdp convert); "
+        "each rank reads only its own pieces",
+    )
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = _f(
-        "", "text file or folder of text files; empty: the Python stdlib's .py sources", flag="--data"
+        "",
+        "text file or folder of text files, or a pre-tokenized .bin (raggedfsdp tokenize); empty: the "
+        "Python stdlib's .py sources",
+        flag="--data",
     )
     max_bytes: int = _f(4_000_000, "use at most this many bytes of the corpus (0: no cap)")
     val_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for evaluation")
@@ -125,6 +140,11 @@ class FSDPConfig:
     param_dtype: str = _f("fp32", "compute dtype of all-gathered params: fp32 | bf16", flag="--param-dtype")
     reduce_dtype: str = _f("fp32", "gradient reduce-scatter dtype: fp32 | bf16", flag="--reduce-dtype")
     reshard_after_forward: bool = _f(True, "free gathered block params after forward (ZeRO-3)")
+    unit: str = _f(
+        "layer",
+        "FSDP unit: layer (one per block) | superblock (hybrid models: one per 3 linear + 1 full "
+        "attention layers); compare them with raggedfsdp bench --model hybrid --wrap layer,superblock",
+    )
 
 
 @dataclass(kw_only=True)
@@ -135,6 +155,7 @@ class MetricsConfig:
     eval_every: int = _f(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _f(4, "evaluation size, in global batches of the held-out split")
     jsonl: bool = _f(True, "write OUT/metrics.jsonl on rank 0")
+    tensorboard: bool = _f(True, "also write TensorBoard event files to OUT/tb (if tensorboard is installed)")
 
 
 @dataclass(kw_only=True)
@@ -189,7 +210,7 @@ class TrainConfig:
     def model_overrides(self) -> dict[str, Any]:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
-                "experts", "n_experts", "top_k", "aux_loss_coef")
+                "experts", "n_experts", "top_k", "aux_loss_coef", "vocab_size")
         return {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
 
     def validate(self, world_size: int | None = None) -> None:
@@ -229,6 +250,7 @@ class TrainConfig:
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
+            "fsdp.unit": (f.unit, ("layer", "superblock")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
             "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
@@ -258,6 +280,21 @@ class TrainConfig:
         from raggedfsdp.models import build_model_config
 
         mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
+        if self.model.name.startswith("hf:") and self.model.init_device == "meta":
+            raise ValueError(
+                f"model.name={self.model.name!r}: hf models initialise on the CPU; use --model.init_device cpu"
+            )
+        if self.model.init_from and self.model.name != "llama":
+            raise ValueError(
+                "model.init_from loads Hugging Face LLaMA weights; "
+                f"model.name={self.model.name!r} is not llama"
+            )
+        if f.unit == "superblock" and not getattr(mcfg, "full_attention_interval", 0):
+            raise ValueError(
+                f"fsdp.unit='superblock' needs a hybrid model (super-blocks of linear + full attention); "
+                f"model.name={self.model.name!r} has plain layers: use --fsdp.unit layer or "
+                "--model.name hybrid"
+            )
         if t.seq_len > mcfg.max_seq_len:
             raise ValueError(
                 f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={mcfg.max_seq_len} "
@@ -280,8 +317,19 @@ class TrainConfig:
         corpus size in bytes. Cheap: file sizes only (no tokenization).
         """
         from raggedfsdp.train.data import check_data
+        from raggedfsdp.train.tokens import is_token_bin, token_bin_info
 
         d = self.data
+        if is_token_bin(d.path):
+            from raggedfsdp.models import build_model_config
+
+            vocab = token_bin_info(d.path).vocab_size
+            mv = build_model_config(self.model.name, self.model.flavor, **self.model_overrides()).vocab_size
+            if vocab is not None and vocab > mv:
+                raise ValueError(
+                    f"data {d.path!r} was tokenized with a vocabulary of {vocab:,} but the model has "
+                    f"vocab_size={mv:,}; pass --model.vocab_size {vocab}"
+                )
         return check_data(
             d.path, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seq_len=self.training.seq_len
         )
@@ -403,16 +451,25 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
 def load_config(
     path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
 ) -> TrainConfig:
-    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated (no world size)."""
+    """Defaults, then the TOML file at ``path`` or the preset of that name (if any; see
+    :mod:`raggedfsdp.train.presets`), then ``overrides``; validated (no world size)."""
     if path:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"invalid TOML in {path}: {e}") from None
-        cfg = config_from_dict(data, source=str(path))
+        from raggedfsdp.train.presets import PRESETS, trainable_config
+
+        if str(path) in PRESETS and not os.path.exists(path):
+            cfg = config_from_dict(trainable_config(str(path)), source=f"preset {path!r}")
+        else:
+            try:
+                with open(path, "rb") as fh:
+                    data = tomllib.load(fh)
+            except FileNotFoundError:
+                raise ValueError(
+                    f"config file not found: {path} (and not a preset: {', '.join(PRESETS)}; "
+                    "see --config list)"
+                ) from None
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"invalid TOML in {path}: {e}") from None
+            cfg = config_from_dict(data, source=str(path))
     else:
         cfg = TrainConfig()
     apply_overrides(cfg, overrides or {})
@@ -423,9 +480,28 @@ def load_config(
 # -- command line ------------------------------------------------------------------------------
 
 
+class _ConfigAction(argparse.Action):
+    """``--config list`` prints the presets and exits; anything else is stored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "list":
+            from raggedfsdp.train.presets import format_presets
+
+            print(format_presets())
+            parser.exit(0)
+        setattr(namespace, self.dest, values)
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one ``--section.key`` option per field (plus the short aliases)."""
-    parser.add_argument("--config", metavar="FILE.toml", default=None, help="TOML config file")
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml|NAME",
+        default=None,
+        action=_ConfigAction,
+        help="TOML config file or a shipped preset (debug, llama-tiny, hybrid-tiny, moe-tiny, llama3-8b; "
+        "'--config list' describes them)",
+    )
     for sec_name, sec_cls in _sections().items():
         group = parser.add_argument_group(f"[{sec_name}]") if sec_name != "debug" else parser
         defaults = sec_cls()

@@ -105,7 +105,15 @@ class Corpus:
 
 
 def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: float = 0.05) -> Corpus:
-    """Read the corpus (see the module docstring) and split off the tail as validation data."""
+    """Read the corpus (see the module docstring) and split off the tail as validation data.
+
+    A ``.bin`` path is pre-tokenized data (:mod:`raggedfsdp.train.tokens`), memory-mapped;
+    ``max_bytes`` then caps the bytes of the token file used."""
+    from raggedfsdp.train.tokens import is_token_bin, load_token_corpus, token_bin_info
+
+    if is_token_bin(path):
+        cap = max_bytes // (2 if token_bin_info(path).dtype == "uint16" else 4) if max_bytes else 0
+        return load_token_corpus(path, max_tokens=cap, val_fraction=val_fraction)
     if path:
         p = Path(path).expanduser()
         if p.is_file():
@@ -168,6 +176,15 @@ def check_data(path: str = "", *, max_bytes: int, val_fraction: float, seq_len: 
     user folder also the first 8 KiB and last byte of each file, stopping at ``max_bytes``.
     """
     total, cap = 0, max_bytes or None
+    from raggedfsdp.train.tokens import is_token_bin, token_bin_info
+
+    if is_token_bin(path):  # pre-tokenized: sizes in tokens
+        info = token_bin_info(path)
+        item = 2 if info.dtype == "uint16" else 4
+        n = min(info.num_tokens, cap // item) if cap else info.num_tokens
+        n_val = int(n * val_fraction)
+        check_split(n - n_val, n_val, seq_len=seq_len, source=repr(path), val_fraction=val_fraction)
+        return n * item
     if path:
         p = Path(path).expanduser()
         source = repr(path)

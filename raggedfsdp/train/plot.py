@@ -32,6 +32,10 @@ def plot_metrics(
         ) from e
     fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(11, 4))
     for i, p in enumerate(map(Path, paths)):
+        if p.is_dir():  # a run folder (OUT): its metrics.jsonl
+            if not (p / "metrics.jsonl").is_file():
+                raise ValueError(f"{p} is a folder without a metrics.jsonl (pass the run folder or a file)")
+            p = p / "metrics.jsonl"
         records = read_jsonl(p)
         train = [r for r in records if "loss" in r]
         evals = [r for r in records if "eval_loss" in r]

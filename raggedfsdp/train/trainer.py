@@ -46,7 +46,7 @@ from raggedfsdp.train.data import (
 from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import FaultError, StepGuard, all_finite, signal_name
 from raggedfsdp.train.lr_schedule import lr_at
-from raggedfsdp.train.metrics import MetricsLogger
+from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class Trainer:
             mp_policy=mp_policy,
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
+            unit=cfg.fsdp.unit,
         )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
@@ -153,6 +154,10 @@ class Trainer:
             model.init_weights(cfg.job.seed)
             model.to(device)
             apply_fsdp(model, mesh, **fsdp_kw)
+        if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
+            from raggedfsdp.train.convert import load_hf_weights
+
+            load_hf_weights(model, cfg.model.init_from)
         self.model = model
 
         # Optimizer (adamw | muon | adamw8bit): decay matrices and embeddings, not norm gains.
@@ -174,6 +179,9 @@ class Trainer:
             jsonl=cfg.metrics.jsonl,
             total_steps=t.steps,
             resume_step=self.start_step if self.resumed_from is not None else None,
+            flops_per_token=model_flops_per_token(self.model_cfg, t.seq_len),
+            peak_flops=peak_flops(device, cfg.fsdp.param_dtype, cfg.job.peak_tflops),
+            tensorboard=cfg.metrics.tensorboard,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -537,6 +545,8 @@ class Trainer:
                     aux_t = self.aux_loss_sum.detach().clone().to(self.device)
                     dist.all_reduce(aux_t)
                     extra = {"aux_loss": aux_t.item() / self.world_size}
+                peak = torch.tensor([float(peak_memory_bytes(self.device))], device=self.device)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest rank's peak (log steps only)
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
@@ -552,6 +562,7 @@ class Trainer:
                         "step_time_s": dt,
                         "tokens_seen": step * tokens_per_step,
                         "elapsed_s": now - start,
+                        "peak_memory_bytes": int(peak.item()),
                         **({"skipped_steps": self.guard.skipped_steps} if self.guard.skipped_steps else {}),
                     }
                 )

@@ -1,0 +1,89 @@
+"""Metrics: model FLOPs per token against torch's FlopCounterMode on the built-in models, MFU in
+the record and the line, peak memory in the line, TensorBoard event files, plot of a run folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raggedfsdp.train.metrics import MetricsLogger, format_line, model_flops_per_token
+
+
+@pytest.mark.parametrize(
+    "name,flavor,kw,tol",
+    [
+        ("llama", "debug", {}, 0.01),
+        ("llama", "debug", {"tie_embeddings": True}, 0.01),
+        ("hybrid", "debug", {}, 0.05),
+    ],
+)
+def test_flops_per_token_matches_flop_counter(name, flavor, kw, tol):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from raggedfsdp.models import build_model
+
+    m = build_model(name, flavor, **kw)
+    m.init_weights(0)
+    T = 128
+    tok = torch.randint(0, 256, (2, T + 1))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:  # math SDPA: counted bmm
+        F.cross_entropy(m(tok[:, :-1]).flatten(0, 1), tok[:, 1:].flatten()).backward()
+    c = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    # torch's convolution_backward count ignores groups (depthwise conv): use 2x the forward instead
+    measured = c.get("aten.mm", 0) + c.get("aten.bmm", 0) + 3 * c.get("aten.convolution", 0)
+    measured /= 2 * T
+    assert model_flops_per_token(m.cfg, T) == pytest.approx(measured, rel=tol)
+
+
+def test_mfu_memory_and_tensorboard(tmp_path):
+    log = MetricsLogger(
+        tmp_path,
+        enabled=True,
+        jsonl=True,
+        total_steps=10,
+        flops_per_token=1e6,
+        peak_flops=1e12,
+        tensorboard=True,
+    )
+    rec = {
+        "step": 1,
+        "loss": 2.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 3e5,
+        "tokens_per_s_per_rank": 1e5,
+        "step_time_s": 0.1,
+        "peak_memory_bytes": 3 * 2**30,
+    }
+    log.log(rec)
+    log.log({"step": 1, "eval_loss": 2.5, "elapsed_s": 1.0})
+    log.close()
+    got = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert got[0]["mfu"] == pytest.approx(0.1)  # 1e5 tok/s * 1e6 FLOP/tok / 1e12 FLOP/s
+    line = format_line(got[0], 10)
+    assert "mfu 10.0%" in line and "mem 3.00 GiB" in line
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "tb"))
+    ev.Reload()
+    tags = ev.Tags()["scalars"]
+    assert "train/mfu" in tags and "train/loss" in tags and "eval/eval_loss" in tags
+    assert ev.Scalars("train/mfu")[0].value == pytest.approx(0.1)
+
+
+def test_plot_accepts_run_folder(tmp_path):
+    pytest.importorskip("matplotlib")
+    from raggedfsdp.train.plot import plot_metrics
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 2.0, "grad_norm": 1.0}) + "\n"
+    )
+    assert plot_metrics([tmp_path / "run"], tmp_path / "p.png").is_file()
+    with pytest.raises(ValueError, match="without a metrics.jsonl"):
+        plot_metrics([tmp_path], tmp_path / "q.png")
