@@ -40,7 +40,7 @@ class _RegisterPostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state._post_backward()
+        ctx.state._post_backward_of_module()
         return (None,) + grads
 
 
@@ -58,6 +58,12 @@ class FSDPState:
         self.root: FSDPState | None = None
         self.comm: CommContext = group.comm if group is not None else CommContext()
         self.all_states: list[FSDPState] = []  # root only: every state under it, in module order
+        # fully_shard([m0, m1, ...]): one unit, one all-gather and one reduce-scatter per pass (FSDP2:
+        # _fsdp_state.py _register_group_forward_hooks): reshard after the last module's forward and
+        # reduce after the last registered module's backward
+        self._group_fwd_left: set[int] = set()
+        self._group_bwd_left = 0
+        self._group_bwd_uncounted = False
         self.forward_order: list[FSDPState] = []  # root only: post-forward order this iteration
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (recorded order)
         self.backward_prefetch: list[FSDPState] | None = None
@@ -120,6 +126,8 @@ class FSDPState:
             for st in root.all_states:
                 st._post_backward_done = False
                 st._pre_backward_done = False
+                st._group_fwd_left = set()
+                st._group_bwd_left, st._group_bwd_uncounted = 0, False
                 if st.group is not None and torch.is_grad_enabled():
                     st.group.release_unused_sharded_grads()  # after zero_grad(set_to_none=True)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -127,14 +135,24 @@ class FSDPState:
             args, kwargs = tree_map(
                 lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs)
             )
+        first_of_group = True
+        if len(self.modules) > 1 and not in_bw:
+            first_of_group = not self._group_fwd_left
+            if first_of_group:
+                self._group_fwd_left = {id(m) for m in self.modules}
         if self.group is not None:
             self.group.unshard()
             self.group.wait_for_unshard()
-        if not in_bw:
+        if not in_bw and first_of_group:
             self._forward_prefetch()
         if torch.is_grad_enabled() and self.group is not None and self.group.any_trainable:
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if len(self.modules) > 1 and not in_bw:
+                if idx:
+                    self._group_bwd_left += 1
+                else:  # this module's backward is not observable: leave the reduce to the final callback
+                    self._group_bwd_uncounted = True
             if idx:
                 outs = _RegisterPostBackward.apply(self, *[flat[i] for i in idx])
                 outs = (outs,) if isinstance(outs, torch.Tensor) else outs
@@ -152,9 +170,13 @@ class FSDPState:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
         in_bw = _in_backward()
-        if self.group is not None and self.reshard_after_forward and not in_bw:
+        last_of_group = True
+        if len(self.modules) > 1 and not in_bw:
+            self._group_fwd_left.discard(id(module))
+            last_of_group = not self._group_fwd_left
+        if self.group is not None and self.reshard_after_forward and not in_bw and last_of_group:
             self.group.reshard_after_forward()
-        if self.root is not None and not in_bw:
+        if self.root is not None and not in_bw and last_of_group:
             self.root.forward_order.append(self)
         if self.is_root and not torch.is_grad_enabled() and not in_bw:
             for st in self.all_states:  # no backward will come: do not keep stale unsharded params
@@ -205,6 +227,13 @@ class FSDPState:
         for st in targets:
             if st.group is not None and not st._post_backward_done:
                 st.group.unshard(async_op=True)
+
+    def _post_backward_of_module(self) -> None:
+        if len(self.modules) > 1:
+            self._group_bwd_left -= 1
+            if self._group_bwd_left > 0 or self._group_bwd_uncounted:
+                return  # other modules of the unit still run backward (or the final callback reduces)
+        self._post_backward()
 
     def _post_backward(self) -> None:
         if self.group is None:

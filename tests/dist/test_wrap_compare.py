@@ -76,12 +76,6 @@ def _gathers(rank, ws):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="raggedfsdp.fully_shard on a list of modules re-gathers the unit for every module of the list "
-    "(17 all-gathers per step for 2 super-blocks of 4 layers, as many as per-layer units; torch's "
-    "fully_shard: 5). Owner: raggedfsdp/fsdp (runtime); remove this xfail when fixed.",
-)
 def test_superblock_unit_gathers_once_per_superblock():
     run_distributed(_gathers, 2)
 
