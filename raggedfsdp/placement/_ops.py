@@ -287,7 +287,7 @@ def make_is_tensor_shardable(stock):
 # torch computes the local norm and marks the result _NormPartial(inf) (an all-reduce MAX when read),
 # but linalg_vector_norm / _foreach_norm of an EMPTY local tensor raise for ord=+-inf ("no identity").
 # Max of absolute values has identity 0 (and -inf-norms, a min, identity +inf), so an empty piece
-# contributes that; the result placement is what torch's reduction strategy gives (patch B).
+# contributes that; the result is Partial(max) (Partial(min) for -inf), read with one all-reduce.
 _INF = (float("inf"), float("-inf"))
 _HANDLER_LOCK = threading.RLock()
 
@@ -315,7 +315,7 @@ def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
     """``linalg.vector_norm(dt, ord=+-inf)`` of a RaggedShard DTensor over all dims (no communication)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import TensorMeta
-    from torch.distributed.tensor._ops._math_ops import NormReduction, map_placements_after_reduction
+    from torch.distributed.tensor import Partial
 
     spec = dt._spec
     local = dt._local_tensor
@@ -325,11 +325,17 @@ def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
     ndim = len(spec.shape)
     if keepdim:
         val = val.reshape((1,) * ndim)
-    placements = map_placements_after_reduction(
-        tuple(spec.placements), list(range(ndim)), [-1] * ndim, NormReduction(ord)
-    )
+    op = "max" if ord > 0 else "min"  # torch's own inf-norm strategy also reduces with Partial(max/min)
+    placements = []
+    for p in spec.placements:
+        if p.is_replicate():
+            placements.append(p)
+        elif p.is_shard() or isinstance(p, RaggedShard):
+            placements.append(Partial(op))
+        else:
+            raise _err(aten.linalg_vector_norm.default, f"an inf-norm of a {p} (pending-reduction) operand")
     meta = TensorMeta(val.shape, val.stride(), val.dtype)
-    return DTensor(val, DTensorSpec(spec.mesh, placements, tensor_meta=meta), requires_grad=False)
+    return DTensor(val, DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
 def inf_norm_handler(op_call, args, kwargs):
