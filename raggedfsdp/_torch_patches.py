@@ -38,7 +38,9 @@ Patched torch functions (``module:qualname``) and why
 6. ``tensor._ops.single_dim_strategy:_fill_single_dim_strategy_placeholders`` (patch A: pointwise
    and foreach rules keep RS), ``tensor._ops.utils:is_tensor_shardable`` (patch C: invalid RS
    tuples are no strategy candidates), ``tensor._ops._math_ops:map_placements_after_reduction``
-   (patch B: RS -> the reduction's Partial).
+   (patch B: RS -> the reduction's Partial), ``tensor._ops.utils:map_placements_after_broadcast``
+   (patch D: 2.11/2.12 map pointwise outputs onto operands with it and assert ``Shard``; RS stays
+   RS on same-shape operands, Replicate on scalars).
 7. ``tensor._utils:_compute_local_shape_and_global_offset`` (and so the public
    ``compute_local_shape_and_global_offset`` that calls it): torch silently answers "Replicate"
    for unknown placements. For RS: ``skip_offset=True`` (callers sizing the local tensor) gives
@@ -88,6 +90,8 @@ TARGETS = (
      _P + "_ops:make_is_tensor_shardable"),
     ("torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction",
      ("placements", "reduction_dims", "reduction_dims_map", "reduction_op"), _P + "_ops:make_map_after_reduction"),
+    ("torch.distributed.tensor._ops.utils", "map_placements_after_broadcast",
+     ("placements", "shape", "broadcast_dims_map"), _P + "_ops:make_map_placements_after_broadcast"),
     ("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset",
      ("global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset"),
      _P + "_checkpoint:make_compute_local_shape_and_global_offset"),

@@ -372,3 +372,36 @@ def install_norm_handlers(custom_handlers: dict) -> list:
             raise RuntimeError(f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_ops.py")
         custom_handlers[op] = inf_norm_handler
     return list(NORM_OPS)
+
+
+# ---- patch D: map_placements_after_broadcast -------------------------------------------------
+def make_map_placements_after_broadcast(stock):
+    """torch 2.11/2.12 run pointwise ops through ``common_pointwise_strategy``, which maps the output
+    placements onto each operand with ``_ops/utils.py map_placements_after_broadcast`` and asserts
+    that anything not Replicate/Partial is a ``Shard``. RaggedShard stays RaggedShard on an operand of
+    the same shape (the guard allows no other non-scalar operand) and becomes Replicate on an
+    operand broadcast along the ragged dims (a scalar)."""
+    from torch.distributed.tensor import Replicate
+
+    def map_placements_after_broadcast(placements, shape, broadcast_dims_map, *args, **kwargs):
+        if not any(isinstance(p, RaggedShard) for p in placements):
+            return stock(placements, shape, broadcast_dims_map, *args, **kwargs)
+        out = []
+        for p in placements:
+            if not isinstance(p, RaggedShard):
+                out.extend(stock((p,), shape, broadcast_dims_map, *args, **kwargs))
+                continue
+            mapped = [broadcast_dims_map[d] for d in p.dims]
+            if all(m == -1 for m in mapped):
+                out.append(Replicate())
+            elif mapped == list(p.dims) and len(shape) == len(broadcast_dims_map):
+                out.append(p)
+            else:
+                raise RaggedShardOpError(
+                    f"RaggedShard: {p} of an output of shape {tuple(shape)} cannot be mapped onto an operand "
+                    f"broadcast along its ragged dims (map {broadcast_dims_map}); operands of a pointwise op on "
+                    "RaggedShard DTensors must have the same global shape or be scalars"
+                )
+        return tuple(out)
+
+    return map_placements_after_broadcast

@@ -103,7 +103,7 @@ def test_fp32_parity_with_single_process_and_torch_fsdp(ws):
     run_distributed(_fp32_parity, ws)
 
 
-def _bf16_parity(rank, ws):
+def _bf16_parity(rank, ws, reduce_dtype=torch.float32):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -116,12 +116,16 @@ def _bf16_parity(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     results = []
     for fs, mp in (
-        (raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
-        (torch_fully_shard, TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        (raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)),
+        (torch_fully_shard, TorchMP(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)),
     ):
         model = ToyLM()
         model.load_state_dict(init)
         shard_model(model, fs, mesh, mp_policy=mp)
+        if fs is raggedfsdp.fully_shard and reduce_dtype is None:  # torch 2.15 changed the default (2.15-b)
+            want = torch.float32 if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 15) else torch.bfloat16
+            groups = [m._raggedfsdp_state.group for m in model.modules() if getattr(m, "_raggedfsdp_state", None)]
+            assert groups and all(g.reduce_dtype == want for g in groups if g is not None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = _train(model, opt, data, rank, ws)
         results.append((losses, full_params(model)))
@@ -136,6 +140,11 @@ def _bf16_parity(rank, ws):
 def test_bf16_param_fp32_reduce_matches_torch_fsdp(ws):
     """param_dtype=bf16, reduce_dtype=fp32: equal to torch's fully_shard with the same policy (bf16 tolerance)."""
     run_distributed(_bf16_parity, ws)
+
+
+def test_bf16_param_default_reduce_dtype_matches_torch_fsdp():
+    """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on 2.15."""
+    run_distributed(_bf16_parity, 3, None)
 
 
 def _hsdp_parity(rank, ws, shape):

@@ -55,7 +55,7 @@ def test_all_targets_patched_in_place():
     RaggedShard((0,), (1,))
     keys = {f"{m}:{q}" for m, q, _, _ in tp.TARGETS}
     syms = set(tp.patched_symbols())
-    assert keys <= syms and len(keys) == len(tp.TARGETS) == 13
+    assert keys <= syms and len(keys) == len(tp.TARGETS) == 14
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
     assert syms == keys | handlers
     assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(_ops.NORM_OPS)
