@@ -313,9 +313,8 @@ def _is_ragged(t) -> bool:
 
 def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
     """``linalg.vector_norm(dt, ord=+-inf)`` of a RaggedShard DTensor over all dims (no communication)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor._dtensor_spec import TensorMeta
-    from torch.distributed.tensor import Partial
 
     spec = dt._spec
     local = dt._local_tensor

@@ -15,14 +15,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor as dtensor_pkg
+from _dist import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, empty, full, ones, rand, randn, zeros
-from torch.distributed.tensor import _api
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    _api,
+    distribute_tensor,
+    empty,
+    full,
+    ones,
+    rand,
+    randn,
+    zeros,
+)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.debug import CommDebugMode
-
-from _dist import run_distributed
 
 INF = float("inf")
 

@@ -15,12 +15,14 @@ import types
 import pytest
 import torch
 
-from raggedfsdp import RaggedShard, _torch_patches as tp
+from raggedfsdp import RaggedShard
+from raggedfsdp import _torch_patches as tp
 
 
 def _run(code: str) -> str:
     """Run ``code`` in a fresh interpreter; return its stdout (fails with its stderr)."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
 
@@ -70,10 +72,10 @@ def test_all_targets_patched_in_place():
 
 
 def _torch_modules():
-    import torch.distributed.checkpoint  # noqa: F401 - load what users load
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.tensor.debug  # noqa: F401
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp
+    import torch.distributed.tensor.debug
     import torch.distributed.tensor.parallel  # noqa: F401
 
     return [(n, m) for n, m in list(sys.modules.items())
