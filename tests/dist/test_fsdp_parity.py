@@ -131,9 +131,14 @@ def _bf16_parity(rank, ws, reduce_dtype=torch.float32):
         results.append((losses, full_params(model)))
     (l1, p1), (l2, p2) = results
     _assert_close_losses(l1, l2, 2e-3, "bf16 ragged vs torch fully_shard")
+    # with bf16 gradient reduction (reduce_dtype=None before torch 2.15) the two libraries' reduction
+    # orders round differently; AdamW turns a rounding flip of a tiny gradient into an lr-sized
+    # (1e-2) step on that element, so allow one such step per element there
+    atol = 2e-3 if reduce_dtype is not None or tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 15) \
+        else 1.5e-2
     for n in p1:
         assert p1[n].dtype == torch.float32
-        torch.testing.assert_close(p1[n], p2[n], rtol=2e-2, atol=2e-3, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p1[n], p2[n], rtol=2e-2, atol=atol, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("ws", [2, 3, 5])
