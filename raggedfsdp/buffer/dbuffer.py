@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from raggedfsdp.buffer.streams import BufferLifetimeError, current_stream, debug_enabled, stream_key
 from raggedfsdp.planner import Layout
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -77,13 +78,17 @@ class DBuffer:
         shapes: Sequence[torch.Size],
         allocate: bool = True,
         pin_memory: bool = False,
+        name: str = "buffer",
     ):
+        self.name = name
         self.layout = layout
         self.sharded = sharded
         self.rank = rank
         self.shapes = [torch.Size(s) for s in shapes]
         numel = layout.shard_size if sharded else layout.total_size
         self.data = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin_memory)  # 1D flat
+        self.alloc_stream_key = stream_key(current_stream(self.data.device))
+        self._uses: dict[int, tuple[object, set]] = {}  # debug mode: handle id -> (handle, waited streams)
         if not allocate and device.type != "meta":
             free_storage(self.data)
 
@@ -95,12 +100,40 @@ class DBuffer:
     def alloc(self, zero: bool = False) -> bool:
         """Allocate the storage if freed (optionally zero-filled); returns True if it was (re)allocated."""
         fresh = alloc_storage(self.data)
+        if fresh:
+            self.alloc_stream_key = stream_key(current_stream(self.data.device))
+            self._uses.clear()
         if fresh and zero:
             self.data.zero_()
         return fresh
 
     def free(self) -> None:
+        """Release the storage. In debug mode raises :class:`BufferLifetimeError` if a collective that
+        used it was not waited on the stream that allocated it (Note [stream invariant]). Local."""
+        if debug_enabled() and self.is_allocated:
+            self.check_no_pending_use("free")
+        self._uses.clear()
         free_storage(self.data)
+
+    # ---- debug-mode lifetime tracking (see raggedfsdp/buffer/streams.py) ------------------
+    def _note_use(self, handle) -> None:
+        if debug_enabled():
+            self._uses[handle.id] = (handle, set())
+
+    def _note_waited(self, handle, key) -> None:
+        entry = self._uses.get(handle.id)
+        if entry is not None:
+            entry[1].add(key)
+
+    def check_no_pending_use(self, action: str) -> None:
+        """Raise if a collective using this buffer was not waited on its allocating stream."""
+        for handle, waited in self._uses.values():
+            if self.alloc_stream_key not in waited:
+                raise BufferLifetimeError(
+                    f"raggedfsdp: {action} of the {self.name} buffer ({self.data.numel()} x {self.data.dtype}) while "
+                    f"{handle.what} #{handle.id} that uses it was not waited on the stream that allocated it "
+                    f"(waited on: {sorted(map(str, waited)) or 'none'}); this is a runtime bug, please report it"
+                )
 
     # ---- views ---------------------------------------------------------------------------
     def tensor_view(self, i: int) -> torch.Tensor:

@@ -1,85 +1,60 @@
-"""One FSDP unit (param group): planned layout, DBuffers, unshard / reshard / reduce-scatter.
+"""One FSDP unit (param group): planned layout, its buffers, and its state machine.
 
-Note [FSDP tensors]
-    For each managed parameter ``p`` of global shape ``shape``:
+Unshard / reshard live here; the buffer transitions are :class:`raggedfsdp.buffer.UnitBuffers`; the
+gradient reduction path is ``_reduce.py``. See Note [FSDP tensors] in ``_common.py``.
 
-    * sharded param   -- ``nn.Parameter(DTensor)`` with placement ``RaggedShard(dims, local_units)``
-      (HSDP: ``(Replicate(), RaggedShard(...))``); its local tensor is a 1-D view into the unit's
-      sharded DBuffer. This is what ``module.parameters()`` and the optimizer see outside forward
-      and backward.
-    * unsharded param -- a plain ``nn.Parameter`` of ``shape`` in ``param_dtype`` whose data is a view
-      into the unsharded DBuffer; registered on the module while it is unsharded (forward/backward).
-    * unsharded grad  -- a view into the unsharded grad DBuffer, pre-set as the unsharded param's
-      ``.grad`` so autograd's AccumulateGrad adds into it in place.
-    * sharded grad    -- a RaggedShard DTensor view into the sharded grad DBuffer, set as the sharded
-      param's ``.grad`` after the reduce-scatter.
+State machine (``ParamState`` x ``GradState``, checked cheaply on every transition)::
 
-    Freeing unsharded storage resizes it to 0 bytes (torch FSDP2's trick, see
-    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): the tensor objects and the aliases
-    autograd saved stay valid, and the in-place all-gather refills them without bumping their version
-    counters (``_unsafe_preserve_version_counter``).
+    SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED --reshard()--> SHARDED
+    NONE --prepare_grads()--> ACCUMULATING --post_backward()--> REDUCING --(queue completes)--> NONE
+                                           \\--no-sync--> HELD --next synced post_backward--> REDUCING
+
+ZeRO-1 / ``reshard_after_backward=False`` keep the unsharded buffer in SHARDED state; it is reused by
+the next ``unshard()`` only while the unit's *master version* is unchanged: a per-unit counter bumped by
+every ``torch.optim`` step whose param groups contain one of the unit's sharded params and by every
+``load_state_dict``, plus the autograd version counters of the sharded params and buffer (which see
+single-tensor in-place edits by hand; torch's ``foreach``/``fused`` optimizer kernels on DTensors do
+not bump them, hence the counter). An optimizer step over other parameters -- an EMA, a probe head,
+on one rank only -- does not touch it, so every rank of a unit's group makes the same decision.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from raggedfsdp._torch_patches import torch_minor
-from raggedfsdp.buffer import DBuffer
-from raggedfsdp.buffer.dbuffer import _all_gather_single
+from raggedfsdp.buffer import CommHandle, UnitBuffers
+from raggedfsdp.buffer.streams import current_stream
+from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride
+from raggedfsdp.fsdp._reduce import launch_reduce
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import plan_layout
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
 
-# Epoch of the sharded masters: bumped after every torch.optim step (global public hook) and every
-# load_state_dict, so a gather kept across steps (ZeRO-1) is known to be stale. In-place edits by hand
-# are not seen: call ``module.reshard()`` after them.
-_EPOCH = [0]
+def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
+    """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
+    params this optimizer holds. Local, O(params of the optimizer)."""
+    seen: set[int] = set()
+    for pg in optimizer.param_groups:
+        for p in pg["params"]:
+            ref = getattr(p, "_raggedfsdp_unit", None)  # a weakref to the unit, set on each sharded param
+            g = ref() if ref is not None else None
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                g.mark_master_changed()
 
 
-def _master_epoch() -> int:
-    return _EPOCH[0]
-
-
-def bump_master_epoch(*_args, **_kwargs) -> None:
-    _EPOCH[0] += 1
-
-
-register_optimizer_step_post_hook(bump_master_epoch)
-
-
-@dataclass
-class FSDPParam:
-    """Book-keeping for one managed parameter (see Note [FSDP tensors])."""
-
-    fqn: str  # relative to the fully_shard'ed module
-    owners: list[tuple[nn.Module, str]]  # every (module, attr) that holds this parameter
-    shape: torch.Size  # global
-    dtype: torch.dtype  # original
-    requires_grad: bool
-    granularity: int  # elements per block (never cut by a rank boundary)
-    dims: tuple[int, ...]  # RaggedShard dims
-    sharded: nn.Parameter = None  # type: ignore[assignment]  # DTensor param
-    unsharded: nn.Parameter | None = None  # view into the unsharded DBuffer
-    grad_view: torch.Tensor | None = None  # view into the unsharded grad DBuffer
-    sharded_grad: DTensor | None = None  # DTensor view into the sharded grad DBuffer
-    spec: DTensorSpec | None = None
-    extra: dict = field(default_factory=dict)
-
-    def set_on_owners(self, value: nn.Parameter) -> None:
-        for module, name in self.owners:
-            module._parameters[name] = value
+register_optimizer_step_post_hook(_mark_units_stepped)
 
 
 class FSDPParamGroup:
@@ -93,16 +68,11 @@ class FSDPParamGroup:
             ``raggedfsdp.planner.granularity_for``).
     """
 
-    def __init__(
-        self,
-        params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]],
-        mesh,
-        mp_policy,
-        device: torch.device,
-        granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
-        offload: bool = False,
-        pin_memory: bool = True,
-    ):
+    def __init__(self, params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]], mesh, mp_policy,
+                 device: torch.device, granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
+                 offload: bool = False, pin_memory: bool = True):
+        from raggedfsdp.fsdp._comm import CommContext
+
         self.mesh = mesh
         self.device = device  # compute device: unsharded params and grads live here
         # CPUOffloadPolicy: sharded master params and sharded grads live on the CPU (pinned when the
@@ -164,92 +134,103 @@ class FSDPParamGroup:
             order="best",
             shapes=[tuple(fp.shape) for fp in self.fsdp_params],
         )
-        shapes = [fp.shape for fp in self.fsdp_params]
-        self.sharded_buf = DBuffer(
-            self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype,
-            device=self.storage_device if device.type != "meta" else device, shapes=shapes, pin_memory=self.pin,
-        )
-        self.unsharded_buf = DBuffer(
-            self.layout, sharded=False, rank=self.shard_rank, dtype=self.param_dtype, device=device,
-            shapes=shapes, allocate=False,
-        )
-        self.grad_buf = DBuffer(
-            self.layout, sharded=False, rank=self.shard_rank, dtype=self.param_dtype, device=device,
-            shapes=shapes, allocate=False,
-        )
-        self.sharded_grad_buf: DBuffer | None = None
-        self.any_trainable = any(fp.requires_grad for fp in self.fsdp_params)
+        self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
+        self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+        self.any_trainable = bool(self.trainable)
         self._init_sharded(params)
         self._init_unsharded()
 
+        for fp in self.fsdp_params:
+            fp.sharded._raggedfsdp_unit = weakref.ref(self)
+        self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
+
         # runtime state
-        self.is_unsharded = False
-        self._gathered_version = -1
-        self.pending_unshard = None  # async all-gather work
-        self.grads_pending = False  # unsharded grads hold data not yet reduce-scattered
-        self.pending_reduce = None  # (work, post-processing closure)
+        self.comm = CommContext(device if device.type != "meta" else None)  # replaced by the root's
+        self.param_state = ParamState.SHARDED
+        self.grad_state = GradState.NONE
+        self._unshard: CommHandle | None = None  # in-flight all-gather
+        self._gathered_version = -1  # sharded-buffer version the unsharded buffer was gathered from
+        self._sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.reduce_grads = True
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
-        self._partial_flags: list[int] | None = None
+        self._partial_flags: tuple[bool, ...] | None = None
         self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
+
+    def _make_buffers(self, storage: torch.device) -> UnitBuffers:
+        return UnitBuffers(self.layout, rank=self.shard_rank, shapes=[fp.shape for fp in self.fsdp_params],
+                           orig_dtype=self.orig_dtype, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                           device=self.device, storage_device=storage, pin=self.pin)
+
+    # the four roles, by their historical names
+    @property
+    def sharded_buf(self):
+        return self.bufs.sharded
+
+    @property
+    def unsharded_buf(self):
+        return self.bufs.params
+
+    @property
+    def grad_buf(self):
+        return self.bufs.grads
+
+    @property
+    def sharded_grad_buf(self):
+        return self.bufs.sharded_grads
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.param_state is ParamState.UNSHARDED
+
+    def compute_stream(self):
+        return current_stream(self.device)
 
     # ---- init ----------------------------------------------------------------------------
     def _placements(self, fp: FSDPParam, i: int):
-        ragged = RaggedShard(fp.dims, self._units(fp, i))
+        units = (1,) + (0,) * (self.shard_world - 1) if fp.shape.numel() == 0 else self.layout.local_units(i)
+        ragged = RaggedShard(fp.dims, units)
         return (Replicate(), ragged) if self.is_hsdp else (ragged,)
-
-    def _units(self, fp: FSDPParam, i: int) -> tuple[int, ...]:
-        if fp.shape.numel() == 0:
-            return (1,) + (0,) * (self.shard_world - 1)
-        # local_units in RaggedShard units: rows-of-the-prefix per block = g / prod(shape[k:])
-        return self.layout.local_units(i)
 
     def _init_sharded(self, params) -> None:
         on_meta = self.device.type == "meta"
         with torch.no_grad():
             for i, (fp, (p, _, _)) in enumerate(zip(self.fsdp_params, params)):
-                local = self.sharded_buf.local_view(i)
+                local = self.bufs.sharded.local_view(i)
                 if not on_meta and p.device.type != "meta":
                     a, b = self.layout.piece(i, self.shard_rank)
                     local.copy_(p.detach().reshape(-1)[a:b])
-                fp.spec = DTensorSpec(
-                    self.mesh,
-                    self._placements(fp, i),
-                    tensor_meta=TensorMeta(fp.shape, _contiguous_stride(fp.shape), fp.dtype),
-                )
-                fp.sharded = nn.Parameter(
-                    DTensor(local, fp.spec, requires_grad=fp.requires_grad), requires_grad=fp.requires_grad
-                )
+                fp.spec = DTensorSpec(self.mesh, self._placements(fp, i),
+                                      tensor_meta=TensorMeta(fp.shape, contiguous_stride(fp.shape), fp.dtype))
+                fp.sharded = nn.Parameter(DTensor(local, fp.spec, requires_grad=fp.requires_grad),
+                                          requires_grad=fp.requires_grad)
                 fp.set_on_owners(fp.sharded)
             if not on_meta:
                 self._zero_sharded_padding()
 
     def _zero_sharded_padding(self) -> None:
         # padding lies only between tensors; keep it zero so reductions over the flat shard are exact
-        S = self.layout.shard_size
-        mask = torch.ones(S, dtype=torch.bool)
+        mask = torch.ones(self.layout.shard_size, dtype=torch.bool)
         for i in range(len(self.fsdp_params)):
             a, b = self.layout.piece(i, self.shard_rank)
             off = self.layout.shard_offset(i, self.shard_rank)
             mask[off : off + (b - a)] = False
         if mask.any():
-            self.sharded_buf.data[mask.to(self.sharded_buf.data.device)] = 0
+            self.bufs.sharded.data[mask.to(self.bufs.sharded.data.device)] = 0
 
     def _init_unsharded(self) -> None:
         # views must be created while the storage exists; they stay valid across free/alloc
-        self.unsharded_buf.alloc()
-        self.grad_buf.alloc()
+        self.bufs.params.alloc()
+        self.bufs.grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
-            view = self.unsharded_buf.tensor_view(i)
-            fp.unsharded = nn.Parameter(view, requires_grad=fp.requires_grad)
+            fp.unsharded = nn.Parameter(self.bufs.params.tensor_view(i), requires_grad=fp.requires_grad)
             if fp.requires_grad:
-                fp.grad_view = self.grad_buf.tensor_view(i)
-                fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: fp.extra.__setitem__("got", True))
-        self.unsharded_buf.free()
-        self.grad_buf.free()
+                fp.grad_view = self.bufs.grads.tensor_view(i)
+                fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: setattr(fp, "got_grad", True))
+        self.bufs.params.free()
+        self.bufs.grads.free()
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
@@ -263,78 +244,75 @@ class FSDPParamGroup:
             storage = device
             self.device = device
         self.storage_device = storage
-        shapes = [fp.shape for fp in self.fsdp_params]
-        new = DBuffer(self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=storage,
-                      shapes=shapes, pin_memory=self.pin)
-        device = self.device
+        new = self._make_buffers(storage)
         with torch.no_grad():
-            if device.type != "meta":
-                new.data.zero_()
+            if self.device.type != "meta":
+                new.sharded.data.zero_()
             for i, fp in enumerate(self.fsdp_params):
-                local = new.local_view(i)
+                local = new.sharded.local_view(i)
                 old = fp.sharded._local_tensor
-                if device.type != "meta" and old.device.type != "meta":
+                if self.device.type != "meta" and old.device.type != "meta":
                     local.copy_(old.reshape(-1))
                 fp.sharded._local_tensor = local
-        self.sharded_buf = new
-        self.unsharded_buf = DBuffer(self.layout, sharded=False, rank=self.shard_rank, dtype=self.param_dtype,
-                                     device=device, shapes=shapes, allocate=False)
-        self.grad_buf = DBuffer(self.layout, sharded=False, rank=self.shard_rank, dtype=self.param_dtype,
-                                device=device, shapes=shapes, allocate=False)
-        self.sharded_grad_buf = None
+        self.bufs = new
         self._gathered_version = -1
         self._init_unsharded()
 
     # ---- unshard / reshard ---------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather the unit's params into the unsharded DBuffer. Collective over the shard group.
+    def mark_master_changed(self) -> None:
+        """The sharded master changed (optimizer step, load): a kept gather is stale. Local."""
+        self._master_changes += 1
 
-        If the buffer still holds a gather of the current sharded master (kept by
-        ``reshard_after_backward=False`` / ZeRO-1), no communication happens. Any ``torch.optim``
-        step or ``load_state_dict`` since the gather invalidates it (see :func:`_master_epoch`).
-        """
-        if self.pending_unshard is not None:
+    def _master_version(self) -> int:
+        return (self._master_changes + self.bufs.sharded.data._version
+                + sum(fp.sharded._version for fp in self.fsdp_params))
+
+    def _gather_is_current(self) -> bool:
+        return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the unit's params into the unsharded buffer (from the all-gather stream on CUDA).
+        Collective over the shard group; idempotent while a gather is in flight or current.
+
+        A buffer kept by ``reshard_after_backward=False`` / ZeRO-1 is reused without communication while
+        the sharded buffer is unmodified (see the module docstring)."""
+        if self.param_state is not ParamState.SHARDED or self._gather_is_current():
             return
-        if self.sharded_buf.data.device.type == "meta":
+        if self.bufs.sharded.data.device.type == "meta":
             names = [fp.fqn for fp in self.fsdp_params]
             raise RuntimeError(
                 f"raggedfsdp: parameters {names} are still on the meta device; after fully_shard call "
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
-        if self.unsharded_buf.is_allocated and _master_epoch() == self._gathered_version:
-            self.pending_unshard = True
-            return
-        self.unsharded_buf.alloc()
+        check(self._unshard is None, "double unshard: an all-gather is already in flight")
+        version = self._master_version()
         # The in-place all-gather must not bump the version counter that autograd's saved aliases of the
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
-        self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.unsharded_buf.data)
-        if self.post_forward_buf is not None and _master_epoch() == self._post_forward_epoch:
-            work = self._unshard_from_post_forward(async_op)
+        self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
+        if self.post_forward_buf is not None and version == self._post_forward_version:
+            buf, self.post_forward_buf = self.post_forward_buf, None
+            self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
+                                                    source_group=self.post_forward_group)
         else:
             self.post_forward_buf = None
-            with torch.no_grad():
-                work = self.unsharded_buf.all_gather_from(self.sharded_buf.data, self.shard_group,
-                                                          async_op=async_op)
-        self._gathered_version = _master_epoch()
-        if work is None:
-            self._version_guard.__exit__(None, None, None)
-        self.pending_unshard = work if work is not None else True
+            self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
+        self._gathered_version = version
+        self.param_state = ParamState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather and register the unsharded params on their modules. Local."""
-        if self.pending_unshard is None:
-            if self.is_unsharded and _master_epoch() == self._gathered_version:
-                return
+        if self.param_state is ParamState.UNSHARDED:
+            return
+        if self.param_state is ParamState.SHARDED:
             self.unshard()
-        work = self.pending_unshard
-        if work is not True and work is not None:
-            work.wait()
+        if self._unshard is not None:
+            self._unshard.wait(self.compute_stream())
             self._version_guard.__exit__(None, None, None)
-        self.pending_unshard = None
+            self._unshard = None
         for fp in self.fsdp_params:
             fp.set_on_owners(fp.unsharded)
-        self.is_unsharded = True
+        self.param_state = ParamState.UNSHARDED
 
     # ---- int reshard_after_forward: keep a 1/k slice, re-gather within k ranks ----------------
     def set_post_forward_mesh(self, mesh2d) -> None:
@@ -346,66 +324,65 @@ class FSDPParamGroup:
     def reshard_after_forward(self) -> None:
         """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""
         k = getattr(self, "post_forward_k", None)
-        if k is None or not self.is_unsharded:
+        if k is None or self.param_state is not ParamState.UNSHARDED:
             self.reshard()
             return
         chunk = self.layout.total_size // k
-        self._post_forward_epoch = _master_epoch()
+        self._post_forward_version = self._master_version()
         with torch.no_grad():
-            self.post_forward_buf = self.unsharded_buf.data.narrow(0, self.post_forward_rank * chunk, chunk).clone()
+            self.post_forward_buf = self.bufs.params.data.narrow(0, self.post_forward_rank * chunk, chunk).clone()
         self.reshard()
 
-    def _unshard_from_post_forward(self, async_op: bool):
-        buf, self.post_forward_buf = self.post_forward_buf, None
-        with torch.no_grad():
-            return _all_gather_single(self.unsharded_buf.data, buf, group=self.post_forward_group,
-                                               async_op=async_op)
-
     def reshard(self, free: bool = True) -> None:
-        """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local."""
-        if self.pending_unshard is not None:
+        """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local (waits an
+        in-flight all-gather first)."""
+        if self.param_state is ParamState.UNSHARDING:
             self.wait_for_unshard()
-        if self.is_unsharded:
+        if self.param_state is ParamState.UNSHARDED:
             for fp in self.fsdp_params:
                 fp.set_on_owners(fp.sharded)
-            self.is_unsharded = False
-        if free and self.unsharded_buf.is_allocated:
-            self.unsharded_buf.free()
+            self.param_state = ParamState.SHARDED
+        if free and self.bufs.params.is_allocated:
+            check(self._unshard is None, "free of the unsharded params while their all-gather is pending")
+            self.bufs.free_params()
             self._gathered_version = -1
 
     # ---- backward ------------------------------------------------------------------------
     def prepare_grads(self) -> None:
-        """Allocate (zeroed) the unsharded grad DBuffer and pre-set ``.grad`` views. Local."""
+        """Allocate (zeroed) the unsharded grads and pre-set ``.grad`` views. Local (may wait this unit's
+        previous reduce-scatter: a module whose backward runs twice)."""
         if not self.any_trainable:
             return
-        # a module used twice in forward runs backward twice: the first reduce-scatter still reads the
-        # grad buffer, so complete it (it frees the buffer) before accumulating the next pass
-        self.finish_reduce()
-        if self.grad_buf.alloc(zero=False):
-            if not self.grads_pending:
-                self.grad_buf.zero_()
-        for fp in self.fsdp_params:
-            if fp.requires_grad and fp.unsharded.grad is not fp.grad_view:
+        if self.grad_state is GradState.REDUCING:
+            self.comm.reduces.complete_group(self)
+        check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
+        self.bufs.begin_grads()
+        if self.grad_state is GradState.NONE:
+            self.grad_state = GradState.ACCUMULATING
+        for fp in self.trainable:
+            if fp.unsharded.grad is not fp.grad_view:
                 if fp.unsharded.grad is not None:  # e.g. user set it; fold it in
                     fp.grad_view.add_(fp.unsharded.grad)
                 fp.unsharded.grad = fp.grad_view
 
     def _collect_stray_grads(self) -> bool:
-        """Fold grads autograd did not accumulate into our views (it steals when ``.grad`` is None)."""
-        any_grad = self.grads_pending
-        for fp in self.fsdp_params:
-            if not fp.requires_grad:
-                continue
+        """Fold grads autograd did not accumulate into our views (it steals when ``.grad`` is None).
+        True if the unit has grads to reduce (pre-set views count: every rank that ran the unit's
+        backward must take part in its reduce-scatter)."""
+        any_grad = self.grad_state is GradState.HELD
+        for fp in self.trainable:
             g = fp.unsharded.grad
             if g is None:
                 continue
             if g is not fp.grad_view:
-                if not self.grad_buf.is_allocated:
-                    self.grad_buf.alloc()
-                    self.grad_buf.zero_()
+                if self.grad_state is GradState.REDUCING:
+                    self.comm.reduces.complete_group(self)
+                self.bufs.begin_grads()
+                if self.grad_state is GradState.NONE:
+                    self.grad_state = GradState.ACCUMULATING
                 fp.grad_view.add_(g)
                 fp.unsharded.grad = fp.grad_view
-                fp.extra["got"] = True
+                fp.got_grad = True
             any_grad = True
         return any_grad
 
@@ -413,136 +390,58 @@ class FSDPParamGroup:
         """Reduce-scatter (and HSDP all-reduce) the unit's grads if sync is on; reshard. Collective."""
         any_grad = self._collect_stray_grads() if self.any_trainable else False
         self.reshard(free=self.reshard_after_backward)
+        if self.grad_state is GradState.REDUCING:
+            return  # already launched (e.g. the final callback after the post-backward hook)
         if not any_grad:
             self._drop_unsharded_grads()
             return
-        self.grads_pending = True
-        if not self.reduce_grads:
-            return  # no_sync: keep accumulating unsharded grads
-        self.finish_reduce()  # at most one reduce-scatter in flight
-        self._launch_reduce()
+        if not self.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
+            if self.reduce_dtype != self.param_dtype and self.bufs.grads.is_allocated:
+                self.bufs.hold_grads()
+            for fp in self.trainable:
+                fp.unsharded.grad = None
+            self.grad_state = GradState.HELD
+            return
+        launch_reduce(self, self.comm.reduces)
 
     def _drop_unsharded_grads(self) -> None:
-        for fp in self.fsdp_params:
-            if fp.unsharded is not None:
-                fp.unsharded.grad = None
-        if not self.grads_pending:
-            self.grad_buf.free()
+        for fp in self.trainable:
+            fp.unsharded.grad = None
+        if self.grad_state is GradState.ACCUMULATING:
+            self.bufs.free_grads()
+            self.grad_state = GradState.NONE
 
-    def _divide_factor(self) -> float:
+    def take_used_flags(self) -> tuple[bool, ...]:
+        """This rank's used bits of the trainable params since the last reduce (and reset them)."""
+        flags = tuple(fp.got_grad for fp in self.trainable)
+        for fp in self.trainable:
+            fp.got_grad = False
+        if self._partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
+            flags = tuple(a or b for a, b in zip(flags, self._partial_flags))
+            self._partial_flags = None
+        return flags
+
+    def divide_factor(self) -> float:
         return self.gradient_divide_factor or float(self.shard_world * self.replicate_world)
 
-    def _launch_reduce(self) -> None:
-        ws = self.shard_world * self.replicate_world
-        factor = self._divide_factor()
-        rs_buf = self.grad_buf
-        if self.reduce_dtype != self.param_dtype:
-            rs_buf = DBuffer(self.layout, sharded=False, rank=self.shard_rank, dtype=self.reduce_dtype,
-                             device=self.device, shapes=self.sharded_buf.shapes)
-            rs_buf.data.copy_(self.grad_buf.data)  # one fused cast of the whole unit
-            self.grad_buf.free()
-        for fp in self.fsdp_params:
-            if fp.unsharded is not None:
-                fp.unsharded.grad = None
-        # AVG in the collective when it equals the requested division (no extra kernel); else SUM + one scale
-        use_avg = factor == float(ws) and not self.is_hsdp and ws > 1
-        op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
-        fresh = self._sharded_grads_fresh()
-        direct = (
-            fresh and use_avg and rs_buf.data.dtype == self.orig_dtype and self.shard_world > 1
-            and self.storage_device == self.device
-        )
-        if direct:
-            out = self._sharded_grad_buffer().data
-        else:
-            out = rs_buf.rank_slice()
-        work = rs_buf.reduce_scatter_(out, self.shard_group, op=op, async_op=True)
-        # Which params received a gradient on ANY data-parallel rank (single-process semantics: a param
-        # used by part of the global batch, e.g. an MoE expert, has a grad; one used by none has None).
-        trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
-        local_flags = [int(fp.extra.pop("got", False)) for fp in trainable]
-        if self._partial_flags is not None:  # microbatches whose replicate all-reduce was deferred
-            local_flags = [a | b for a, b in zip(local_flags, self._partial_flags)]
-            self._partial_flags = None
-        # if every param got a grad here, the OR over ranks is known without reading it back (no host sync)
-        all_local = all(local_flags)
-        flags = torch.tensor(local_flags, dtype=torch.int32,
-                             device=self.device)
-        flag_works = []
-        if ws > 1 and len(flags):
-            flag_works.append(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.shard_group, async_op=True))
-
-        def finish():
-            if work is not None:
-                work.wait()
-            for w in flag_works:
-                w.wait()
-            if self.is_hsdp and self.replicate_world > 1 and len(flags):
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.replicate_group)
-            if self.is_hsdp and self.replicate_world > 1:
-                if not self.all_reduce_grads:
-                    # set_requires_all_reduce(False): keep the shard-reduced sum, all-reduce it later
-                    if self._partial_reduce is None:
-                        self._partial_reduce = out.clone()
-                    else:
-                        self._partial_reduce.add_(out)
-                    self._partial_flags = local_flags
-                    rs_buf.free()
-                    self.grad_buf.free()
-                    return
-                if self._partial_reduce is not None:
-                    out.add_(self._partial_reduce)
-                    self._partial_reduce = None
-                dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group)
-            if not use_avg and factor != 1.0:
-                out.div_(factor)
-            if not direct:
-                sg = self._sharded_grad_buffer().data
-                if fresh:
-                    sg.copy_(out)
-                else:
-                    sg.add_(out)
-            rs_buf.free()
-            self.grad_buf.free()
-            used = {id(fp) for fp, f in zip(trainable, [1] * len(trainable) if all_local else flags.tolist()) if f}
-            self._attach_sharded_grads(fresh, used)
-
-        self.pending_reduce = finish
-        self.grads_pending = False
-
-    def finish_reduce(self) -> None:
-        """Wait for the in-flight reduce-scatter and install the sharded grads. Local (waits on a collective)."""
-        if self.pending_reduce is not None:
-            fn, self.pending_reduce = self.pending_reduce, None
-            fn()
-
-    def _sharded_grad_buffer(self) -> DBuffer:
-        if self.sharded_grad_buf is None:
-            self.sharded_grad_buf = DBuffer(
-                self.layout, sharded=True, rank=self.shard_rank, dtype=self.orig_dtype, device=self.storage_device,
-                pin_memory=self.pin,
-                shapes=self.sharded_buf.shapes,
-            )
-            self.sharded_grad_buf.zero_()
-        return self.sharded_grad_buf
-
-    def _sharded_grads_fresh(self) -> bool:
-        """True if no trainable sharded param holds a grad (optimizer did ``zero_grad(set_to_none=True)``).
+    def sharded_grads_fresh(self) -> bool:
+        """True if no trainable sharded param holds a grad (``zero_grad(set_to_none=True)``) and no
+        reduction of this backward wrote the buffer yet.
 
         Grads the user replaced with other tensors are copied into the buffer first; slices of params
         without a grad are zeroed so that accumulation adds onto zero for them.
         """
+        if self._sg_pending:
+            return False
         fresh = True
-        for i, fp in enumerate(self.fsdp_params):
-            if not fp.requires_grad:
-                continue
+        for fp in self.trainable:
             if fp.sharded.grad is None:
                 continue
             fresh = False
             if fp.sharded_grad is None or fp.sharded.grad is not fp.sharded_grad:
                 self._adopt_foreign_grad(fp)
         if not fresh:
-            buf = self._sharded_grad_buffer()
+            buf = self.bufs.sharded_grad_buffer()
             for i, fp in enumerate(self.fsdp_params):
                 if fp.requires_grad and fp.sharded.grad is None:
                     buf.local_view(i).zero_()
@@ -550,7 +449,7 @@ class FSDPParamGroup:
 
     def _adopt_foreign_grad(self, fp: FSDPParam) -> None:
         # the user replaced .grad with another tensor: move its values into our buffer view
-        buf = self._sharded_grad_buffer()
+        buf = self.bufs.sharded_grad_buffer()
         i = self.fsdp_params.index(fp)
         g = fp.sharded.grad
         local = g._local_tensor if isinstance(g, DTensor) else g
@@ -558,19 +457,34 @@ class FSDPParamGroup:
         fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
         fp.sharded.grad = fp.sharded_grad
 
-    def _attach_sharded_grads(self, fresh: bool, used: set[int]) -> None:
-        buf = self._sharded_grad_buffer()
-        for i, fp in enumerate(self.fsdp_params):
-            if not fp.requires_grad or (id(fp) not in used and fp.sharded.grad is None):
+    def attach_sharded_grads(self, used: list[bool]) -> None:
+        """Set ``.grad`` of every trainable sharded param used on some rank (or already holding one)."""
+        buf = self.bufs.sharded_grad_buffer()
+        for fp, u in zip(self.trainable, used):
+            if not u and fp.sharded.grad is None:
                 continue
-            if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != buf.local_view(i).data_ptr():
-                fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
+            i = self.fsdp_params.index(fp)
+            view = buf.local_view(i)
+            if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
+                fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
             fp.sharded.grad = fp.sharded_grad
 
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
+    def reset(self) -> None:
+        """reset_iter_state for this unit (after the root queue was reset): wait the all-gather, reshard,
+        free every unsharded grad buffer and clear every per-iteration flag. Local."""
+        if self._unshard is not None:
+            self._unshard.wait(self.compute_stream())
+            self._version_guard.__exit__(None, None, None)
+            self._unshard = None
+            self.param_state = ParamState.UNSHARDED
+        self.reshard()
+        for fp in self.fsdp_params:
+            if fp.unsharded is not None:
+                fp.unsharded.grad = None
+            fp.got_grad = False
+        self.bufs.free_grads()
+        self.grad_state = GradState.NONE
+        self._sg_pending = False
+        self._partial_reduce = None
+        self._partial_flags = None
+        self.post_forward_buf = None

@@ -2,15 +2,18 @@
 ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``).
 
 Note [hook order]
-    pre-forward   : (root: lazy init) -> cast inputs -> unshard + wait -> explicit forward prefetch ->
-                    wrap grad-requiring inputs in ``RegisterPostBackward`` (its backward runs after the
+    pre-forward   : (root: lazy init, finish a backward that did not end) -> cast inputs -> unshard +
+                    wait -> forward prefetch: the explicit list, else the unit that started forward after
+                    this one in the previous iteration (FSDP2's implicit schedule, as an async all-gather)
+                    -> wrap grad-requiring inputs in ``RegisterPostBackward`` (its backward runs after the
                     module's own backward)
     post-forward  : reshard if ``reshard_after_forward`` -> record order -> hook outputs' grads
     pre-backward  : (root: queue the final callback) -> unshard + wait -> pre-set grad views ->
                     prefetch the unit that ran forward before this one (or the explicit list)
-    post-backward : reduce-scatter in place (async, one in flight) -> reshard
-    final callback: post-backward for units whose inputs needed no grad, wait for the last
-                    reduce-scatter, reset per-iteration state.
+    post-backward : reshard -> make room in the root's reduce queue (complete the oldest reduce-scatter,
+                    free its input) -> launch this unit's reduce-scatter
+    final callback: post-backward for units whose inputs needed no grad, complete every reduction,
+                    exchange used-parameter flags once, set sharded ``.grad``, reset per-iteration state.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from raggedfsdp.fsdp._comm import CommContext
+from raggedfsdp.fsdp._common import GradState, ParamState
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
 
@@ -51,9 +56,10 @@ class FSDPState:
         self.reshard_after_forward = True if reshard_after_forward is None else bool(reshard_after_forward)
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
+        self.comm: CommContext = group.comm if group is not None else CommContext()
         self.all_states: list[FSDPState] = []  # root only: every state under it, in module order
         self.forward_order: list[FSDPState] = []  # root only: post-forward order this iteration
-        self.forward_prefetch: list[FSDPState] = []
+        self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (recorded order)
         self.backward_prefetch: list[FSDPState] | None = None
         self.unshard_in_backward = True
         self._post_backward_done = False
@@ -83,6 +89,14 @@ class FSDPState:
             st.is_root = False
             st.root = self
         self.all_states = seen
+        # one shared context (streams, reduce queue, order) for the whole tree
+        devices = [st.group.device for st in seen if st.group is not None]
+        comm = CommContext(devices[0] if devices else None)
+        comm.reduces.max_inflight = max(st.comm.reduces.max_inflight for st in seen)
+        for st in seen:
+            st.comm = comm
+            if st.group is not None:
+                st.group.comm = comm
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
@@ -90,13 +104,15 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
         root = self.root
-        if self.is_root:
+        in_bw = _in_backward()
+        if self.is_root and not in_bw:
+            if root.comm.reduces.inflight or root.comm.reduces.installed or root.comm.reduces.all_reduces:
+                root.comm.reduces.finish_backward()  # a backward that did not reach the final callback
             root.forward_order.clear()
+            root.comm.start_forward()
             for st in root.all_states:
                 st._post_backward_done = False
                 st._pre_backward_done = False
-                if st.group is not None:
-                    st.group.finish_reduce()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
@@ -105,9 +121,8 @@ class FSDPState:
         if self.group is not None:
             self.group.unshard()
             self.group.wait_for_unshard()
-        for st in self.forward_prefetch:
-            if st.group is not None:
-                st.group.unshard(async_op=True)
+        if not in_bw:
+            self._forward_prefetch()
         if torch.is_grad_enabled() and self.group is not None and self.group.any_trainable:
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -119,12 +134,20 @@ class FSDPState:
                 args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
+    def _forward_prefetch(self) -> None:
+        nxt = self.comm.next_to_prefetch(self)  # records the order even when the explicit list is set
+        targets = self.forward_prefetch if self.forward_prefetch is not None else ([nxt] if nxt else [])
+        for st in targets:
+            if st.group is not None:
+                st.group.unshard(async_op=True)
+
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
-        if self.group is not None and self.reshard_after_forward and not _in_backward():
+        in_bw = _in_backward()
+        if self.group is not None and self.reshard_after_forward and not in_bw:
             self.group.reshard_after_forward()
-        if self.root is not None and not _in_backward():
+        if self.root is not None and not in_bw:
             self.root.forward_order.append(self)
-        if self.is_root and not torch.is_grad_enabled() and not _in_backward():
+        if self.is_root and not torch.is_grad_enabled() and not in_bw:
             for st in self.all_states:  # no backward will come: do not keep stale unsharded params
                 if st.group is not None:
                     st.group.reshard()
@@ -186,16 +209,32 @@ class FSDPState:
             g = st.group
             if g is None:
                 continue
-            if g.is_unsharded or g.pending_unshard is not None or g.grads_pending or g.grad_buf.is_allocated:
-                if not st._post_backward_done or g.is_unsharded or g.grads_pending:
-                    g.post_backward()
+            if g.grad_state is GradState.ACCUMULATING or (
+                not st._post_backward_done and g.param_state is not ParamState.SHARDED
+            ):
+                g.post_backward()  # inputs needed no grad (root), or grads began again after the hook
+            elif g.param_state is not ParamState.SHARDED:  # e.g. prefetched, never used in backward
+                g.reshard(free=g.reshard_after_backward)
+        self.comm.reduces.finish_backward()
         for st in self.all_states:
-            if st.group is not None:
-                st.group.finish_reduce()
             st._post_backward_done = False
             st._pre_backward_done = False
         self._final_callback_queued = False
         self.forward_order.clear()
+
+    def _reset_iter_state(self) -> None:
+        """Wait all in-flight work, drop it, reshard every unit, reset every per-iteration flag. Local."""
+        root = self.root or self
+        states = root.all_states or [self]
+        root.comm.reduces.reset()
+        for st in states:
+            if st.group is not None:
+                st.group.reset()
+            st._post_backward_done = False
+            st._pre_backward_done = False
+            st._final_callback_queued = False
+            st.forward_order.clear()
+        root.comm.pre_forward_order = []
 
 
 def _in_backward() -> bool:

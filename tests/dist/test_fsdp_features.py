@@ -232,6 +232,24 @@ def _bad_input(rank, ws):
     fully_shard(t.layers[1], mesh=mesh)
     with pytest.raises(ValueError, match="up.weight"):
         fully_shard(t, mesh=mesh)
+    # a module shared by two parents, each its own unit: the error names both FQNs and the owner unit
+    class ParentA(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.proj = s
+
+    class ParentB(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.lin = s
+
+    shared = nn.Linear(4, 4)
+    root = nn.Module()
+    root.a, root.b = ParentA(shared), ParentB(shared)
+    fully_shard(root.a, mesh=mesh)
+    with pytest.raises(ValueError, match=r"'lin.weight' of ParentB is the same parameter as 'proj.weight' of the "
+                                         r"fully_shard unit ParentA"):
+        fully_shard(root.b, mesh=mesh)
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     with pytest.raises(ValueError, match="one dtype"):
         fully_shard(mixed, mesh=mesh)

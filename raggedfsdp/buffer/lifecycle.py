@@ -1,0 +1,154 @@
+"""The buffer lifecycle of one FSDP unit: gather params, free params, begin grads, reduce grads.
+
+``UnitBuffers`` owns the unit's DBuffers (Note [DBuffer roles] in ``dbuffer.py``) and is the only
+code that allocates or frees them during a step; ``raggedfsdp/fsdp`` decides *when* (hooks) and
+keeps the records of in-flight work. Transitions (all local except where a collective is named):
+
+    gather_params   sharded --all-gather--> unsharded params      (allocates ``params``)
+    free_params     unsharded params --> freed                    (reshard)
+    begin_grads     allocate + zero the unsharded grads           (pre-backward)
+    hold_grads      no-sync backward: fold the grads into the ``reduce_dtype`` accumulator, free them
+    reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
+                    the returned handle is waited; the caller then frees it)
+
+Every buffer is allocated on the current (compute) stream; collectives are issued from the stream
+passed in, which first waits on the compute stream (Note [stream invariant] in ``streams.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.buffer.dbuffer import DBuffer
+from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
+from raggedfsdp.planner import Layout
+
+
+class UnitBuffers:
+    """The flat buffers of one FSDP unit.
+
+    Args:
+        layout: the unit's plan; ``S = layout.shard_size`` and ``m * S = layout.total_size`` elements.
+        rank: this rank's index in the shard group.
+        shapes: global shapes of the unit's tensors (layout order).
+        orig_dtype / param_dtype / reduce_dtype: of the sharded master + sharded grads, of the unsharded
+            params + grads, of the reduce-scatter.
+        device: compute device (unsharded buffers). storage_device: sharded buffers (CPU for offload).
+        pin: pin the CPU sharded buffers (offload with an accelerator).
+    """
+
+    def __init__(self, layout: Layout, *, rank: int, shapes: Sequence[torch.Size], orig_dtype: torch.dtype,
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device,
+                 storage_device: torch.device, pin: bool = False):
+        self.layout, self.rank, self.shapes = layout, rank, list(shapes)
+        self.orig_dtype, self.param_dtype, self.reduce_dtype = orig_dtype, param_dtype, reduce_dtype
+        self.device, self.storage_device, self.pin = device, storage_device, pin
+        self.sharded = DBuffer(layout, sharded=True, rank=rank, dtype=orig_dtype, device=storage_device,
+                               shapes=shapes, pin_memory=pin, name="sharded params")
+        self.params = self._unsharded(param_dtype, "unsharded params")
+        self.grads = self._unsharded(param_dtype, "unsharded grads")
+        self.acc: DBuffer | None = None  # reduce_dtype no-sync accumulator (FSDP2: unsharded_accumulated_grad)
+        self.sharded_grads: DBuffer | None = None
+
+    def _unsharded(self, dtype: torch.dtype, name: str, allocate: bool = False) -> DBuffer:
+        return DBuffer(self.layout, sharded=False, rank=self.rank, dtype=dtype, device=self.device,
+                       shapes=self.shapes, allocate=allocate, name=name)
+
+    def sharded_output(self, dtype: torch.dtype, name: str = "reduce-scatter output") -> DBuffer:
+        """A fresh ``(S,)`` buffer on the compute device (zero-filled padding is not needed: it is written)."""
+        return DBuffer(self.layout, sharded=True, rank=self.rank, dtype=dtype, device=self.device,
+                       shapes=self.shapes, name=name)
+
+    def sharded_grad_buffer(self) -> DBuffer:
+        """The persistent ``(S,)`` sharded grads (orig dtype, storage device), created zeroed on first use."""
+        if self.sharded_grads is None:
+            self.sharded_grads = DBuffer(self.layout, sharded=True, rank=self.rank, dtype=self.orig_dtype,
+                                         device=self.storage_device, shapes=self.shapes, pin_memory=self.pin,
+                                         name="sharded grads")
+            self.sharded_grads.zero_()
+        return self.sharded_grads
+
+    # ---- params ----------------------------------------------------------------------------
+    def gather_params(self, group, *, stream=None, source: torch.Tensor | None = None,
+                      source_group=None) -> CommHandle:
+        """Allocate the unsharded params and all-gather them from ``source`` (default: the sharded
+        master) over ``source_group or group``, issued from ``stream``. Collective over that group."""
+        compute = current_stream(self.device)
+        self.params.alloc()
+        wait_stream(stream, compute)  # the fresh block and the master are ready for the side stream
+        with on_stream(stream), torch.no_grad():
+            if source is None:
+                work = self.params.all_gather_from(self.sharded.data, group, async_op=True)
+            else:
+                from raggedfsdp.buffer.dbuffer import _all_gather_single
+
+                work = _all_gather_single(self.params.data, source, group=source_group, async_op=True)
+        return CommHandle(work, [self.params], stream, "all-gather")
+
+    def free_params(self) -> None:
+        self.params.free()
+
+    # ---- grads -----------------------------------------------------------------------------
+    def begin_grads(self) -> bool:
+        """Allocate the unsharded grads zero-filled if they are freed; True if they were. Local."""
+        fresh = self.grads.alloc()
+        if fresh:
+            self.grads.zero_()
+        return fresh
+
+    def hold_grads(self) -> None:
+        """No-sync backward with ``reduce_dtype != param_dtype``: add the unsharded grads into the
+        ``reduce_dtype`` accumulator (one fused cast-add) and free them (FSDP2 semantics). Local."""
+        if self.acc is None:
+            self.acc = self._unsharded(self.reduce_dtype, "reduce_dtype accumulated grads")
+        if self.acc.alloc():
+            self.acc.data.copy_(self.grads.data)
+        else:
+            self.acc.data.add_(self.grads.data)
+        self.grads.free()
+
+    def has_grads(self) -> bool:
+        return self.grads.is_allocated or (self.acc is not None and self.acc.is_allocated)
+
+    def free_grads(self) -> None:
+        self.grads.free()
+        if self.acc is not None:
+            self.acc.free()
+
+    def reduce_grads(self, group, *, out: DBuffer, op=dist.ReduceOp.SUM, stream=None) -> tuple[CommHandle, DBuffer]:
+        """Reduce-scatter the unit's unsharded grads (cast to ``reduce_dtype``) into ``out`` ``(S,)``,
+        issued from ``stream``. Collective over ``group``.
+
+        Returns ``(handle, input)``: ``input`` (the grads, the accumulator or a ``reduce_dtype`` copy
+        made on the compute stream, after which the ``param_dtype`` grads are freed at once) must stay
+        allocated until ``handle`` is waited on the compute stream; then free it.
+        """
+        if self.acc is not None and self.acc.is_allocated:
+            inp = self.acc
+            if self.grads.is_allocated:
+                inp.data.add_(self.grads.data)
+                self.grads.free()
+        elif self.reduce_dtype != self.grads.data.dtype:
+            inp = self._unsharded(self.reduce_dtype, "reduce-scatter input", allocate=True)
+            inp.data.copy_(self.grads.data)  # one fused cast of the whole unit
+            self.grads.free()  # read only by the compute stream so far
+        else:
+            inp = self.grads
+        wait_stream(stream, current_stream(self.device))
+        with on_stream(stream):
+            work = inp.reduce_scatter_(out.data, group, op=op, async_op=True)
+        return CommHandle(work, [inp, out], stream, "reduce-scatter"), inp
+
+
+def all_reduce_(buf: DBuffer, group, *, op=dist.ReduceOp.SUM, stream=None) -> CommHandle:
+    """All-reduce ``buf`` in place over ``group`` (HSDP replicate dim), issued from ``stream``. Collective."""
+    wait_stream(stream, current_stream(buf.data.device))
+    with on_stream(stream):
+        work = dist.all_reduce(buf.data, op=op, group=group, async_op=True)
+    return CommHandle(work, [buf], stream, "all-reduce")
+
+
+__all__ = ["UnitBuffers", "all_reduce_"]

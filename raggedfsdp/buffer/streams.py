@@ -1,0 +1,114 @@
+"""Streams, collective handles and the debug-mode buffer-lifetime invariant.
+
+Note [stream invariant]
+    Every FSDP buffer (unsharded params, unsharded grads, reduce-scatter input/output) is allocated
+    on the *compute* stream (the current stream when the hook runs), like the inputs of torch FSDP2's
+    copy-in (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). Collectives are issued
+    from dedicated streams on CUDA (all-gather, reduce-scatter, all-reduce; each first waits on the
+    compute stream, so what it reads or overwrites is ready), and a storage is freed only after the
+    stream that allocated it has waited every collective that used it. The caching allocator hands
+    a freed block only to later work on its allocating stream, so that wait is what makes re-use
+    safe without ``record_stream``.
+
+    With ``RAGGEDFSDP_DEBUG=1`` in the environment (or :func:`set_debug(True) <set_debug>`) each
+    :class:`~raggedfsdp.buffer.DBuffer` records the collectives launched on it and the streams that
+    waited them, and :meth:`DBuffer.free` raises :class:`BufferLifetimeError` if one was not waited
+    on the allocating stream. On CPU (gloo) the "stream" is ``None`` and ``Work.wait()`` is the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+import torch
+
+_DEBUG = [os.environ.get("RAGGEDFSDP_DEBUG", "0") not in ("", "0")]
+_ids = itertools.count()
+
+
+class BufferLifetimeError(RuntimeError):
+    """A buffer was freed (or re-used) while a collective using it had not been waited on its stream."""
+
+
+def set_debug(flag: bool) -> None:
+    """Turn the runtime's cheap invariant checks on or off (default: env ``RAGGEDFSDP_DEBUG``). Local."""
+    _DEBUG[0] = bool(flag)
+
+
+def debug_enabled() -> bool:
+    return _DEBUG[0]
+
+
+def stream_key(stream):
+    """A hashable identity of a stream (``None`` for CPU)."""
+    return None if stream is None else (stream.device_index, stream.cuda_stream)
+
+
+def current_stream(device: torch.device):
+    """The current CUDA stream of ``device``, or ``None`` for CPU / meta (no streams)."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return None
+
+
+@contextlib.contextmanager
+def on_stream(stream):
+    """``torch.cuda.stream(stream)`` if ``stream`` is a CUDA stream, else a no-op."""
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def wait_stream(waiter, other) -> None:
+    """``waiter.wait_stream(other)`` for CUDA streams; no-op on CPU."""
+    if waiter is not None and other is not None and waiter is not other:
+        waiter.wait_stream(other)
+
+
+class CommHandle:
+    """A launched collective (or a local copy standing in for one) and the buffers it reads or writes.
+
+    Args:
+        work: the ``dist.Work`` (``None`` when no communication was needed, e.g. world size 1).
+        buffers: the :class:`DBuffer` objects the collective uses (their storage must stay allocated).
+        stream: the stream it was issued from (``None`` on CPU).
+        what: a short label for error messages.
+    """
+
+    def __init__(self, work, buffers=(), stream=None, what: str = "collective"):
+        self.id = next(_ids)
+        self.work = work
+        self.buffers = list(buffers)
+        self.stream = stream
+        self.what = what
+        self.waited_on: set = set()
+        for b in self.buffers:
+            b._note_use(self)
+
+    @property
+    def waited(self) -> bool:
+        return bool(self.waited_on)
+
+    def wait(self, stream=None) -> None:
+        """Order ``stream`` (CUDA; default: the current stream) after the collective; on gloo, block
+        the host until it is done. Local. Safe to call more than once."""
+        dev = self.buffers[0].data.device if self.buffers else torch.device("cpu")
+        stream = stream if stream is not None else current_stream(dev)
+        key = stream_key(stream)
+        if key in self.waited_on:
+            return
+        with on_stream(stream):
+            if self.work is not None:
+                self.work.wait()
+            wait_stream(stream, self.stream)  # local copies issued on the side stream
+        self.waited_on.add(key)
+        for b in self.buffers:
+            b._note_waited(self, key)
+
+
+__all__ = ["BufferLifetimeError", "CommHandle", "current_stream", "debug_enabled", "on_stream", "set_debug",
+           "stream_key", "wait_stream"]

@@ -1,0 +1,46 @@
+"""State shared by every FSDP unit under one root: streams, the reduce queue, the forward order
+(FSDP2: ``FSDPCommContext`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from raggedfsdp.fsdp._reduce import ReduceQueue
+
+
+class CommContext:
+    """Shared by all units of one root (each unit has its own until the root's lazy init merges them).
+
+    * ``ag_stream`` / ``rs_stream`` / ``ar_stream``: CUDA streams the all-gathers, reduce-scatters and
+      HSDP all-reduces are issued from (``None`` on CPU); high priority like FSDP2's.
+    * ``reduces``: the bounded FIFO of in-flight reductions (Note [bounded gradient memory]).
+    * ``pre_forward_order`` / ``prev_pre_forward_order``: units in the order their forward started, this
+      and the previous iteration; the implicit forward prefetch follows the previous one.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
+        self.ag_stream = None
+        self.reduces = ReduceQueue()
+        self.pre_forward_order: list = []
+        self.prev_pre_forward_order: list = []
+        if device is not None and device.type == "cuda":
+            self.ag_stream = torch.cuda.Stream(device=device, priority=-1)
+            self.reduces.rs_stream = torch.cuda.Stream(device=device, priority=-1)
+            self.reduces.ar_stream = torch.cuda.Stream(device=device)
+
+    def start_forward(self) -> None:
+        """Root pre-forward: the finished iteration's order becomes the prefetch schedule."""
+        if self.pre_forward_order:
+            self.prev_pre_forward_order = self.pre_forward_order
+        self.pre_forward_order = []
+
+    def next_to_prefetch(self, state):
+        """The unit that followed ``state`` in the previous iteration's forward, if this iteration has
+        matched that order so far (so every rank, running the same program, picks the same one)."""
+        j = len(self.pre_forward_order)
+        prev = self.prev_pre_forward_order
+        self.pre_forward_order.append(state)
+        if j + 1 < len(prev) and prev[j] is state and prev[j + 1] is not state:
+            return prev[j + 1]
+        return None

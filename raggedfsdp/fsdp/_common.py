@@ -1,0 +1,90 @@
+"""Per-parameter book-keeping and the unit's explicit states (with cheap invariant checks).
+
+Note [FSDP tensors]
+    For each managed parameter ``p`` of global shape ``shape``:
+
+    * sharded param   -- ``nn.Parameter(DTensor)`` with placement ``RaggedShard(dims, local_units)``
+      (HSDP: ``(Replicate(), RaggedShard(...))``); its local tensor is a 1-D view into the unit's
+      sharded DBuffer. This is what ``module.parameters()`` and the optimizer see outside forward
+      and backward.
+    * unsharded param -- a plain ``nn.Parameter`` of ``shape`` in ``param_dtype`` whose data is a view
+      into the unsharded DBuffer; registered on the module while it is unsharded (forward/backward).
+    * unsharded grad  -- a view into the unsharded grad DBuffer, pre-set as the unsharded param's
+      ``.grad`` so autograd's AccumulateGrad adds into it in place.
+    * sharded grad    -- a RaggedShard DTensor view into the sharded grad DBuffer, set as the sharded
+      param's ``.grad`` when backward ends (lazily, once every rank's used-parameter flags are known).
+
+    Freeing unsharded storage resizes it to 0 bytes (torch FSDP2's trick, see
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): the tensor objects and the aliases
+    autograd saved stay valid, and the in-place all-gather refills them without bumping their version
+    counters (``_unsafe_preserve_version_counter``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+
+class ParamState(enum.Enum):
+    """Where a unit's parameters are (FSDP2: ``ShardedState``)."""
+
+    SHARDED = "sharded"  # sharded DTensors registered; the unsharded buffer freed or kept (ZeRO-1)
+    UNSHARDING = "unsharding"  # all-gather in flight into the allocated unsharded buffer
+    UNSHARDED = "unsharded"  # unsharded params registered on the modules
+
+
+class GradState(enum.Enum):
+    """What a unit's unsharded gradient buffers hold."""
+
+    NONE = "none"  # no unsharded grad storage
+    ACCUMULATING = "accumulating"  # allocated, ``.grad`` views pre-set, autograd may add into them
+    HELD = "held"  # no-sync: accumulated grads kept for the next synced backward
+    REDUCING = "reducing"  # a reduce-scatter reads them (a PendingReduce in the root's queue)
+
+
+class InvariantError(RuntimeError):
+    """A broken internal invariant of the FSDP runtime (a bug, never a user error)."""
+
+
+def check(cond: bool, msg: str) -> None:
+    """Cheap always-on invariant check."""
+    if not cond:
+        raise InvariantError(f"raggedfsdp internal invariant violated: {msg}")
+
+
+@dataclass
+class FSDPParam:
+    """Book-keeping for one managed parameter (see Note [FSDP tensors])."""
+
+    fqn: str  # relative to the fully_shard'ed module
+    owners: list[tuple[nn.Module, str]]  # every (module, attr) that holds this parameter
+    shape: torch.Size  # global
+    dtype: torch.dtype  # original
+    requires_grad: bool
+    granularity: int  # elements per block (never cut by a rank boundary)
+    dims: tuple[int, ...]  # RaggedShard dims
+    sharded: nn.Parameter = None  # type: ignore[assignment]  # DTensor param
+    unsharded: nn.Parameter | None = None  # view into the unsharded DBuffer
+    grad_view: torch.Tensor | None = None  # view into the unsharded grad DBuffer
+    sharded_grad: DTensor | None = None  # DTensor view into the sharded grad DBuffer
+    spec: DTensorSpec | None = None
+    got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
+    extra: dict = field(default_factory=dict)
+
+    def set_on_owners(self, value: nn.Parameter) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = value
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))

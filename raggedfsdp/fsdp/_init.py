@@ -1,0 +1,164 @@
+"""Helpers of ``fully_shard``: mesh, managed params, device checks, block policy, load hook."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.fsdp._param_group import FSDPParamGroup
+
+
+def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_initialized():
+            raise ValueError("fully_shard: no mesh given and torch.distributed is not initialized; "
+                             "call dist.init_process_group(...) first or pass mesh=")
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(dev, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that calls "
+            "fully_shard must belong to the mesh (build it over the ranks running this model)"
+        )
+    return mesh
+
+
+def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]]:
+    """Params under ``modules`` not managed by a nested ``fully_shard``, in registration order, with owners."""
+    out: dict[int, tuple[nn.Parameter, str, list]] = {}
+    order: list[int] = []
+
+    def visit(mod: nn.Module, prefix: str, top: bool):
+        if not top and getattr(mod, "_raggedfsdp_state", None) is not None:
+            return
+        for name, p in mod._parameters.items():
+            if p is None or p in ignored:
+                continue
+            fqn = f"{prefix}{name}"
+            prev = getattr(p, "_raggedfsdp_owner", None)  # "Unit:fqn", set by the fully_shard that took it
+            if isinstance(p, DTensor) or prev is not None:
+                here = type(modules[0]).__name__
+                if prev is None:
+                    prev = _owner_of(p, modules)
+                unit, _, other_fqn = prev.partition(":")
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} of {here} is the same parameter as {other_fqn!r} of the "
+                    f"fully_shard unit {unit}, which already sharded it: a parameter shared (tied) across units "
+                    "cannot be sharded twice (it would be silently untied). Apply fully_shard so that both owners "
+                    "are in one unit (e.g. skip the inner call, or wrap their common parent), or untie the parameter"
+                )
+            if id(p) not in out:
+                out[id(p)] = (p, fqn, [])
+                order.append(id(p))
+            out[id(p)][2].append((mod, name))
+        for cname, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{cname}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, "" if len(modules) == 1 else f"{i}.", True)
+    return [out[k] for k in order]
+
+
+def _make_load_pre_hook(unit_module: nn.Module, group: FSDPParamGroup):
+    """``load_state_dict`` pre-hook: register the sharded params, and accept plain full tensors for them.
+
+    A plain tensor of a managed parameter's global shape (e.g. from an unsharded checkpoint or a HF
+    model) is turned into this rank's RaggedShard piece by local slicing (no communication), so
+    ``model.load_state_dict(full_sd)`` works as on an unsharded model. Not collective.
+    """
+    names = {id(mod): name for name, mod in unit_module.named_modules(remove_duplicate=False)}
+    keys: list[tuple[int, list[str]]] = []
+    for i, fp in enumerate(group.fsdp_params):
+        ks = []
+        for mod, attr in fp.owners:
+            if id(mod) in names:
+                base = names[id(mod)]
+                ks.append(f"{base}.{attr}" if base else attr)
+        keys.append((i, ks))
+
+    def hook(module, state_dict, prefix, *args):
+        group.reshard(free=False)
+        for i, ks in keys:
+            fp = group.fsdp_params[i]
+            for k in ks:
+                v = state_dict.get(prefix + k)
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == fp.shape:
+                    a, b = group.layout.piece(i, group.shard_rank)
+                    local = v.detach().reshape(-1)[a:b].to(device=group.storage_device, dtype=fp.dtype)
+                    state_dict[prefix + k] = DTensor(local, fp.spec, requires_grad=False)
+
+    return hook
+
+
+def _owner_of(p: nn.Parameter, modules) -> str:
+    for top in modules:
+        for name, mod in top.named_modules():
+            st = getattr(mod, "_raggedfsdp_state", None)
+            if st is not None and st.group is not None:
+                for fp in st.group.fsdp_params:
+                    if fp.sharded is p:
+                        return f"{type(mod).__name__}:{fp.fqn}"
+    return "an unknown unit:?"
+
+
+def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
+    metas = [fqn for p, fqn, _ in params if p.device.type == "meta"]
+    if metas and len(metas) != len(params):
+        raise ValueError(
+            f"fully_shard: parameters {metas} are on the meta device while others are materialized; a unit must be "
+            "all-meta (then call module.to_empty(device=...) and initialize after fully_shard) or all-materialized"
+        )
+    devices = {p.device.type for p, _, _ in params} - {"meta"}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard: parameters are on several devices {sorted(devices)}; move the module to one device first"
+        )
+    if params and all(p.device.type == "meta" for p, _, _ in params):
+        return torch.device("meta")
+    if offload:
+        devices = devices - {"cpu"}
+    if devices and devices != {mesh.device_type}:
+        raise ValueError(
+            f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; move the "
+            f"module with module.to({mesh.device_type!r}) or build the mesh on the parameters' device"
+        )
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _granularity_fn(shard_placement_fn):
+    """Map ``shard_placement_fn(param)`` to a block size in elements (``None``: default row blocks)."""
+    from torch.distributed.tensor import Shard
+
+    from raggedfsdp.planner.policy import BlockSpec, granularity_for
+
+    def fn(p: nn.Parameter, fqn: str = ""):
+        r = shard_placement_fn(p) if shard_placement_fn is not None else None
+        if r is None:
+            return granularity_for(p.shape, None, name=fqn)[0]
+        if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int block "
+                "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', 'matrix'"
+            )
+        if isinstance(r, Shard):
+            if r.dim != 0:
+                raise NotImplementedError(
+                    f"fully_shard: shard_placement_fn returned {r} for {fqn!r} of shape {tuple(p.shape)}; raggedfsdp "
+                    "lays parameters out flat, so only Shard(0) (row blocks) or a block spec is supported"
+                )
+            return granularity_for(p.shape, None, name=fqn)[0]
+        if isinstance(r, int):
+            return r
+        return granularity_for(p.shape, r, name=fqn)[0]
+
+    return fn

@@ -1,0 +1,287 @@
+"""The gradient reduction path: launch, a typed record of each in-flight reduction, the root's
+bounded FIFO of them, and the lazy install of sharded grads.
+
+Note [bounded gradient memory]
+    Every unit under one root shares one :class:`ReduceQueue` (FSDP2: ``comm_ctx.reduce_scatter_states``,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: post_backward``). Before a unit launches
+    its reduce-scatter, the oldest in-flight reductions are completed until fewer than
+    ``max_inflight`` (K, default 1, ``FSDPModule.set_reduce_scatter_max_input_buffers``) remain, so at
+    most K reduce-scatter inputs are alive at once, plus the unsharded grads autograd is filling for the
+    next unit: K + 1 unsharded grad buffers at any time of backward.
+
+    Post-processing is split in two:
+
+    * eager -- :meth:`PendingReduce.complete_reduce_scatter`: wait the reduce-scatter (on CUDA a stream
+      wait, no host sync), free its unsharded input at once, then either launch the HSDP all-reduce of the
+      ``(S,)`` output (async, on the all-reduce stream) or install the values: divide and copy/add into the
+      sharded grad buffer (for CPU offload: a non-blocking D2H copy into pinned memory with an event).
+    * lazy -- :meth:`ReduceQueue.finish_backward` (root's final callback): wait what is left, exchange the
+      used-parameter flags of every unit in **one** small all-reduce per mesh, and set the sharded
+      params' ``.grad``. A rank reads the flags back (one D2H copy) only if one of its own parameters got
+      no gradient; if every local parameter got one, the OR over ranks is known without reading.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_
+from raggedfsdp.fsdp._common import GradState, check
+
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp._param_group import FSDPParamGroup
+
+
+class ReduceStage(enum.Enum):
+    REDUCE_SCATTER = "reduce-scatter in flight"  # the unsharded input is alive
+    ALL_REDUCE = "all-reduce in flight"  # HSDP: replicate-dim all-reduce of the (S,) output
+    INSTALLED = "installed"  # values in the sharded grad buffer; .grad set at the end of backward
+    DEFERRED = "deferred"  # HSDP set_requires_all_reduce(False): kept as the group's partial sum
+
+
+@dataclass
+class PendingReduce:
+    """One unit's gradient reduction from launch to install.
+
+    ``out`` is ``(S,)`` elements in ``reduce_dtype``: the sharded grad buffer itself (``direct``: fresh
+    grads, AVG, same dtype and device) or a temporary. ``flags`` are this rank's used-parameter bits of
+    the unit's trainable params (host-side, OR-ed over no-sync micro-batches).
+    """
+
+    group: FSDPParamGroup
+    rs: CommHandle
+    rs_input: DBuffer  # unsharded, freed when the reduce-scatter is waited
+    out: DBuffer
+    direct: bool
+    fresh: bool
+    post_divide: float | None  # None: AVG already divided
+    flags: tuple[bool, ...]
+    stage: ReduceStage = ReduceStage.REDUCE_SCATTER
+    ar: CommHandle | None = None
+    offload_event: object | None = None  # CUDA event of the D2H copy (CPU offload)
+    host_out: torch.Tensor | None = None  # pinned D2H copy to add on the host (offload, accumulating)
+    attach: bool = True
+
+    # ---- eager part ---------------------------------------------------------------------------
+    def complete_reduce_scatter(self, queue: ReduceQueue) -> None:
+        """Wait the reduce-scatter, free its input, then launch the HSDP all-reduce or install. Local
+        except for the HSDP all-reduce (collective over the replicate group)."""
+        check(self.stage is ReduceStage.REDUCE_SCATTER, f"complete_reduce_scatter in stage {self.stage}")
+        g = self.group
+        compute = g.compute_stream()
+        self.rs.wait(queue.rs_stream)  # the side stream, then the compute stream, are ordered after it
+        self.rs.wait(compute)
+        self.rs_input.free()
+        check(g.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {g.grad_state}")
+        g.grad_state = GradState.NONE
+        if g.is_hsdp and g.replicate_world > 1:
+            if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
+                if g._partial_reduce is None:
+                    g._partial_reduce = self.out.data.clone()
+                else:
+                    g._partial_reduce.add_(self.out.data)
+                g._partial_flags = self.flags
+                self.out.free()
+                self.stage, self.attach = ReduceStage.DEFERRED, False
+                return
+            if g._partial_reduce is not None:
+                self.out.data.add_(g._partial_reduce)
+                g._partial_reduce = None
+            queue.make_room_all_reduce()
+            self.ar = all_reduce_(self.out, g.replicate_group, stream=queue.ar_stream)
+            self.stage = ReduceStage.ALL_REDUCE
+            queue.all_reduces.append(self)
+            return
+        self._install_values()
+
+    def complete_all_reduce(self, queue: ReduceQueue) -> None:
+        check(self.stage is ReduceStage.ALL_REDUCE, f"complete_all_reduce in stage {self.stage}")
+        self.ar.wait(queue.ar_stream)
+        self.ar.wait(self.group.compute_stream())
+        self._install_values()
+
+    def _install_values(self) -> None:
+        """Divide and move the reduced shard into the sharded grad buffer (on the compute stream)."""
+        g = self.group
+        out = self.out.data
+        if self.post_divide is not None and self.post_divide != 1.0:
+            out.div_(self.post_divide)
+        if not self.direct:
+            sg = g.bufs.sharded_grad_buffer().data
+            if sg.device == out.device:
+                sg.copy_(out) if self.fresh else sg.add_(out)
+            elif out.device.type == "cpu" or not sg.is_pinned():
+                # offload without pinned memory (or a CPU compute device): a blocking copy, then add
+                sg.copy_(out) if self.fresh else sg.add_(out.to(sg.device, dtype=sg.dtype))
+            else:  # CPU offload on an accelerator: non-blocking D2H into pinned memory, event
+                if self.fresh:
+                    sg.copy_(out, non_blocking=True)
+                else:
+                    self.host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                    self.host_out.copy_(out, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                self.offload_event = ev
+            self.out.free()  # a temporary, allocated on the compute stream and used only there now
+        self.stage = ReduceStage.INSTALLED
+
+    # ---- lazy part ----------------------------------------------------------------------------
+    def finish_host_side(self) -> None:
+        """CPU offload on an accelerator: wait the D2H copy, add it on the host when accumulating."""
+        if self.offload_event is not None:
+            self.offload_event.synchronize()  # inherent to CPU offload: the CPU optimizer reads these
+            self.offload_event = None
+        if self.host_out is not None:
+            self.group.bufs.sharded_grad_buffer().data.add_(self.host_out.to(self.group.orig_dtype))
+            self.host_out = None
+
+    def drop(self) -> None:
+        """reset_iter_state: wait whatever is in flight and free the record's buffers, installing nothing."""
+        for h in (self.rs, self.ar):
+            if h is not None:
+                h.wait(self.group.compute_stream())
+        if self.offload_event is not None:
+            self.offload_event.synchronize()
+        self.rs_input.free()
+        if not self.direct:
+            self.out.free()
+        self.host_out = None
+
+
+@dataclass
+class ReduceQueue:
+    """The root-level FIFO of in-flight reductions (see Note [bounded gradient memory])."""
+
+    max_inflight: int = 1
+    inflight: deque = field(default_factory=deque)  # stage REDUCE_SCATTER, oldest first
+    all_reduces: deque = field(default_factory=deque)  # stage ALL_REDUCE, oldest first (at most 1)
+    installed: list = field(default_factory=list)  # INSTALLED/DEFERRED, awaiting finish_backward
+    rs_stream: object = None
+    ar_stream: object = None
+    peak_inflight: int = 0  # observability: the most reduce-scatter inputs alive at once
+
+    def make_room(self) -> None:
+        """Complete the oldest reductions until fewer than ``max_inflight`` reduce-scatters are in flight."""
+        while len(self.inflight) >= self.max_inflight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        rec = self.inflight.popleft()
+        rec.complete_reduce_scatter(self)
+        self.installed.append(rec)
+
+    def make_room_all_reduce(self) -> None:
+        while self.all_reduces:
+            self.all_reduces.popleft().complete_all_reduce(self)
+
+    def push(self, rec: PendingReduce) -> None:
+        self.inflight.append(rec)
+        self.peak_inflight = max(self.peak_inflight, len(self.inflight))
+
+    def complete_group(self, group: FSDPParamGroup) -> None:
+        """Complete (oldest first) every reduction up to and including ``group``'s last one (a module whose
+        backward runs twice must not accumulate into grads a reduce-scatter still reads)."""
+        while any(r.group is group for r in self.inflight):
+            self._complete_oldest()
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._complete_oldest()
+        self.make_room_all_reduce()
+
+    def finish_backward(self) -> None:
+        """Root's final callback: complete everything, exchange used flags, set ``.grad``. Collective
+        (one small all-reduce per mesh, when some unit reduced grads)."""
+        self.drain()
+        recs, self.installed = self.installed, []
+        for r in recs:
+            r.finish_host_side()
+        attach = [r for r in recs if r.attach]
+        used = exchange_used_flags(attach)
+        groups: dict[int, tuple[FSDPParamGroup, list[bool]]] = {}
+        for r, flags in zip(attach, used):
+            _, acc = groups.setdefault(id(r.group), (r.group, [False] * len(flags)))
+            for i, f in enumerate(flags):
+                acc[i] = acc[i] or f
+        for r in recs:
+            r.group._sg_pending = False
+        for g, flags in groups.values():
+            g.attach_sharded_grads(flags)
+
+    def reset(self) -> None:
+        """reset_iter_state: wait and drop every record. Local (waits collectives already issued)."""
+        for r in (*self.inflight, *self.all_reduces):
+            r.drop()
+        for r in self.installed:
+            if r.offload_event is not None:
+                r.offload_event.synchronize()
+        self.inflight.clear()
+        self.all_reduces.clear()
+        self.installed.clear()
+
+
+def exchange_used_flags(recs: list[PendingReduce]) -> list[list[bool]]:
+    """OR of each record's used flags over every data-parallel rank: one async MAX all-reduce of an
+    int32 vector per mesh (all units of a root together). No host sync on CUDA: the vector goes H2D
+    from pinned memory, and it is read back only on a rank where some local flag is 0. Collective."""
+    out: list[list[bool] | None] = [None] * len(recs)
+    by_mesh: dict[tuple, list[int]] = {}
+    for i, r in enumerate(recs):
+        g = r.group
+        by_mesh.setdefault((id(g.shard_group), id(g.replicate_group)), []).append(i)
+    for idx in by_mesh.values():
+        g = recs[idx[0]].group
+        local = [f for i in idx for f in recs[i].flags]
+        if g.shard_world * g.replicate_world == 1 or not local:
+            result = local
+        else:
+            t = torch.tensor([int(f) for f in local], dtype=torch.int32)
+            if g.device.type == "cuda":
+                t = t.pin_memory().to(g.device, non_blocking=True)
+            works = [dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group, async_op=True)]
+            if g.is_hsdp and g.replicate_world > 1:
+                works[0].wait()
+                works.append(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.replicate_group, async_op=True))
+            for w in works:
+                w.wait()
+            # every local param got a grad: the OR over ranks is all ones, nothing to read
+            result = local if all(local) else [bool(v) for v in t.tolist()]
+        pos = 0
+        for i in idx:
+            n = len(recs[i].flags)
+            out[i] = [bool(v) for v in result[pos : pos + n]]
+            pos += n
+    return out  # type: ignore[return-value]
+
+
+def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
+    """Reduce-scatter ``group``'s unsharded grads (collective over its shard group), after making room
+    in ``queue``; returns the record (already pushed)."""
+    check(group.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
+          f"reduce without grads (state {group.grad_state})")
+    queue.make_room()
+    ws = group.shard_world * group.replicate_world
+    factor = group.divide_factor()
+    # AVG in the collective when it equals the requested division (no extra kernel); else SUM + one scale
+    use_avg = factor == float(ws) and not group.is_hsdp and ws > 1
+    op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
+    fresh = group.sharded_grads_fresh()
+    direct = (fresh and use_avg and group.reduce_dtype == group.orig_dtype and group.shard_world > 1
+              and group.storage_device == group.device)
+    out = group.bufs.sharded_grad_buffer() if direct else group.bufs.sharded_output(group.reduce_dtype)
+    for fp in group.fsdp_params:
+        if fp.unsharded is not None:
+            fp.unsharded.grad = None
+    flags = group.take_used_flags()
+    handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
+    group.grad_state = GradState.REDUCING
+    group._sg_pending = True
+    rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags)
+    queue.push(rec)
+    return rec

@@ -1,0 +1,116 @@
+"""fully_shard semantics from public bug reports (issue 13): requires_grad changed after wrapping is
+honoured (vs single-process AdamW), and units run by only some ranks raise a clear error in debug
+mode instead of silently pairing up different units' collectives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _dist import run_distributed
+from _toy_models import full_params
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(16, 16)
+        self.trained = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.trained(torch.tanh(self.frozen(x)))))
+
+
+def _requires_grad_after_wrap(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp
+
+    mesh = init_device_mesh("cpu", (ws,))
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(2 * ws, 16, generator=g) for _ in range(6)]
+    for case in ("unfreeze-after-3-steps", "freeze-before-step-2"):
+        torch.manual_seed(0)
+        ref = Net()
+        if case.startswith("unfreeze"):
+            ref.frozen.requires_grad_(False)
+        model = copy.deepcopy(ref)
+        raggedfsdp.fully_shard(model.out, mesh=mesh)
+        raggedfsdp.fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        for step, x in enumerate(data):
+            if case.startswith("unfreeze") and step == 3:
+                ref.frozen.requires_grad_(True)
+                model.frozen.requires_grad_(True)
+            if case.startswith("freeze") and step == 1:
+                ref.frozen.requires_grad_(False)
+                model.frozen.requires_grad_(False)
+            per = x.shape[0] // ws
+            model(x[rank * per : (rank + 1) * per]).square().mean().backward()
+            ref(x).square().mean().backward()
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert (p.grad is None) == (q.grad is None), f"{case} step {step}: {n} grad presence differs"
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        got = full_params(model)
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
+
+
+def test_requires_grad_changed_after_fully_shard_is_honoured():
+    run_distributed(_requires_grad_after_wrap, 3)
+
+
+class Routed(nn.Module):
+    """Samples go to branch A or B by the sign of x[:, 0]; a branch with no sample is skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.A = nn.Linear(4, 4)
+        self.B = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        out = torch.zeros_like(h)
+        ia, ib = (x[:, 0] > 0).nonzero().flatten(), (x[:, 0] <= 0).nonzero().flatten()
+        if ia.numel():
+            out = out.index_add(0, ia, self.A(h[ia]))
+        if ib.numel():
+            out = out.index_add(0, ib, self.B(h[ib]))
+        return out
+
+
+def _units_some_ranks_run(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp
+    from raggedfsdp.buffer import set_debug
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    model = Routed()
+    raggedfsdp.fully_shard(model.A, mesh=mesh)
+    raggedfsdp.fully_shard(model.B, mesh=mesh)
+    raggedfsdp.fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 4).abs() * (1 if rank == 0 else -1)  # rank 0: all to A, rank 1: all to B
+    set_debug(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"collective mismatch .* FSDP unit '(A|B)'"):
+            model(x).sum().backward()
+    finally:
+        set_debug(False)
+    model.reset_iter_state()
+    dist.barrier()
+
+
+def test_unit_run_by_some_ranks_only_raises_in_debug_mode():
+    run_distributed(_units_some_ranks_run, 2)
