@@ -322,3 +322,44 @@ def self_check() -> None:
             f"raggedfsdp: the RaggedShard patches do not work on torch {torch.__version__}: "
             + "; ".join(problems) + ". Use torch 2.11 - 2.15 or port raggedfsdp/_torch_patches.py."
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Not applied on import: c10's process-wide CPU allocation accounting, for the peak-memory method
+# (raggedfsdp/fsdp/memory.py). c10's ``ProfiledCPUMemoryReporter`` (c10/core/CPUAllocator.cpp) keeps
+# its table of live CPU blocks, and the running total it stamps on every profiler memory event
+# (``total_allocated``), only while the *calling thread* profiles -- unless the c10 flag
+# ``FLAGS_caffe2_report_cpu_memory_usage`` is set. With the flag set, every thread's allocations
+# and frees update the total (gloo's worker threads free collective scratch the main thread
+# allocated), and frees of blocks allocated before a profiler session are reported with their
+# size. torch has no Python setter for c10 flags, so this writes the exported global with ctypes.
+# Cost: one mutex + hash-map update per CPU allocation for the rest of the process; with
+# TORCH_CPP_LOG_LEVEL=INFO c10 also logs every allocation (the default level, WARNING, does not).
+_CPU_ACCOUNTING: bool | None = None
+
+
+def enable_cpu_allocator_accounting() -> bool:
+    """Set c10's ``FLAGS_caffe2_report_cpu_memory_usage`` for this process; True when it is set.
+
+    Idempotent, local, never raises: returns False (and the caller falls back to per-thread
+    accounting) when this torch build does not export the flag (e.g. a static or non-Linux build).
+    ``tests/unit/test_memory.py`` asserts it returns True on the supported Linux wheels.
+    """
+    global _CPU_ACCOUNTING
+    if _CPU_ACCOUNTING is not None:
+        return _CPU_ACCOUNTING
+    import ctypes
+    import glob
+    import os
+
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    _CPU_ACCOUNTING = False
+    for path in sorted(glob.glob(os.path.join(libdir, "libc10.*")) + glob.glob(os.path.join(libdir, "c10.dll"))):
+        try:
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+        flag.value = True
+        _CPU_ACCOUNTING = bool(flag.value)
+        break
+    return _CPU_ACCOUNTING

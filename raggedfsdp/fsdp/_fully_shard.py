@@ -82,8 +82,10 @@ def fully_shard(
         zero_stage: raggedfsdp extension (keyword-only, default 3). ``3`` shards params, grads and
             optimizer state (ZeRO-3). ``2`` keeps params unsharded from forward to backward
             (``reshard_after_forward=False``: no all-gather in backward). ``1`` keeps params
-            unsharded between steps too; they are re-gathered once per step, after any
-            ``torch.optim`` step or ``load_state_dict`` changed the sharded master. Grads are always
+            unsharded between steps too; a unit is re-gathered only after its sharded master changed:
+            a ``torch.optim`` step whose param groups hold one of its params, ``load_state_dict``, or
+            an in-place edit its params' version counters see (per-unit, so a rank-local optimizer
+            step over other params never makes ranks disagree). Grads are always
             reduce-scattered (RS + AG moves the same bytes as ZeRO-1's all-reduce) and optimizer
             state is always sharded.
 

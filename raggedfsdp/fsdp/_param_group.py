@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from raggedfsdp._torch_patches import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
-from raggedfsdp.buffer.streams import current_stream
+from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride
 from raggedfsdp.fsdp._reduce import launch_reduce
 from raggedfsdp.placement import RaggedShard
@@ -135,17 +135,17 @@ class FSDPParamGroup:
             shapes=[tuple(fp.shape) for fp in self.fsdp_params],
         )
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
-        self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
-        self.any_trainable = bool(self.trainable)
+        self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
         self._init_sharded(params)
         self._init_unsharded()
 
         for fp in self.fsdp_params:
             fp.sharded._raggedfsdp_unit = weakref.ref(self)
+        self.unit_id, self.unit_name = -1, "?"  # index and FQN under the root (set at the root's lazy init)
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
         # runtime state
-        self.comm = CommContext(device if device.type != "meta" else None)  # replaced by the root's
+        self.comm = CommContext(None)  # no side streams until the root's lazy init shares its context
         self.param_state = ParamState.SHARDED
         self.grad_state = GradState.NONE
         self._unshard: CommHandle | None = None  # in-flight all-gather
@@ -184,6 +184,26 @@ class FSDPParamGroup:
     @property
     def is_unsharded(self) -> bool:
         return self.param_state is ParamState.UNSHARDED
+
+    @property
+    def any_trainable(self) -> bool:
+        return any(fp.sharded.requires_grad for fp in self.fsdp_params)
+
+    def refresh_requires_grad(self) -> None:
+        """Copy each sharded param's current ``requires_grad`` onto its unsharded param (as FSDP2 does at
+        each unshard), so freezing or unfreezing after ``fully_shard`` is honoured. Local."""
+        changed = False
+        for fp in self.fsdp_params:
+            rg = fp.sharded.requires_grad
+            if rg != fp.requires_grad or fp.unsharded.requires_grad != rg:
+                fp.unsharded.requires_grad_(rg)
+                fp.requires_grad = rg
+                changed = True
+                if rg and not fp.extra.get("hooked"):
+                    fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: setattr(fp, "got_grad", True))
+                    fp.extra["hooked"] = True
+        if changed:
+            self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
 
     def compute_stream(self):
         return current_stream(self.device)
@@ -226,8 +246,9 @@ class FSDPParamGroup:
         self.bufs.grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
             fp.unsharded = nn.Parameter(self.bufs.params.tensor_view(i), requires_grad=fp.requires_grad)
+            fp.grad_view = self.bufs.grads.tensor_view(i)  # for every param: requires_grad may change later
+            fp.extra["hooked"] = fp.requires_grad
             if fp.requires_grad:
-                fp.grad_view = self.bufs.grads.tensor_view(i)
                 fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: setattr(fp, "got_grad", True))
         self.bufs.params.free()
         self.bufs.grads.free()
@@ -285,6 +306,8 @@ class FSDPParamGroup:
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
         check(self._unshard is None, "double unshard: an all-gather is already in flight")
+        if debug_enabled():
+            self.agree_on_collective("all-gather", self.layout.total_size)
         version = self._master_version()
         # The in-place all-gather must not bump the version counter that autograd's saved aliases of the
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
@@ -310,6 +333,7 @@ class FSDPParamGroup:
             self._unshard.wait(self.compute_stream())
             self._version_guard.__exit__(None, None, None)
             self._unshard = None
+        self.refresh_requires_grad()
         for fp in self.fsdp_params:
             fp.set_on_owners(fp.unsharded)
         self.param_state = ParamState.UNSHARDED
@@ -411,6 +435,29 @@ class FSDPParamGroup:
             self.bufs.free_grads()
             self.grad_state = GradState.NONE
 
+    def agree_on_collective(self, what: str, numel: int) -> None:
+        """Debug mode: check that every rank of the shard group issues this collective for the same unit
+        (id and size), so collectives of different units never pair up silently (e.g. data-dependent
+        routing that runs a unit on some ranks only). Collective (one small blocking all-reduce)."""
+        import torch.distributed as dist
+
+        if self.shard_world == 1:
+            return
+        uid = self.unit_id
+        t = torch.tensor([uid, -uid, numel, -numel], dtype=torch.int64,
+                         device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
+        hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
+        if hi_id != -lo_id or hi_n != -lo_n:
+            raise RuntimeError(
+                f"raggedfsdp: collective mismatch on rank {dist.get_rank()}: this rank issues the {what} of FSDP unit "
+                f"{self.unit_name!r} (#{uid}, {numel} elements) while another rank of its group issues one of unit "
+                f"#{-lo_id if -lo_id != uid else hi_id} ({-lo_n if -lo_n != numel else hi_n} elements). Every rank must "
+                "run the same FSDP units in the same order; a unit run by only some ranks (data-dependent routing, "
+                "e.g. MoE experts as separate units) must be run on every rank (with an empty input) or merged "
+                "into a unit that every rank runs"
+            )
+
     def take_used_flags(self) -> tuple[bool, ...]:
         """This rank's used bits of the trainable params since the last reduce (and reset them)."""
         flags = tuple(fp.got_grad for fp in self.trainable)
@@ -457,10 +504,10 @@ class FSDPParamGroup:
         fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
         fp.sharded.grad = fp.sharded_grad
 
-    def attach_sharded_grads(self, used: list[bool]) -> None:
-        """Set ``.grad`` of every trainable sharded param used on some rank (or already holding one)."""
+    def attach_sharded_grads(self, used: list[tuple[FSDPParam, bool]]) -> None:
+        """Set ``.grad`` of every reduced sharded param used on some rank (or already holding one)."""
         buf = self.bufs.sharded_grad_buffer()
-        for fp, u in zip(self.trainable, used):
+        for fp, u in used:
             if not u and fp.sharded.grad is None:
                 continue
             i = self.fsdp_params.index(fp)

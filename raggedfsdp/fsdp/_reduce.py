@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_
+from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_, debug_enabled
 from raggedfsdp.fsdp._common import GradState, check
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class PendingReduce:
     fresh: bool
     post_divide: float | None  # None: AVG already divided
     flags: tuple[bool, ...]
+    params: tuple = ()  # the trainable FSDPParams the flags belong to (requires_grad may change later)
     stage: ReduceStage = ReduceStage.REDUCE_SCATTER
     ar: CommHandle | None = None
     offload_event: object | None = None  # CUDA event of the D2H copy (CPU offload)
@@ -204,15 +205,15 @@ class ReduceQueue:
             r.finish_host_side()
         attach = [r for r in recs if r.attach]
         used = exchange_used_flags(attach)
-        groups: dict[int, tuple[FSDPParamGroup, list[bool]]] = {}
+        groups: dict[int, tuple[FSDPParamGroup, dict]] = {}
         for r, flags in zip(attach, used):
-            _, acc = groups.setdefault(id(r.group), (r.group, [False] * len(flags)))
-            for i, f in enumerate(flags):
-                acc[i] = acc[i] or f
+            _, acc = groups.setdefault(id(r.group), (r.group, {}))
+            for fp, f in zip(r.params, flags):
+                acc[id(fp)] = (fp, acc.get(id(fp), (fp, False))[1] or f)
         for r in recs:
             r.group._sg_pending = False
-        for g, flags in groups.values():
-            g.attach_sharded_grads(flags)
+        for g, acc in groups.values():
+            g.attach_sharded_grads(list(acc.values()))
 
     def reset(self) -> None:
         """reset_iter_state: wait and drop every record. Local (waits collectives already issued)."""
@@ -278,10 +279,13 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     for fp in group.fsdp_params:
         if fp.unsharded is not None:
             fp.unsharded.grad = None
+    params = tuple(group.trainable)
     flags = group.take_used_flags()
+    if debug_enabled():
+        group.agree_on_collective("reduce-scatter", group.layout.total_size)
     handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
     group.grad_state = GradState.REDUCING
     group._sg_pending = True
-    rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags)
+    rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec

@@ -93,10 +93,17 @@ class FSDPState:
         devices = [st.group.device for st in seen if st.group is not None]
         comm = CommContext(devices[0] if devices else None)
         comm.reduces.max_inflight = max(st.comm.reduces.max_inflight for st in seen)
-        for st in seen:
+        names = {}
+        for module in self.modules:
+            for name, sub in module.named_modules():
+                st = getattr(sub, "_raggedfsdp_state", None)
+                if st is not None and id(st) not in names:
+                    names[id(st)] = name or type(sub).__name__
+        for i, st in enumerate(seen):
             st.comm = comm
             if st.group is not None:
                 st.group.comm = comm
+                st.group.unit_id, st.group.unit_name = i, names.get(id(st), "?")
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from pathlib import Path
 
 from raggedfsdp.train.config import add_config_args, load_config, override_argv, overrides_from_args
 
@@ -29,7 +31,7 @@ examples:
   raggedfsdp train --steps 50 --model debug --out outputs/debug
   raggedfsdp train --config configs/tiny_cpu.toml --backend torch --lr 2e-3
   raggedfsdp train --data ../shared/data/tinyshakespeare.txt
-  raggedfsdp plot outputs/run/metrics.jsonl -o loss.png
+  raggedfsdp plot outputs/run-*/metrics.jsonl -o loss.png
 
 checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
   raggedfsdp train --steps 600 --checkpoint-interval 100 --out outputs/run   # -> outputs/run/checkpoints/step-N/
@@ -42,6 +44,17 @@ checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
   order are functions of the step and seed), plus meta.json (step, world size, config hash). A
   resumed run with the same OUT keeps metrics.jsonl up to the checkpoint's step and appends.
   A missing or corrupt --resume path is an error before the launch (exit code 2).
+  Each step-N/ has a manifest.json (size + SHA-256 per file, run id): loads verify it and are strict
+  (--checkpoint.allow_partial true loads only the matching keys); --resume auto takes the newest
+  checkpoint of the run in OUT/run.json that verifies and names those it skipped.
+
+faults (see README; test-only injection: RAGGEDFSDP_FAULT=nan@step3:rank1, raggedfsdp/train/faults.py):
+  --training.on_nonfinite stop|skip   NaN/Inf loss or gradient on any rank (default: stop, save nothing)
+  --job.hang_timeout_s S              name a rank stuck outside a collective after S s (default 60)
+  Ctrl-C / SIGTERM: every rank stops at the next step, saves (if checkpointing), exits 130 / 143.
+  --reproduce-batch step3:rows4-7     print the samples of a batch id from an error line
+  Without --out each run gets a fresh outputs/run-YYYYmmdd-HHMMSS/; a fresh run into an --out that
+  holds a run is refused (--resume auto continues it, --job.overwrite true starts anew).
 
 Every option is also a TOML key: --section.key in [section] (CLI > TOML > defaults).
 """
@@ -64,6 +77,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--nproc", type=int, default=2, metavar="N", help="ranks (processes) to launch (default: 2)"
     )
+    p.add_argument(
+        "--reproduce-batch",
+        metavar="ID",
+        default=None,
+        help="print the samples of a batch id from an error line (e.g. step3:rows4-7) and exit; "
+        "use the same --config/--data/--seed/--batch-size/--seq-len as the failed run",
+    )
     add_config_args(p)
     p.set_defaults(func=run_train)
 
@@ -80,9 +100,19 @@ def run_train(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
         cfg = load_config(args.config, overrides)
+        if not cfg.job.out:  # a fresh folder per run, chosen once for every rank
+            from raggedfsdp.train.worker import default_out
+
+            cfg.job.out = overrides["job.out"] = default_out()
         cfg.validate(world_size=args.nproc)
         cfg.check_data()  # a bad --data fails here, not after the launch on every rank
-        _check_resume(cfg)  # so does a missing or corrupt --resume path
+        if getattr(args, "reproduce_batch", None):
+            return _reproduce(cfg, args.reproduce_batch, args.nproc)
+        _check_resume(cfg)  # so does a missing or corrupt --resume path, or a taken --out
+        from raggedfsdp.train.ckpt_integrity import LOCK_HELD_ENV, OutLock
+
+        lock = OutLock(cfg.job.out).acquire()  # held by this process until the job ends
+        os.environ[LOCK_HELD_ENV] = str(Path(cfg.job.out).resolve())
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
         return 2
@@ -91,6 +121,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(max(1, _available_cpus() // args.nproc))
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -109,21 +140,54 @@ def run_train(args: argparse.Namespace) -> int:
     )
     try:
         run(parse_args(torchrun_argv))
+    except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
+        name = signal.Signals(e.sigval).name
+        print(f"raggedfsdp train: interrupted by {name}; resume with --resume auto --out {cfg.job.out}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes and codes <= set(_STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
+            print(f"raggedfsdp train: interrupted (exit code {min(codes)}); resume with --resume auto "
+                  f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
+            return min(codes)
         summary, last_line = failure_report(e, args.nproc)
         print(f"raggedfsdp train: the {args.nproc}-rank job failed\n{summary}", file=sys.stderr)
         print(last_line, file=sys.stderr, flush=True)
-        return 2 if "CheckpointError" in last_line else 1
+        return 2 if "CheckpointError: cannot load" in last_line else 1
+    finally:
+        lock.release()
     return 0
 
 
 def _check_resume(cfg) -> None:
-    """Pre-launch check of ``--resume``: a ``CheckpointError`` (a ``ValueError``) naming the path."""
+    """Pre-launch checks of ``--out`` and ``--resume`` (a ``ValueError`` naming the path and a fix):
+    a fresh run into an ``--out`` that holds another run, a missing or corrupt ``--resume PATH``
+    (verified against its manifest), an ``--out`` locked by a running job."""
+    from raggedfsdp.train import ckpt_integrity as integrity
+
     c = cfg.checkpoint
-    if c.resume:
+    folder = c.resolved_folder(cfg.job.out)
+    integrity.check_out_dir(cfg.job.out, folder, resume=c.resume, overwrite=cfg.job.overwrite)
+    if c.resume and c.resume != "auto":
         from raggedfsdp.train.checkpoint import resolve_resume
 
-        resolve_resume(c.resume, c.resolved_folder(cfg.job.out))
+        resolve_resume(c.resume, folder, verify=c.verify)
+    if Path(cfg.job.out, integrity.LOCK_FILE).exists() and os.environ.get(integrity.LOCK_HELD_ENV) is None:
+        integrity.OutLock(cfg.job.out).acquire().release()  # raises if a running job holds it
+
+
+def _reproduce(cfg, text: str, nproc: int) -> int:
+    """``--reproduce-batch ID``: print the samples of a batch id from an error line (no launch)."""
+    from raggedfsdp.train.data import BatchSampler, load_corpus, reproduce_batch
+
+    t = cfg.training
+    corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
+    sampler = BatchSampler(
+        corpus.train, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=cfg.job.seed
+    )
+    print(reproduce_batch(sampler, text))
+    return 0
 
 
 def _one_line(failure) -> str:
@@ -135,9 +199,15 @@ def _one_line(failure) -> str:
         msg = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
         if failure.signal_name() == "SIGKILL":
             msg += ", e.g. by the out-of-memory killer"
+    elif failure.exitcode in _STOPPED_CODES and not _has_error_file(failure):
+        msg = f"stopped by {_STOPPED_CODES[failure.exitcode]} (exit code {failure.exitcode})"
     elif not _has_error_file(failure):
         msg = f"exited with code {failure.exitcode} without recording an error"
     return str(msg)
+
+
+# Exit codes of a rank that stopped on a signal (train/watchdog.py: 128 + signum).
+_STOPPED_CODES = {129: "SIGHUP", 130: "SIGINT", 143: "SIGTERM"}
 
 
 def _has_error_file(failure) -> bool:
@@ -150,6 +220,8 @@ def _is_consequence(failure) -> bool:
 
     if isinstance(failure.message, dict):  # the rank recorded an exception: judge by its message
         return any(h in _one_line(failure) for h in _PEER_FAILURE_HINTS)
+    if failure.exitcode in _STOPPED_CODES:
+        return True
     return failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT")
 
 
@@ -178,7 +250,10 @@ def failure_report(err, world_size: int) -> tuple[str, str]:
     summary = ChildFailedError(err.name, short).format_msg()
     consequence = _is_consequence(root)
     if isinstance(root.message, dict) and _has_error_file(root):
-        where = f"traceback {'' if consequence else 'above and '}in {root.error_file}"
+        from raggedfsdp.train.worker import _ONE_LINE
+
+        above = "" if consequence or _one_line(root).split(":")[0] in _ONE_LINE else "above and "
+        where = f"traceback {above}in {root.error_file}"
     else:
         where = "see its output above"
     last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {_one_line(root)} ({where})"

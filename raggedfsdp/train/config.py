@@ -26,8 +26,8 @@ __all__ = [
     "TrainConfig",
     "add_config_args",
     "load_config",
-    "overrides_from_args",
     "override_argv",
+    "overrides_from_args",
 ]
 
 
@@ -38,11 +38,22 @@ def _f(default: Any, help: str, *, flag: str | None = None, hidden: bool = False
 
 @dataclass(kw_only=True)
 class JobConfig:
-    out: str = _f("outputs/run", "output folder (metrics.jsonl, config.json)", flag="--out")
+    out: str = _f(
+        "",
+        "output folder (metrics.jsonl, config.json, run.json, checkpoints/); empty: a fresh "
+        "outputs/run-YYYYmmdd-HHMMSS per run",
+        flag="--out",
+    )
+    overwrite: bool = _f(False, "start a fresh run in an --out that already holds one (its files are kept)")
     seed: int = _f(0, "seed for the model init and the data order", flag="--seed")
     device: str = _f("auto", "auto | cpu | cuda (auto: cuda with nccl if available, else cpu with gloo)")
     pg_timeout_s: float = _f(
         120.0, "process-group timeout in seconds (a stuck collective errors out after this)"
+    )
+    hang_timeout_s: float = _f(
+        60.0,
+        "a rank that makes no progress for this long outside a collective is named as hung and the "
+        "job stops (0: off; see train/watchdog.py)",
     )
 
 
@@ -77,6 +88,11 @@ class TrainingConfig:
     seq_len: int = _f(128, "tokens (bytes) per sequence", flag="--seq-len")
     grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step", flag="--grad-accum")
     max_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping, norm still logged)")
+    on_nonfinite: str = _f(
+        "stop", "a NaN/Inf loss or gradient on any rank: stop (exit 1, nothing saved) | skip (the update)"
+    )
+    max_consecutive_skips: int = _f(5, "on_nonfinite=skip: stop after more non-finite steps in a row")
+    divergence_ratio: float = _f(3.0, "stop when the loss exceeds this times the run's first loss (0: off)")
 
 
 @dataclass(kw_only=True)
@@ -126,6 +142,13 @@ class CheckpointConfig:
         "resume from a step-N/ folder, a folder of them (its newest), or 'auto' (the newest under "
         "checkpoint.folder, else start fresh); any world size",
         flag="--resume",
+    )
+    verify: bool = _f(True, "verify a checkpoint's manifest (sizes + SHA-256) before loading it")
+    allow_partial: bool = _f(
+        False, "load only the keys that match the model (fine-tuning); default: any mismatch is an error"
+    )
+    on_interrupt: bool = _f(
+        True, "on SIGINT/SIGTERM/SIGHUP save a checkpoint at the next step boundary (if interval > 0)"
     )
 
     def resolved_folder(self, out: str) -> str:
@@ -199,10 +222,21 @@ class TrainConfig:
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
             "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
+            "training.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+        if self.job.hang_timeout_s < 0 or t.max_consecutive_skips < 0 or t.divergence_ratio < 0:
+            raise ValueError(
+                "job.hang_timeout_s, training.max_consecutive_skips and training.divergence_ratio must "
+                f"be >= 0, got {self.job.hang_timeout_s}, {t.max_consecutive_skips}, {t.divergence_ratio}"
+            )
+        if self.checkpoint.resume == "auto" and not self.job.out and not self.checkpoint.folder:
+            raise ValueError(
+                "--resume auto needs --out (the default --out is a fresh folder per run, so there is "
+                "nothing to resume in it); e.g. --out outputs/myrun --resume auto"
+            )
         if self.job.pg_timeout_s <= 0:
             raise ValueError(f"job.pg_timeout_s must be > 0, got {self.job.pg_timeout_s}")
         # Model: builds the flavor with the overrides (raises on bad names or shapes).

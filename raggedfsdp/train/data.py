@@ -38,10 +38,15 @@ import torch
 __all__ = [
     "BatchSampler",
     "Corpus",
+    "DataError",
+    "batch_id",
+    "check_batch",
     "check_data",
     "check_split",
     "eval_windows",
     "load_corpus",
+    "parse_batch_id",
+    "reproduce_batch",
     "stdlib_source_files",
 ]
 
@@ -330,3 +335,71 @@ def eval_windows(num_tokens: int, *, seq_len: int, count: int) -> np.ndarray:
             f"validation split ({num_tokens} tokens) is shorter than seq_len + 1 = {seq_len + 1}"
         )
     return np.linspace(0, last, num=count).round().astype(np.int64)
+
+
+def batch_id(sampler: BatchSampler, step: int, micro: int, rank: int) -> str:
+    """A micro-batch's id, ``step<S>:rows<A>-<B>`` (rows of the global batch of step S, so the id
+    names the same samples at any world size), with the rank and micro-step for humans."""
+    rows = sampler.rows(micro, rank)
+    return f"step{step}:rows{rows.start}-{rows.stop - 1} (rank {rank}, micro-step {micro})"
+
+
+def parse_batch_id(text: str) -> tuple[int, range]:
+    """``"step3:rows4-7"`` -> ``(3, range(4, 8))``; ``ValueError`` naming the expected form."""
+    import re
+
+    m = re.match(r"^\s*step(\d+):rows(\d+)-(\d+)", text)
+    if m is None or int(m.group(3)) < int(m.group(2)):
+        raise ValueError(f"--reproduce-batch: bad batch id {text!r}; expected step<S>:rows<A>-<B>")
+    return int(m.group(1)), range(int(m.group(2)), int(m.group(3)) + 1)
+
+
+class DataError(ValueError):
+    """A batch of the wrong shape or with token ids outside the vocabulary (names rank/step/sample)."""
+
+
+def check_batch(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    sampler: BatchSampler,
+    step: int,
+    micro: int,
+    vocab_size: int,
+) -> None:
+    """Raise ``DataError`` unless inputs/targets are ``(micro_batch_size, seq_len)`` int64 with ids in
+    ``[0, vocab_size)``. CPU tensors (before the copy to the device): no device sync."""
+    bid = batch_id(sampler, step, micro, sampler.rank)
+    want = (sampler.micro_batch_size, sampler.seq_len)
+    for name, t in (("inputs", inputs), ("targets", targets)):
+        if tuple(t.shape) != want:
+            raise DataError(
+                f"rank {sampler.rank}, step {step}: batch {bid}: {name} have shape {tuple(t.shape)}, "
+                f"expected {want} (micro_batch_size, seq_len); every rank must get equal batches"
+            )
+        bad = (t < 0) | (t >= vocab_size)
+        if bool(bad.any()):
+            row, pos = (int(i) for i in bad.nonzero()[0])
+            offset = int(sampler.global_offsets(step)[sampler.rows(micro).start + row])
+            raise DataError(
+                f"rank {sampler.rank}, step {step}: batch {bid}: {name} hold token id "
+                f"{int(t[row, pos])} outside [0, {vocab_size}) at sample {row} (global row "
+                f"{sampler.rows(micro).start + row}, corpus offset {offset}), position {pos}"
+            )
+
+
+def reproduce_batch(sampler: BatchSampler, text: str, *, limit: int = 400) -> str:
+    """The samples named by a batch id (``parse_batch_id``), one block per row, for humans."""
+    step, rows = parse_batch_id(text)
+    if rows.stop > sampler.global_batch_size:
+        raise ValueError(
+            f"--reproduce-batch: rows {rows.start}-{rows.stop - 1} past the global batch "
+            f"({sampler.global_batch_size} rows)"
+        )
+    offsets = sampler.global_offsets(step)
+    out = []
+    for r in rows:
+        o = int(offsets[r])
+        chunk = bytes(sampler.tokens[o : o + min(sampler.seq_len + 1, limit)].tolist())
+        out.append(f"--- step {step}, global row {r}, corpus offset {o}:\n{chunk.decode('utf-8', 'replace')}")
+    return "\n".join(out)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import apply_fsdp, build_model, build_model_config, make_mp_policy
+from raggedfsdp.train import ckpt_integrity as integrity
 from raggedfsdp.train.checkpoint import (
     config_hash,
     load_checkpoint,
@@ -32,26 +33,79 @@ from raggedfsdp.train.checkpoint import (
     save_checkpoint,
 )
 from raggedfsdp.train.config import TrainConfig
-from raggedfsdp.train.data import BatchSampler, check_split, eval_windows, load_corpus, windows
+from raggedfsdp.train.data import (
+    BatchSampler,
+    batch_id,
+    check_batch,
+    check_split,
+    eval_windows,
+    load_corpus,
+    windows,
+)
+from raggedfsdp.train.faults import FaultPlan
+from raggedfsdp.train.guard import FaultError, StepGuard, all_finite, signal_name
 from raggedfsdp.train.lr_schedule import lr_at
 from raggedfsdp.train.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Trainer"]
+__all__ = ["Interrupted", "Trainer"]
+
+
+class Interrupted(Exception):
+    """Raised on every rank at the step boundary after a SIGINT/SIGTERM/SIGHUP (exit 128 + signum)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class _NoWatchdog:
+    step = 0
+
+    def arm(self) -> None:
+        pass
+
+    def progress(self, where: str, step: int | None = None) -> None:
+        pass
+
+    def paused(self, where: str):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Trainer:
-    """Owns everything of one run. Needs an initialised default process group."""
+    """Owns everything of one run. Needs an initialised default process group.
 
-    def __init__(self, cfg: TrainConfig, *, device: torch.device) -> None:
+    ``watchdog`` / ``interrupts``: from ``train.watchdog`` (the worker passes them); without them
+    there is no hang detection and signals keep their default action."""
+
+    def __init__(self, cfg: TrainConfig, *, device: torch.device, watchdog=None, interrupts=None) -> None:
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         cfg.validate(world_size=self.world_size)
         self.out_dir = Path(cfg.job.out)
+        self.watchdog = watchdog or _NoWatchdog()
+        self.interrupts = interrupts
+        self.faults = FaultPlan.from_env(self.rank, cfg.debug)
         t = cfg.training
+        self.guard = StepGuard(
+            rank=self.rank,
+            world_size=self.world_size,
+            device=device,
+            policy=t.on_nonfinite,
+            max_consecutive_skips=t.max_consecutive_skips,
+            divergence_ratio=t.divergence_ratio,
+        )
+        self.ckpt_folder = Path(cfg.checkpoint.resolved_folder(cfg.job.out))
+        self.run_id = self._setup_run()
 
         # Data.
         self.corpus = load_corpus(
@@ -113,7 +167,6 @@ class Trainer:
 
         # Checkpoint / resume.
         c = cfg.checkpoint
-        self.ckpt_folder = Path(c.resolved_folder(cfg.job.out))
         self.config_hash = config_hash(cfg.to_dict())
         self.start_step = 0  # the last completed step (0: a fresh run)
         self.resumed_from: Path | None = None
@@ -132,12 +185,12 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _resolve_resume(self) -> Path | None:
-        """Rank 0 picks the step folder (so that every rank loads the same one), others follow."""
+    def _on_rank0(self, fn):
+        """Run ``fn`` on rank 0 and broadcast its result (or re-raise its ValueError on every rank)."""
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                box[0] = resolve_resume(self.cfg.checkpoint.resume, self.ckpt_folder)
+                box[0] = fn()
             except ValueError as e:
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
@@ -145,9 +198,76 @@ class Trainer:
             raise box[0]
         return box[0]
 
+    def close(self) -> None:
+        """Release ``OUT/.lock`` and the metrics file (the process exiting does it too)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+
+    def _setup_run(self) -> str:
+        """The run id; rank 0 checks the ``--out`` policy, takes its lock, writes ``OUT/run.json``."""
+        return self._on_rank0(self._setup_run_rank0)
+
+    def _setup_run_rank0(self) -> str:
+        cfg, c = self.cfg, self.cfg.checkpoint
+        integrity.check_out_dir(
+            cfg.job.out, str(self.ckpt_folder), resume=c.resume, overwrite=cfg.job.overwrite
+        )
+        if os.environ.get(integrity.LOCK_HELD_ENV) != str(Path(cfg.job.out).resolve()):
+            self._lock = integrity.OutLock(cfg.job.out).acquire()  # held until the process exits
+        run_id = integrity.read_run_id(self.out_dir) if c.resume else None
+        if c.resume and c.resume != "auto":  # continue the run that saved the given checkpoint
+            path = resolve_resume(c.resume, self.ckpt_folder, verify=c.verify)
+            man = integrity.read_manifest(path) if path is not None else None
+            run_id = (man or {}).get("run_id") or run_id
+        run_id = run_id or integrity.new_run_id()
+        integrity.write_run_file(self.out_dir, run_id, config_hash=config_hash(cfg.to_dict()))
+        return run_id
+
+    def _resolve_resume(self) -> Path | None:
+        """Rank 0 picks the step folder (so that every rank loads the same one), others follow."""
+
+        def pick():
+            notes: list[str] = []
+            path = resolve_resume(
+                self.cfg.checkpoint.resume,
+                self.ckpt_folder,
+                run_id=self.run_id,
+                verify=self.cfg.checkpoint.verify,
+                notes=notes,
+            )
+            for note in notes:
+                logger.warning("%s", note)
+            return path
+
+        with self.watchdog.paused("verifying checkpoints"):
+            return self._on_rank0(pick)
+
+    def _config_diff(self, path: Path) -> list[str]:
+        try:
+            saved = json.loads((path / "meta.json").read_text()).get("config") or {}
+        except (OSError, ValueError):
+            return []
+        now = self.cfg.to_dict()
+        diff = []
+        for sec in ("model", "training", "optimizer", "fsdp", "data"):
+            for key, value in now.get(sec, {}).items():
+                if key in saved.get(sec, {}) and saved[sec][key] != value:
+                    diff.append(f"{sec}.{key}: {saved[sec][key]!r} -> {value!r}")
+        return diff
+
     def _load(self, path: Path) -> None:
         start = time.perf_counter()
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        with self.watchdog.paused("loading a checkpoint"):
+            state = load_checkpoint(
+                path,
+                model=self.model,
+                optimizer=self.optimizer,
+                allow_partial=self.cfg.checkpoint.allow_partial,
+                config_diff=self._config_diff(path),
+            )
         # The config is the source of truth for hyperparameters (the LR is set every step).
         o = self.cfg.optimizer
         for group, wd in zip(self.optimizer.param_groups, (o.weight_decay, 0.0)):
@@ -168,10 +288,11 @@ class Trainer:
             saved_hash = None
         if saved_hash is not None and saved_hash != self.config_hash:
             logger.warning(
-                "checkpoint %s was saved with another config (hash %s, now %s): resuming anyway",
+                "checkpoint %s was saved with another config (hash %s, now %s; %s): resuming anyway",
                 path,
                 saved_hash,
                 self.config_hash,
+                ", ".join(self._config_diff(path)) or "fields not recorded",
             )
         logger.info(
             "resumed from %s: step %d (saved lr %.3e), now at world size %d (%.2fs)",
@@ -183,6 +304,19 @@ class Trainer:
         )
 
     def save(self, step: int, lr: float) -> Path:
+        """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
+        tensors = [p for p in self.model.parameters()]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+        if not all_finite(tensors, self.device):
+            raise FaultError(
+                f"refusing to save step {step}: the model or optimizer state holds NaN/Inf (the "
+                "newest checkpoint is kept as it is)"
+            )
+        with self.watchdog.paused(f"saving step {step}"):
+            return self._save(step, lr)
+
+    def _save(self, step: int, lr: float) -> Path:
         return save_checkpoint(
             self.ckpt_folder,
             step,
@@ -196,7 +330,10 @@ class Trainer:
                 "config_hash": self.config_hash,
                 "total_steps": self.cfg.training.steps,
                 "backend": self.cfg.fsdp.backend,
+                "config": self.cfg.to_dict(),
             },
+            run_id=self.run_id,
+            inject_enospc=self.faults.take("enospc", step),
         )
 
     # -- steps -------------------------------------------------------------------------------
@@ -212,44 +349,73 @@ class Trainer:
             min_lr_ratio=o.min_lr_ratio,
         )
 
+    def batch_ids(self, step: int, micro: int = 0) -> dict[int, str]:
+        """``{rank: batch id}`` of a micro-step (a pure function of the step: no communication)."""
+        return {r: batch_id(self.sampler, step, micro, r) for r in range(self.world_size)}
+
+    def _batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
+        if self.faults and micro == 0:
+            if self.faults.take("badtoken", step):
+                inputs = inputs.clone()
+                inputs[-1, 3] = self.model_cfg.vocab_size
+            if self.faults.take("shortbatch", step):
+                inputs, targets = inputs[:-1], targets[:-1]
+        check_batch(
+            inputs,
+            targets,
+            sampler=self.sampler,
+            step=step,
+            micro=micro,
+            vocab_size=self.model_cfg.vocab_size,
+        )
+        return inputs.to(self.device), targets.to(self.device)
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step. Returns (this rank's loss (0-d), global grad norm (0-d), lr)."""
-        t, dbg = self.cfg.training, self.cfg.debug
-        if step == dbg.fail_step and self.rank == dbg.fail_rank:
-            self._inject_failure(step)
+        """One optimizer step. Returns (mean loss over ranks (0-d), global grad norm (0-d), lr).
+
+        Non-finite losses/gradients and interrupts are decided in one fused all-reduce
+        (``guard.StepGuard``) before the optimizer step; ``self.last_stats`` holds its result and
+        ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
+        t = self.cfg.training
+        self.watchdog.progress(f"step {step} start", step)
+        if self.faults:
+            self.faults.inject_step(step, self.rank)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         sync_toggle = accum > 1 and hasattr(self.model, "set_requires_gradient_sync")
         for micro in range(accum):
-            inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            self.watchdog.progress(f"step {step} micro-step {micro}", step)
+            inputs, targets = self._batch(step, micro)
             if sync_toggle:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(inputs)  # (b, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+            if self.faults and micro == 0:
+                if self.faults.take("nan", step):
+                    loss = loss * float("nan")
+                elif self.faults.take("inf", step):
+                    loss = loss * float("inf")
             loss.backward()
             loss_sum += loss.detach()
-        max_norm = t.max_norm if t.max_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        self.watchdog.progress(f"step {step} optimizer", step)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        signum = self.interrupts.signum if self.interrupts is not None else 0
+        stats = self.guard.reduce([p.grad for p in params], loss_sum, signum=signum)
+        self.last_stats = stats
+        self.last_applied = self.guard.check(step, stats, self.batch_ids(step))
         lr = self.lr(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        if self.last_applied:
+            max_norm = t.max_norm if t.max_norm > 0 else math.inf
+            coef = max_norm / (stats.grad_norm + 1e-6)
+            if coef < 1.0:  # what clip_grad_norm_ does, with the norm of the fused reduction
+                torch._foreach_mul_([_local(p.grad) for p in params], coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm, lr
-
-    def _inject_failure(self, step: int) -> None:
-        """Testing aid (hidden ``--debug.*`` flags): make this rank fail the way ``fail_mode`` says."""
-        mode = self.cfg.debug.fail_mode
-        logger.warning("debug: injecting a %r failure at step %d", mode, step)
-        if mode == "exit":
-            os._exit(3)
-        if mode == "hang":
-            while True:
-                time.sleep(3600)
-        raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (debug.fail_rank/fail_step)")
+        dev = self.device
+        return torch.tensor(stats.loss, device=dev), torch.tensor(stats.grad_norm, device=dev), lr
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -263,6 +429,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)
         for i in range(0, per_rank, b):  # same number of forwards on every rank (FSDP collectives)
+            self.watchdog.progress(f"evaluation batch {i // b}")
             inputs, targets = windows(self.corpus.val, mine[i : i + b], t.seq_len)
             logits = self.model(inputs.to(self.device))  # (b, T, V)
             loss = F.cross_entropy(
@@ -273,6 +440,21 @@ class Trainer:
         self.model.train()
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
+
+    def _interrupted(self, step: int, signals: dict[int, int], saved_step: int) -> None:
+        """Every rank, at the boundary after ``step``: save (``checkpoint.on_interrupt``), raise."""
+        signum = min(signals.values())
+        name = signal_name(signum)
+        c = self.cfg.checkpoint
+        if c.on_interrupt and c.interval > 0 and saved_step != step:
+            path = self.save(step, self.lr(step))
+            what = f"saved {path}; continue with --resume auto --out {self.cfg.job.out}"
+        elif saved_step == step:
+            what = f"step {step} was just saved"
+        else:
+            what = "no checkpoint saved (checkpointing is off: --checkpoint-interval N)"
+        ranks = sorted(signals)
+        raise Interrupted(signum, f"interrupted by {name} (rank(s) {ranks}) after step {step}: {what}")
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -345,14 +527,15 @@ class Trainer:
             eval_loss = self.evaluate()
             self.metrics.log({"step": self.start_step, "eval_loss": eval_loss, "elapsed_s": 0.0})
         self.model.train()
+        self.watchdog.arm()
         for step in range(first, t.steps + 1):
-            loss, grad_norm, lr = self.train_step(step)
+            _, _, lr = self.train_step(step)
+            st = self.last_stats  # global loss and grad norm, from the step's fused all-reduce
+            if st.signals:
+                self._interrupted(step, st.signals, saved_step)
             is_last = step == t.steps
             if step == first or step % m.log_every == 0 or is_last:
-                stats = torch.stack([loss, grad_norm.to(loss.device)])
-                dist.all_reduce(stats)  # sum of per-rank losses (grad_norm is already global)
-                loss_val = stats[0].item() / self.world_size
-                grad_val = stats[1].item() / self.world_size
+                loss_val, grad_val = st.loss, st.grad_norm
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
@@ -367,6 +550,7 @@ class Trainer:
                         "step_time_s": dt,
                         "tokens_seen": step * tokens_per_step,
                         "elapsed_s": now - start,
+                        **({"skipped_steps": self.guard.skipped_steps} if self.guard.skipped_steps else {}),
                     }
                 )
                 if step == first:
@@ -384,6 +568,7 @@ class Trainer:
                 saved_step = step
                 mark = time.perf_counter()  # exclude checkpoint time too
         elapsed = time.perf_counter() - start
+        self.watchdog.progress("done")
         summary = {
             "steps": t.steps,
             "start_step": self.start_step,

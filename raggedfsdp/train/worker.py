@@ -63,12 +63,37 @@ def _set_threads(local_world_size: int) -> int:
     return n
 
 
+def default_out() -> str:
+    """A fresh ``outputs/run-...`` folder: a timestamp (launcher, single process) or, under a bare
+    torchrun, its run id (the same on every rank)."""
+    import time
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return os.path.join("outputs", f"run-torchrun-{run[:12]}")
+    base = os.path.join("outputs", time.strftime("run-%Y%m%d-%H%M%S"))
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+# Errors the trainer explains in their message: one line, no traceback (still recorded for torchrun).
+_ONE_LINE = ("FaultError", "NonFiniteError", "DivergenceError", "CheckpointError", "DataError", "HangError")
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
+    from raggedfsdp.train.watchdog import set_parent_death_signal
+
+    set_parent_death_signal()  # die with the launcher (no orphans); see train/watchdog.py
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, overrides_from_args(args))
+        if not cfg.job.out:
+            cfg.job.out = default_out()
         cfg.check_data()
         if int(os.environ.get("RANK", "0")) == 0:
             from raggedfsdp.train.cli import _check_resume
@@ -89,16 +114,31 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         force=True,
     )
+    from raggedfsdp.train.trainer import Interrupted
+    from raggedfsdp.train.watchdog import Interrupts
+
+    interrupts = Interrupts(tag, announce=rank == 0).install()
     try:
-        return _run(cfg, rank, world_size, local_rank, local_world_size)
+        return _run(cfg, rank, world_size, local_rank, local_world_size, interrupts)
+    except Interrupted as e:  # every rank, at the same step boundary: one line (rank 0), 128 + signum
+        if rank == 0:
+            print(f"{tag} {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
     except Exception as e:  # noqa: BLE001 (recorded, reported, exit code 1)
         # The traceback goes to torchrun's error file (its summary names the rank) and, once, to
         # stderr; the one-line error comes last. A consequence of another rank's failure prints no
         # traceback. The launcher prints the root cause's line again at the very end.
+        culprits = getattr(e, "culprits", ())
+        if culprits and rank not in culprits:
+            import time
+
+            time.sleep(1.0)  # let a culprit rank fail first: the launcher names the first failure
         get_error_handler().record_exception(e)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
         peer = world_size > 1 and any(s in str(e) for s in _PEER_FAILURE_HINTS)
         msg = f"{tag} error: {type(e).__name__}: {e}"
-        if peer:
+        if type(e).__name__ in _ONE_LINE:
+            pass
+        elif peer:
             msg += (
                 "\n"
                 + f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
@@ -110,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int) -> int:
+def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int, interrupts=None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -130,10 +170,31 @@ def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int
         dist.init_process_group(backend, timeout=timeout)
     else:  # plain `python -m`: a 1-rank group, same code path as N ranks
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    from raggedfsdp.train.watchdog import Watchdog, heartbeat_store
+
+    watchdog = Watchdog(
+        rank=rank,
+        world_size=world_size,
+        tag=f"[rank {rank}/{world_size}]",
+        timeout_s=cfg.job.hang_timeout_s,
+        interrupts=interrupts,
+        store=heartbeat_store() if world_size > 1 else None,
+    ).start()
+    from raggedfsdp.train.trainer import Interrupted
+
     try:
-        Trainer(cfg, device=device).train()
+        try:
+            Trainer(cfg, device=device, watchdog=watchdog, interrupts=interrupts).train()
+        except Interrupted:  # raised on every rank at the same step: still tear down together
+            dist.barrier()
+            raise
+        except BaseException:
+            if interrupts is not None:  # a failed rank: torchrun's SIGTERM may end it at once now
+                interrupts.uninstall()
+            raise
         dist.barrier()  # every rank is done with its collectives before any tears the group down
     finally:
+        watchdog.stop()
         dist.destroy_process_group()
     return 0
 

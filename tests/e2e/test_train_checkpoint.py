@@ -152,15 +152,22 @@ def test_bad_resume_path_is_a_one_line_error_before_launch(tmp_path, capsys, kin
     assert "launching" not in err and not out.exists()
 
 
-def test_corrupt_shard_file_fails_after_launch_with_exit_2(reference, tmp_path):
-    """A truncated .distcp passes the pre-launch check (.metadata is fine) and fails at load."""
+def test_corrupt_shard_file_fails_before_launch_or_at_load_with_exit_2(reference, tmp_path, capsys):
+    """A truncated .distcp fails the manifest check before the launch (one line); with
+    --checkpoint.verify false it passes that check and fails at load, also with exit code 2."""
     bad = tmp_path / "step-6"
     shutil.copytree(reference / "checkpoints" / "step-6", bad)
     for f in bad.glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:100])
+    rc = cli_main(["train", "--nproc", "1", *ARGS, "--out", str(tmp_path / "o1"), "--resume", str(bad)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith(
+        f"raggedfsdp train: error: corrupt checkpoint: {bad}: __0_0.distcp has 100 bytes"
+    ), last
     proc, _ = _run(
-        [*_cli(), "train", "--nproc", "1", *ARGS, "--out", str(tmp_path / "o"), "--resume", str(bad)]
-    )
+        [*_cli(), "train", "--nproc", "1", *ARGS, "--out", str(tmp_path / "o"), "--resume", str(bad),
+         "--checkpoint.verify", "false"]
+    )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert f"CheckpointError: cannot load checkpoint {bad}" in last, last

@@ -58,4 +58,13 @@ def test_resolve_resume(tmp_path):
         resolve_resume(str(tmp_path / "step-3"), tmp_path)
     (tmp_path / "step-3" / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="corrupt checkpoint: .*step-3/.metadata"):
-        resolve_resume("auto", tmp_path)
+        resolve_resume(str(tmp_path / "step-3"), tmp_path)
+    # auto takes only checkpoints that verify against a manifest: step-3 has none
+    notes = []
+    assert resolve_resume("auto", tmp_path, run_id="r1", notes=notes) is None
+    assert notes == [
+        (
+            f"--resume auto: skipping {tmp_path / 'step-3'}: manifest.json missing (an incomplete save, "
+            "or not written by raggedfsdp train)"
+        )
+    ]

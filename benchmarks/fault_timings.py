@@ -1,0 +1,128 @@
+"""Fault campaign for `raggedfsdp train` (issue 11): for each injected fault, the time from the fault
+to the last line the user sees (printed after every rank exited), the exit code and that line.
+
+    python benchmarks/fault_timings.py [--nproc 2] [--only nan,hang]
+
+Each case is one real 2-rank launch of the debug model (``RAGGEDFSDP_FAULT``, see
+``raggedfsdp/train/faults.py``). The fault's wall time comes from the rank's own log line
+(``debug: injecting fault KIND@stepN (t=...)``); SIGINT and kill -9 are sent to the launcher by this
+script. Prints one row per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARGS = [
+    "--model", "debug", "--batch-size", "4", "--seq-len", "32", "--data.max_bytes", "200000",
+    "--optimizer.warmup_steps", "1", "--metrics.eval_batches", "1", "--log-every", "1",
+    "--checkpoint-interval", "2",
+]  # fmt: skip
+
+CASES = {
+    "nan": ("nan@step3:rank1", []),
+    "inf-skip": ("inf@step3:rank1", ["--training.on_nonfinite", "skip"]),
+    "raise": ("raise@step3:rank1", []),
+    "exit": ("exit@step3:rank1", []),
+    "hang": ("hang@step3:rank1", ["--job.hang_timeout_s", "5"]),
+    "enospc": ("enospc@step2:rank1", []),
+    "badtoken": ("badtoken@step3:rank1", []),
+    "shortbatch": ("shortbatch@step3:rank1", []),
+    "sigterm-rank": ("sigterm@step3:rank1", []),
+    "sigint-launcher": ("", []),
+    "kill9-launcher": ("", []),
+}
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("raggedfsdp")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+
+
+def _fault_t(text: str) -> float | None:
+    m = re.search(r"debug: injecting fault \S+ \(t=([0-9.]+)\)", text)
+    return float(m.group(1)) if m else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return kids
+
+
+def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
+    fault, extra = CASES[name]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "RAGGEDFSDP_OUT_LOCK_HELD")}
+    env["RAGGEDFSDP_FAULT"] = fault
+    steps = "400" if name.endswith("launcher") else "8"
+    cmd = [*_cli(), "train", "--nproc", str(nproc), *ARGS, "--steps", steps, "--out", str(tmp / name), *extra]
+    if not name.endswith("launcher"):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        lines, t_last = [], time.time()
+        for line in proc.stderr:  # the time of the last line the user sees (all ranks have exited)
+            lines.append(line)
+            t_last = time.time()
+        out = proc.stdout.read()
+        proc.wait()
+        t0 = _fault_t("".join(lines))
+        last = (lines[-1] if lines else "").strip()
+        if proc.returncode == 0:
+            last = (out.strip().splitlines() or [""])[-1]
+            t_last = time.time()
+        return name, (t_last - t0) if t0 else float("nan"), proc.returncode, last
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while "step   3/400" not in (proc.stdout.readline() or "step   3/400"):
+        pass
+    ranks = _children(proc.pid)
+    t0 = time.time()
+    if name == "sigint-launcher":
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        return name, time.time() - t0, proc.returncode, err.strip().splitlines()[-1]
+    proc.kill()
+    proc.wait()
+    while any(map(_alive, ranks)) and time.time() - t0 < 60:
+        time.sleep(0.05)
+    left = [r for r in ranks if _alive(r)]
+    return (
+        name,
+        time.time() - t0,
+        -9,
+        f"ranks {ranks} {'still alive: ' + str(left) if left else 'all exited'}",
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    args = p.parse_args()
+    names = [n for n in CASES if not args.only or n in args.only.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            n, dt, rc, last = run_case(name, args.nproc, Path(tmp))
+            print(f"{n:16s} fault->end {dt:6.2f}s  rc {rc:4d}  last: {last}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Test-only fault injection for ``raggedfsdp train``: the ``RAGGEDFSDP_FAULT`` environment variable.
+
+Fault-tolerance tests inject faults into real multi-rank runs without editing code. The variable
+holds comma-separated items ``KIND@stepN[:rankR]`` (no ``:rankR``: every rank)::
+
+    RAGGEDFSDP_FAULT=nan@step3:rank1          # rank 1's loss at step 3 is NaN
+    RAGGEDFSDP_FAULT=inf@step3:rank0,hang@step5:rank1
+
+Kinds (each fires once, at the start of step N unless noted):
+
+- ``nan`` / ``inf``: this rank's loss of step N becomes NaN / +Inf (so do its gradients);
+- ``raise``: a ``RuntimeError``; ``exit``: ``os._exit(3)``; ``hang``: sleep forever (outside any
+  collective); ``sigint`` / ``sigterm``: the rank sends itself that signal;
+- ``badtoken``: the batch of step N holds a token id past the vocabulary;
+- ``shortbatch``: the batch of step N has one row too few;
+- ``enospc``: the checkpoint save at step N raises ``OSError(ENOSPC)`` on this rank, as a full disk
+  does, after the files were opened.
+
+The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to ``raise``/``exit``/``hang``.
+Nothing here runs unless the variable (or those flags) is set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["ENV", "Fault", "FaultPlan", "parse_faults"]
+
+ENV = "RAGGEDFSDP_FAULT"
+KINDS = ("nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc")
+_ITEM = re.compile(r"^(?P<kind>[a-z]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None  # None: every rank
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Parse a ``RAGGEDFSDP_FAULT`` value; ``ValueError`` naming the bad item and the grammar."""
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        m = _ITEM.match(item)
+        if m is None or m.group("kind") not in KINDS:
+            raise ValueError(
+                f"{ENV}: bad item {item!r}; expected KIND@stepN[:rankR] with KIND one of {KINDS}"
+            )
+        rank = m.group("rank")
+        faults.append(Fault(m.group("kind"), int(m.group("step")), None if rank is None else int(rank)))
+    return faults
+
+
+class FaultPlan:
+    """The faults that apply to one rank; ``take(kind, step)`` is True once per matching fault."""
+
+    def __init__(self, faults: list[Fault], rank: int) -> None:
+        self._pending = [f for f in faults if f.rank is None or f.rank == rank]
+
+    @classmethod
+    def from_env(cls, rank: int, debug=None) -> FaultPlan:
+        faults = parse_faults(os.environ.get(ENV, ""))
+        if debug is not None and debug.fail_step >= 0 and debug.fail_rank >= 0:
+            faults.append(Fault(debug.fail_mode, debug.fail_step, debug.fail_rank))
+        return cls(faults, rank)
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def take(self, kind: str, step: int) -> bool:
+        for f in self._pending:
+            if f.kind == kind and f.step == step:
+                self._pending.remove(f)
+                import logging
+                import time
+
+                logging.getLogger(__name__).warning(
+                    "debug: injecting fault %s@step%d (t=%.3f)", kind, step, time.time()
+                )
+                return True
+        return False
+
+    def inject_step(self, step: int, rank: int) -> None:
+        """The faults that act at the start of a step: raise, exit, hang, sigint, sigterm."""
+        import signal
+        import time
+
+        for mode in ("raise", "exit", "hang", "sigint", "sigterm"):
+            if not self.take(mode, step):
+                continue
+            if mode == "exit":
+                os._exit(3)
+            if mode == "hang":
+                while True:
+                    time.sleep(3600)
+            if mode in ("sigint", "sigterm"):
+                os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
+                continue
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank/fail_step)")

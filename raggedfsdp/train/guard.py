@@ -1,0 +1,207 @@
+"""The step guard: one fused all-reduce per step that yields the global gradient norm, the mean loss,
+which ranks saw a non-finite loss or gradient, and which ranks were asked to stop (a signal).
+
+Why fused: the global gradient norm needs an all-reduce anyway (of each rank's sum of squares of its
+local gradient shards, FSDP's shards being disjoint), so the per-rank flags ride along in the same
+``(2 + 3 W,)`` float64 vector at no extra collective. Reading the result is one host sync per step
+(``Tensor.tolist``), which the decision "step or not" needs before ``optimizer.step``; the metrics of
+the step come from the same vector, so logging needs no further collective.
+
+Policies (``training.on_nonfinite``):
+
+- ``stop`` (default): every rank raises :class:`NonFiniteError` in the same step, before the
+  optimizer step, naming the step, the rank(s) and their batch ids; the parameters and optimizer
+  state are still those of the previous (finite) step and nothing is saved.
+- ``skip``: every rank skips the update (gradients dropped, no optimizer step), the step counts in
+  the ``skipped_steps`` metric, and more than ``training.max_consecutive_skips`` non-finite steps in
+  a row raise :class:`NonFiniteError`.
+
+Divergence (``training.divergence_ratio`` R > 0): a mean loss above R times the first loss of the
+run (a fresh model's loss is about ln(vocab)) raises :class:`DivergenceError` on every rank.
+
+Source of the idea: Megatron-LM's ``check_for_nan_in_grad`` / skipped-iteration counter and its
+``found_inf`` flag all-reduced with the grad norm; torch's ``clip_grad_norm_(error_if_nonfinite)``.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DivergenceError", "FaultError", "NonFiniteError", "StepGuard", "StepStats"]
+
+
+class FaultError(RuntimeError):
+    """A fault the trainer detected and explains in its message (printed as one line, no traceback).
+
+    ``culprits``: the ranks at fault (others delay their exit a little so that the launcher's
+    root cause is a culprit); empty: every rank alike."""
+
+    def __init__(self, message: str, culprits: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.culprits = tuple(culprits)
+
+
+class NonFiniteError(FaultError):
+    """A NaN/Inf loss or gradient (policy ``stop``, or too many skipped steps)."""
+
+
+class DivergenceError(FaultError):
+    """The loss rose far above its starting value (``training.divergence_ratio``)."""
+
+
+@dataclass
+class StepStats:
+    """The fused reduction's result, identical on every rank."""
+
+    loss: float  # mean over ranks of the per-rank loss (sum over micro-steps of mean/accum)
+    grad_norm: float  # global L2 norm of the gradients, before clipping
+    bad_loss_ranks: list[int] = field(default_factory=list)
+    bad_grad_ranks: list[int] = field(default_factory=list)
+    signals: dict[int, int] = field(default_factory=dict)  # rank -> signal number
+
+    @property
+    def finite(self) -> bool:
+        return not (self.bad_loss_ranks or self.bad_grad_ranks) and math.isfinite(self.grad_norm)
+
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(local tensor, weight)``: the weight is 1 / (number of ranks holding the same piece), so
+    that summing ``weight * local`` over all ranks counts every element once (a DTensor replicated
+    over some mesh dims, e.g. HSDP's replicate dim, counts 1/size on each of those ranks)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(t, DTensor):
+        copies = 1
+        for dim, p in enumerate(t.placements):
+            if isinstance(p, Replicate):
+                copies *= t.device_mesh.size(dim)
+        return t.to_local(), 1.0 / copies
+    return t, 1.0 / dist.get_world_size()  # a plain tensor: the same on every rank
+
+
+def local_sumsq(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's weighted sum of squares (0-d float64) of ``tensors`` (DTensor shards or plain):
+    the all-reduced sum is the global sum of squares."""
+    parts = [(loc, w) for loc, w in map(_local, tensors) if loc.numel() > 0]
+    if not parts:
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float64, device=dev)
+    norms = torch._foreach_norm([loc for loc, _ in parts])  # one foreach kernel, no host sync
+    weights = torch.tensor([w for _, w in parts], dtype=torch.float64, device=norms[0].device)
+    return (torch.stack([n.double() for n in norms]).square() * weights).sum()
+
+
+class StepGuard:
+    """Fused per-step reduction + the non-finite / divergence / interrupt decisions (every rank)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        policy: str = "stop",
+        max_consecutive_skips: int = 5,
+        divergence_ratio: float = 0.0,
+    ) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.policy = policy
+        self.max_consecutive_skips = max_consecutive_skips
+        self.divergence_ratio = divergence_ratio
+        self.skipped_steps = 0  # in this process
+        self.consecutive = 0
+        self.ref_loss: float | None = None
+
+    def reduce(self, grads: list[torch.Tensor], loss_sum: torch.Tensor, *, signum: int = 0) -> StepStats:
+        """Collective (every rank, once per step, after backward, before clipping)."""
+        w = self.world_size
+        vec = torch.zeros(2 + 3 * w, dtype=torch.float64, device=self.device)
+        sumsq = local_sumsq(grads).to(self.device)
+        loss = loss_sum.detach().double().to(self.device)
+        vec[0] = sumsq
+        vec[1] = loss
+        vec[2 + self.rank] = (~torch.isfinite(loss)).double()
+        vec[2 + w + self.rank] = (~torch.isfinite(sumsq)).double()
+        vec[2 + 2 * w + self.rank] = float(signum)
+        if w > 1:
+            dist.all_reduce(vec)
+        v = vec.tolist()  # the one host sync of the step
+        flags = v[2:]
+        return StepStats(
+            loss=v[1] / w,
+            grad_norm=math.sqrt(v[0]) if v[0] >= 0 else float("nan"),
+            bad_loss_ranks=[r for r in range(w) if flags[r] != 0],
+            bad_grad_ranks=[r for r in range(w) if flags[w + r] != 0],
+            signals={r: int(flags[2 * w + r]) for r in range(w) if flags[2 * w + r] != 0},
+        )
+
+    def check(self, step: int, stats: StepStats, batch_ids: dict[int, str]) -> bool:
+        """True: apply the update; False: skip it (policy ``skip``). Raises on stop/divergence.
+
+        ``batch_ids``: ``{rank: batch id}`` (the ranks' ids are a pure function of the step, so every
+        rank knows them without communication)."""
+        if not stats.finite:
+            # A NaN loss on one rank makes every rank's gradient NaN (reduce-scatter): blame the loss.
+            if stats.bad_loss_ranks:
+                culprits, what = stats.bad_loss_ranks, "loss"
+            elif stats.bad_grad_ranks:
+                culprits, what = stats.bad_grad_ranks, "gradients"
+            else:
+                culprits, what = [], f"global gradient norm ({stats.grad_norm})"
+            plural = "s" if len(culprits) > 1 else ""
+            where = f" on rank{plural} {', '.join(map(str, culprits))}" if culprits else ""
+            ids = "; ".join(batch_ids[r] for r in culprits if r in batch_ids)
+            desc = f"non-finite {what}{where} at step {step}" + (f" (batch {ids})" if ids else "")
+            if self.policy == "skip":
+                self.skipped_steps += 1
+                self.consecutive += 1
+                if self.consecutive > self.max_consecutive_skips:
+                    raise NonFiniteError(
+                        f"{desc}: {self.consecutive} non-finite steps in a row "
+                        f"(training.max_consecutive_skips={self.max_consecutive_skips}); stopped, "
+                        "nothing saved from the non-finite steps",
+                        tuple(culprits),
+                    )
+                return False
+            first = batch_ids.get(culprits[0], "").split(" ")[0] if culprits else "ID"
+            raise NonFiniteError(
+                f"{desc}; stopped before the optimizer step, nothing saved (checkpoints on disk are "
+                "finite; --training.on_nonfinite skip skips such steps; print the batch with "
+                f"raggedfsdp train --reproduce-batch {first})",
+                tuple(culprits),
+            )
+        self.consecutive = 0
+        if self.ref_loss is None:
+            self.ref_loss = stats.loss
+        elif self.divergence_ratio > 0 and stats.loss > self.divergence_ratio * self.ref_loss:
+            raise DivergenceError(
+                f"loss diverged at step {step}: {stats.loss:.4g} > training.divergence_ratio="
+                f"{self.divergence_ratio:g} x the run's first loss {self.ref_loss:.4g}; stopped before "
+                "the optimizer step (lower --lr, raise warmup, or set --training.divergence_ratio 0)"
+            )
+        return True
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def all_finite(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    """Collective: True when every rank's part of ``tensors`` is finite (one all-reduce)."""
+    bad = torch.zeros(1, dtype=torch.float64, device=device)
+    parts = [loc for loc, _ in map(_local, tensors) if loc.numel() > 0 and loc.is_floating_point()]
+    if parts:
+        bad[0] = (~torch.isfinite(torch.stack([p.double().sum() for p in parts]))).sum()
+        # a sum is non-finite iff an element is (or it overflows float64, which no finite
+        # float32/bf16 tensor of this size does)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return bad.item() == 0

@@ -1,0 +1,104 @@
+"""Shared pieces of the peak-memory tests: the model, the two backends' builders, a fake-PG runner.
+
+Memory is measured with ``raggedfsdp.fsdp.memory.measure_train_step`` (the documented method). The
+multi-rank runs use torch's single-threaded *fake* process group: collectives are no-ops, so the
+numbers are exactly what each FSDP runtime allocates and frees (identical to a real backend minus
+backend scratch, and deterministic), for any rank of any world size, in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+D, N_BLOCKS, BATCH = 512, 8, 16
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class MemNet(nn.Module):
+    """``n`` blocks of two ``Linear(d, d)`` (one FSDP unit each) and a root ``Linear(d, d)`` head."""
+
+    def __init__(self, d: int = D, n: int = N_BLOCKS):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def loss_fn(x):
+    return lambda model: model(x).float().pow(2).mean()
+
+
+def backends():
+    """``{name: (fully_shard, MixedPrecisionPolicy class)}`` for raggedfsdp and torch's FSDP2."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import raggedfsdp
+
+    return {"ragged": (raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy),
+            "torch": (torch_fully_shard, TorchMP)}
+
+
+def builder(backend: str, init: dict, mesh, param_dtype=None, *, d: int = D, n: int = N_BLOCKS, lr=1e-3):
+    """A ``build()`` for ``measure_train_step``: MemNet from ``init``, sharded per block + root, AdamW."""
+    fs, mp_cls = backends()[backend]
+    mp_policy = mp_cls(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+
+    def build():
+        model = MemNet(d, n)
+        model.load_state_dict(init)
+        for b in model.blocks:
+            fs(b, mesh=mesh, mp_policy=mp_policy)
+        fs(model, mesh=mesh, mp_policy=mp_policy)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+
+    return build
+
+
+def _fake_worker(fn, rank, ws, args, q):
+    import os
+    import traceback
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ws)
+        q.put((fn(rank, ws, *args), None))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        q.put((None, traceback.format_exc()))
+
+
+def run_fake_rank(fn, ws: int, rank: int, *args, timeout: float = 300.0):
+    """Run ``fn(rank, ws, *args)`` in a fresh process on a fake process group; return its result."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_fake_worker, args=(fn, rank, ws, args, q), daemon=True)
+    p.start()
+    try:
+        result, tb = q.get(timeout=timeout)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if tb is not None:
+        raise AssertionError(f"fake-PG rank {rank} of {ws} failed:\n{tb}")
+    return result

@@ -1,0 +1,420 @@
+"""Faults in training (issue 11): non-finite steps, strict and verified loads, foreign checkpoints,
+full disks, interrupts, orphans and hung ranks.
+
+Two kinds of tests: one ``run_distributed`` call at 2 gloo ranks drives ``Trainer`` directly through
+many sub-cases (cheap: one spawn), and a few real ``raggedfsdp train`` launches for what only a
+launcher shows (signals, the launcher's death, a hung rank's name, the last line the user sees).
+Faults are injected with ``RAGGEDFSDP_FAULT`` (see ``raggedfsdp/train/faults.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raggedfsdp.cli import main as cli_main
+from tests._dist import run_distributed
+
+try:
+    from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
+
+    HAVE_RAGGED = True
+except ImportError:
+    HAVE_RAGGED = False
+
+pytestmark = pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")
+
+TINY = {
+    "model.flavor": "debug",
+    "training.steps": "4",
+    "training.global_batch_size": "4",
+    "training.seq_len": "32",
+    "data.max_bytes": "200000",
+    "metrics.log_every": "1",
+    "metrics.eval_batches": "1",
+    "optimizer.warmup_steps": "1",
+}
+
+
+def _cfg(out, **kw):
+    from raggedfsdp.train.config import load_config
+
+    over = {**TINY, "job.out": str(out), **{k.replace("__", "."): str(v) for k, v in kw.items()}}
+    return load_config(None, over)
+
+
+def _raises(exc, match, fn):
+    import re
+
+    try:
+        fn()
+    except exc as e:
+        assert re.search(match, str(e)), f"{type(e).__name__}: {e!r} does not match {match!r}"
+        return e
+    raise AssertionError(f"{exc.__name__} not raised (wanted {match!r})")
+
+
+def _trainer(cfg, fault=""):
+    import torch
+
+    from raggedfsdp.train.trainer import Trainer
+
+    os.environ["RAGGEDFSDP_FAULT"] = fault
+    try:
+        return Trainer(cfg, device=torch.device("cpu"))
+    finally:
+        os.environ.pop("RAGGEDFSDP_FAULT")
+
+
+def _locals(tr):
+    return [p.to_local().detach().clone() for p in tr.model.parameters()]
+
+
+def _cases(rank, world, tmp):
+    import torch
+    import torch.distributed as dist
+
+    from raggedfsdp.train import ckpt_integrity as integrity
+    from raggedfsdp.train.checkpoint import CheckpointError, resolve_resume
+    from raggedfsdp.train.guard import DivergenceError, FaultError, NonFiniteError
+
+    tmp = Path(tmp)
+
+    # 1. skip policy: a NaN loss on rank 1 at step 2 leaves every rank's params and AdamW state as
+    #    they were after step 1; more than max_consecutive_skips in a row stops the job.
+    tr = _trainer(_cfg(tmp / "skip", training__on_nonfinite="skip"), "nan@step2:rank1")
+    tr.train_step(1)
+    before, opt_steps = _locals(tr), [s["step"].clone() for s in tr.optimizer.state.values()]
+    tr.train_step(2)
+    assert not tr.last_applied and tr.last_stats.bad_loss_ranks == [1], tr.last_stats
+    assert all(torch.equal(a, b) for a, b in zip(before, _locals(tr)))
+    assert all(torch.equal(a, s["step"]) for a, s in zip(opt_steps, tr.optimizer.state.values()))
+    tr.train_step(3)
+    assert tr.last_applied and tr.guard.skipped_steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, _locals(tr)))
+    tr.close()
+    cfg = _cfg(tmp / "skip2", training__on_nonfinite="skip", training__max_consecutive_skips=1)
+    tr = _trainer(cfg, "inf@step1:rank0,nan@step2:rank0")
+    tr.train_step(1)
+    e = _raises(NonFiniteError, r"non-finite loss on rank 0 at step 2 .*2 non-finite steps in a row",
+                lambda: tr.train_step(2))  # fmt: skip
+    assert e.culprits == (0,)
+    tr.close()
+
+    # 2. stop policy (default): the run stops at step 3 naming rank 1 and its batch; step-2 is the
+    #    newest checkpoint (keep_latest=1 pruned step-1, and nothing was saved at step 3).
+    out = tmp / "stop"
+    tr = _trainer(_cfg(out, checkpoint__interval=1, checkpoint__keep_latest=1), "nan@step3:rank1")
+    _raises(NonFiniteError, r"non-finite loss on rank 1 at step 3 \(batch step3:rows2-3 \(rank 1, "
+            r"micro-step 0\)\); stopped before the optimizer step, nothing saved", tr.train)  # fmt: skip
+    tr.close()
+    dist.barrier()
+    assert [p.name for _, p in integrity.step_candidates(out / "checkpoints")] == ["step-2"]
+    assert integrity.verify_step_folder(out / "checkpoints" / "step-2") is None
+    step2 = out / "checkpoints" / "step-2"
+    assert max(r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())) == 2
+
+    # 3. strict loads: tying, fewer layers, another width: every key named; allow_partial loads.
+    for i, (over, want) in enumerate([
+        ({"model__tie_embeddings": "true"}, (r"unexpected in the checkpoint \(4\): model.output.weight, "
+         r"optim.state.output.weight.exp_avg.*config differs \(1\): model.tie_embeddings: None -> True")),
+        ({"model__n_layers": "1"}, r"unexpected in the checkpoint \(36\): model.layers.1.attention.wk.weight"),
+        ({"model__dim": "48", "model__n_heads": "4", "model__n_kv_heads": "2"},
+         r"shape mismatch \(\d+\): model.layers.0.attention.wk.weight \(checkpoint \[\d+, 32\], model \[\d+, 48\]\)"),
+    ]):  # fmt: skip
+        cfg = _cfg(tmp / f"strict{i}", checkpoint__resume=str(step2), **over)
+        _raises(
+            CheckpointError,
+            f"checkpoint {step2} does not match the model: .*{want}",
+            lambda cfg=cfg: _trainer(cfg),
+        )
+    cfg = _cfg(tmp / "partial", checkpoint__resume=str(step2), checkpoint__allow_partial="true",
+               model__tie_embeddings="true")  # fmt: skip
+    tr = _trainer(cfg)
+    assert tr.start_step == 2  # optimizer state not loaded (its keys differ): still all zeros
+    assert all(float(s["exp_avg"].to_local().abs().sum()) == 0 for s in tr.optimizer.state.values())
+    tr.close()
+
+    # 4. integrity + run identity: a byte flip in the newest checkpoint, a truncated shard, a foreign
+    #    run's newer checkpoint. --resume auto takes the newest intact one of its own run; pruning
+    #    keeps the foreign one.
+    out = tmp / "integ"
+    tr = _trainer(_cfg(out, checkpoint__interval=1, checkpoint__keep_latest=0))
+    tr.train()
+    run_id = tr.run_id
+    tr.close()
+    ck = out / "checkpoints"
+    if rank == 0:
+        f4 = ck / "step-4" / "__1_0.distcp"
+        data = bytearray(f4.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        f4.write_bytes(bytes(data))
+        f3 = ck / "step-3" / "__0_0.distcp"
+        f3.write_bytes(f3.read_bytes()[:100])
+        shutil.copytree(ck / "step-1", ck / "step-9")
+        man = json.loads((ck / "step-9" / "manifest.json").read_text())
+        (ck / "step-9" / "manifest.json").write_text(json.dumps({**man, "run_id": "foreign"}))
+    dist.barrier()
+    notes = []
+    assert resolve_resume("auto", ck, run_id=run_id, notes=notes) == ck / "step-2"
+    assert notes == [
+        f"--resume auto: skipping {ck / 'step-4'}: __1_0.distcp fails its SHA-256 check (corrupted on disk)",
+        (
+            f"--resume auto: skipping {ck / 'step-3'}: __0_0.distcp has 100 bytes, the manifest says "
+            f"{integrity.read_manifest(ck / 'step-3')['files']['__0_0.distcp']['bytes']} (truncated?)"
+        ),
+        "--resume auto: ignoring checkpoints of other runs: step-9 (run foreign)",
+    ], notes
+    _raises(CheckpointError, r"corrupt checkpoint: .*step-4: __1_0.distcp fails its SHA-256",
+            lambda: resolve_resume(str(ck / "step-4"), ck))  # fmt: skip
+    tr = _trainer(_cfg(out, checkpoint__interval=1, checkpoint__keep_latest=1, checkpoint__resume="auto",
+                       training__steps=5))  # fmt: skip
+    assert tr.resumed_from == ck / "step-2" and tr.run_id == run_id
+    tr.train()
+    tr.close()
+    dist.barrier()
+    assert sorted(p.name for _, p in integrity.step_candidates(ck)) == ["step-5", "step-9"]
+    _raises(ValueError, r"already holds a run \(run [0-9a-f]+; metrics.jsonl; checkpoints step-5, step-9\)",
+            lambda: _trainer(_cfg(out)))  # fmt: skip
+
+    # 5. a full disk during the save: one line naming the cause, the path and the rank; no step-1.
+    out = tmp / "enospc"
+    tr = _trainer(_cfg(out, checkpoint__interval=1), "enospc@step1:rank1")
+    _raises(CheckpointError, r"cannot save checkpoint .*step-1: No space left on device: '.*__fault.distcp' "
+            r"on rank 1$", tr.train)  # fmt: skip
+    tr.close()
+    dist.barrier()
+    assert not (out / "checkpoints" / "step-1").exists()
+
+    # 6. divergence (mechanism: ratio 0.5 trips at step 2), and no checkpoint of non-finite state.
+    tr = _trainer(_cfg(tmp / "div", training__divergence_ratio=0.5))
+    tr.train_step(1)
+    _raises(DivergenceError, r"loss diverged at step 2: .* > training.divergence_ratio=0.5 x the run's first "
+            r"loss", lambda: tr.train_step(2))  # fmt: skip
+    if rank == 1:
+        next(p for p in tr.model.parameters() if p.to_local().numel()).to_local().detach().view(-1)[0] = (
+            float("nan")
+        )
+    _raises(FaultError, r"refusing to save step 2: the model or optimizer state holds NaN/Inf",
+            lambda: tr.save(2, 1e-3))  # fmt: skip
+    tr.close()
+    assert not (tmp / "div" / "checkpoints" / "step-2").exists()
+
+    # 7. a signal on one rank (here: rank 1's flag set by hand) stops every rank at the same step
+    #    boundary, which is saved (checkpoint.on_interrupt) although the interval is not due.
+    from raggedfsdp.train.trainer import Interrupted, Trainer
+    from raggedfsdp.train.watchdog import Interrupts
+
+    ints = Interrupts(f"[rank {rank}/2]", announce=False)  # not installed: no real signal here
+    out = tmp / "sigint"
+    tr = Trainer(_cfg(out, checkpoint__interval=100), device=torch.device("cpu"), interrupts=ints)
+    tr.train_step = _flag_at(tr.train_step, ints, rank)
+    e = _raises(Interrupted, r"interrupted by SIGINT \(rank\(s\) \[1\]\) after step 2: saved .*step-2",
+                tr.train)  # fmt: skip
+    assert e.signum == 2
+    tr.close()
+    dist.barrier()
+    assert integrity.verify_step_folder(out / "checkpoints" / "step-2") is None
+
+
+def _flag_at(train_step, ints, rank):
+    def step(s):
+        if s == 2 and rank == 1:
+            ints.signum = signal.SIGINT  # as the handler does
+        return train_step(s)
+
+    return step
+
+
+def test_trainer_faults_at_two_ranks(tmp_path):
+    run_distributed(_cases, 2, str(tmp_path))
+
+
+# -- real launches -------------------------------------------------------------------------------
+
+ARGS = [
+    "--model", "debug", "--batch-size", "4", "--seq-len", "32", "--data.max_bytes", "200000",
+    "--optimizer.warmup_steps", "1", "--metrics.eval_batches", "1", "--log-every", "1",
+]  # fmt: skip
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("raggedfsdp")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+
+
+def _env(fault: str = "") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "RAGGEDFSDP_OUT_LOCK_HELD")}
+    env["RAGGEDFSDP_FAULT"] = fault
+    return env
+
+
+def _fault_time(stderr: str) -> float:
+    """The wall time of the injected fault (``faults.FaultPlan.take`` logs it)."""
+    import re
+
+    m = re.search(r"debug: injecting fault \S+ \(t=([0-9.]+)\)", stderr)
+    assert m, stderr
+    return float(m.group(1))
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(proc, text: str, timeout: float = 90) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} not seen in time:\n{''.join(lines)}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigint_saves_at_the_step_boundary_then_the_launchers_death_leaves_no_orphans(tmp_path):
+    """Ctrl-C (SIGINT to the launcher): every rank stops at the same step boundary, the job saves
+    that step, prints one line and exits 130; the saved step resumes. Then kill -9 of a launcher
+    mid-run: its ranks exit within seconds (PR_SET_PDEATHSIG), none keeps training."""
+    out = tmp_path / "int"
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "400", "--checkpoint-interval", "1000",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    _wait_for(proc, "step   3/400")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"raggedfsdp train: interrupted by SIGINT; resume with --resume auto --out {out}", err
+    assert "Traceback" not in err and len(lines) < 40, err
+    saved = [ln for ln in lines if "interrupted by SIGINT (rank(s) [0, 1]) after step" in ln]
+    assert len(saved) == 1 and "saved " in saved[0], err
+    step = int(saved[0].split("after step ")[1].split(":")[0])
+    assert (out / "checkpoints" / f"step-{step}" / "manifest.json").is_file()
+    assert elapsed < 40, f"{elapsed:.1f}s from SIGINT to the job's end"
+
+    # kill -9 the launcher of a second job: the ranks must not outlive it.
+    out2 = tmp_path / "orphan"
+    cmd[cmd.index(str(out))] = str(out2)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
+    _wait_for(proc, "step   2/400")
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2, ranks
+    t0 = time.monotonic()
+    proc.kill()
+    proc.wait()
+    while any(map(_alive, ranks)) and time.monotonic() - t0 < 20:
+        time.sleep(0.1)
+    assert not any(map(_alive, ranks)), f"orphaned ranks {ranks} still running"
+
+
+def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
+    """Rank 1 sleeps outside any collective at step 3: with --job.hang_timeout_s 3 (process-group
+    timeout 120 s) the job ends in seconds and the last line names rank 1, not the waiting rank 0."""
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "6", "--out", str(tmp_path / "o"),
+           "--job.hang_timeout_s", "3", "--job.pg_timeout_s", "120"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=150, env=_env("hang@step3:rank1")
+    )
+    elapsed = time.time() - _fault_time(proc.stderr)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 3."), (
+        last
+    )
+    assert "at step 3" in last and "faults.py" in last and "not in a collective" in last, last
+    assert "[rank 1/2] main thread's Python stack:" in proc.stderr
+    assert elapsed < 40, f"{elapsed:.1f}s from the hang to the job's end (process-group timeout: 120 s)"
+
+
+def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_path):
+    out = tmp_path / "o"
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "5", "--checkpoint-interval", "1",
+           "--checkpoint.keep_latest", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=150, env=_env("nan@step3:rank1")
+    )
+    elapsed = time.time() - _fault_time(proc.stderr)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "raggedfsdp train: [rank 1/2] error: NonFiniteError: non-finite loss on rank 1 at step 3 "
+        "(batch step3:rows2-3 (rank 1, micro-step 0)); stopped before the optimizer step, nothing saved"
+    ), last
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    # the batch id of the error line reproduces the sample (no launch)
+    rc = cli_main(["train", *ARGS, "--reproduce-batch", "step3:rows2-3"])
+    assert rc == 0
+    assert elapsed < 30, f"{elapsed:.1f}s from the fault to the job's end"
+
+
+def test_prelaunch_refusals(tmp_path, capsys):
+    """No launch: a byte-flipped --resume PATH, a second job on a locked --out, a fresh run into an
+    --out that holds one, --resume auto without --out: one line each, exit 2."""
+    from raggedfsdp.train.ckpt_integrity import OutLock
+
+    out = tmp_path / "o"
+    step = out / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (out / "run.json").write_text('{"run_id": "abc"}')
+    # a minimal DCP-looking folder whose manifest does not match its shard
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from raggedfsdp.train.ckpt_integrity import file_digest, write_manifest
+
+    dcp.save({"model": {"w": torch.ones(3)}, "train": {"step": torch.tensor(2)}}, checkpoint_id=str(step),
+             no_dist=True)  # fmt: skip
+    files = {p.name: file_digest(p) for p in step.iterdir()}
+    write_manifest(step, run_id="abc", step=2, files=files)
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cases = [
+        (["--resume", str(step), "--out", str(tmp_path / "new")],
+         f"corrupt checkpoint: {step}: {shard.name} fails its SHA-256 check"),
+        (["--out", str(out)], f"--out {out} already holds a run (run abc; checkpoints step-2)"),
+        (["--resume", "auto"], "--resume auto needs --out"),
+    ]  # fmt: skip
+    lock = OutLock(out).acquire()
+    try:
+        cases.append((["--out", str(out), "--resume", "auto"], f"--out {out} is in use by another job (pid"))
+        for argv, want in cases:
+            rc = cli_main(["train", "--nproc", "2", *ARGS, "--steps", "3", *argv])
+            err = capsys.readouterr().err
+            assert rc == 2, err
+            assert err.strip().splitlines()[-1].startswith(f"raggedfsdp train: error: {want}"), err
+    finally:
+        lock.release()
+    assert not (tmp_path / "new").exists()
