@@ -2,9 +2,12 @@
 
 Layers (imports go one way, enforced by tests/unit/test_layering.py):
 placement -> planner -> buffer -> fsdp -> optim/checkpoint -> models -> train/cli.
+
+Importing the package changes nothing in torch: the DTensor patches of ``raggedfsdp._torch_patches``
+are installed by the first ``RaggedShard(...)`` of the process (every raggedfsdp ``fully_shard``
+makes one), so the planner, ``raggedfsdp plan`` and torch's own ``fully_shard`` run on stock torch.
 """
 
-import raggedfsdp._torch_patches  # noqa
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import Layout, plan_layout
 from raggedfsdp.fsdp import (

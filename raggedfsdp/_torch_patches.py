@@ -1,275 +1,327 @@
-"""Every patch raggedfsdp applies to torch internals, in one place (applied on ``import raggedfsdp``).
+"""Every patch raggedfsdp applies to torch internals, in one place, applied lazily.
 
 torch has no extension point for a new DTensor placement type (fsdp2-internals.md section 0.4,
-pytorch issue #169320), so RaggedShard needs these small, guarded patches. Each one delegates to
-torch's original function whenever no RaggedShard is involved, so non-ragged DTensors behave
-exactly as before. Supported torch: 2.13.x and 2.14.x (checked at import; other versions raise
-``RuntimeError``); the full RaggedShard test suite passes on 2.13.0+cpu and 2.14.1. :func:`apply` is idempotent; :func:`patched_symbols` lists what was replaced
-and ``tests/unit/test_ragged_patches.py`` fails loudly if an upgrade moves or changes them.
+pytorch issue #169320), so RaggedShard needs a few guarded patches. Each one delegates to torch's
+original code whenever no RaggedShard is involved, so other DTensors behave exactly as before.
 
-Patched internals and why
--------------------------
-1. ``torch.distributed.tensor._redistribute.redistribute_local_tensor`` (and the names imported
-   from it in ``_api`` and ``_dispatch``): torch's dispatch branches on ``is_shard()`` and treats
-   equal ``.dim`` as "no change", so RS <-> Shard(0) and RS -> RS with other local_units would be
-   silent no-ops. Specs with a RaggedShard go to ``placement/_redistribute.redistribute_ragged``
-   (padded all-gather, one all_to_all for ragged<->ragged, padded reduce-scatter); this also
-   covers ``DTensor.redistribute``, ``full_tensor`` and their autograd backward.
-2. ``torch.distributed.tensor.distribute_tensor`` (``_api`` + package namespace): torch raises
-   "unsupported placements" for unknown placement types. RaggedShard is distributed as Replicate
-   (broadcast from ``src_data_rank``) and sliced locally.
-3. ``DTensor.from_local``: without ``shape``/``stride`` torch's C++ global-shape inference raises
-   an opaque "placement type RaggedShard not supported!"; the wrapper raises a ``ValueError``
-   explaining that a flat piece needs ``shape=`` and ``stride=``, and checks the local numel.
-4. ``ShardingPropagator.propagate_op_sharding`` / ``propagate_op_sharding_non_cached`` of
-   ``DTensor._op_dispatcher.sharding_propagator`` (instance attributes, the LRU cache rebuilt):
-   torch propagates unknown placements blindly through view/matmul ops; the guard in
-   ``placement/_ops.py`` raises ``RaggedShardOpError`` for every op that is not pointwise-like
-   on same-shape operands or a full sum/p-norm reduction.
-5. ``_ops.single_dim_strategy._fill_single_dim_strategy_placeholders`` (patch A): expands
-   pointwise/foreach placeholder rules to RaggedShard so those ops (incl. in-place, i.e. torch.optim
-   steps) run locally without a hidden all-gather.
-   ``_ops.utils.is_tensor_shardable`` (patch C) answers False for placement tuples that are not a
-   valid RaggedShard composition (two RaggedShards, local_units not matching the mesh dim), so
-   the cross-mesh-dim strategy expansion never picks them.
-6. ``_ops._math_ops.map_placements_after_reduction`` (patch B): maps RaggedShard to the
-   reduction's Partial (``Partial('sum')`` / ``_NormPartial``) so sum/norm/``clip_grad_norm_`` give
-   global results.
-7. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``
-   (torch/distributed/tensor/_api.py): DCP sees one chunk per DTensor from
-   ``compute_local_shape_and_global_offset``, which treats unknown placements as Replicate. For
-   RaggedShard they describe each rank's piece as N-D boxes (``placement/_checkpoint.py``), so no
-   gather is needed and any layout can load any other. Dispatching on the placement (not on
-   per-instance hooks) also covers optimizer states created by ``zeros_like``.
-8. ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (+ the names
-   imported from it in ``checkpoint.planner_helpers`` / ``_state_dict_utils``) and
-   ``_state_dict_utils.distribute_tensor`` / ``_distribute_tensors``: torch silently answers
-   "Replicate" (whole tensor, offset 0) for unknown placements. Now exact whenever the ragged
-   piece is an N-D box (always for ``dims=(0,)``), ``ValueError`` otherwise; the state-dict
-   helpers slice the flat piece from the full tensor (``set_model_state_dict(full_state_dict=True
-   [, broadcast_from_rank0=True])``).
-9. ``DTensor._op_dispatcher._custom_op_handlers`` gets entries for the in-place random ops
-   (``uniform_``, ``normal_``, ``bernoulli_``, ...) and ``rand_like``/``randn_like``/``randint_like``:
-   torch runs random ops without sharding propagation, so every rank would fill its flat piece
-   with the same leading numbers. For RaggedShard the handler draws the full tensor on every rank
-   and keeps the rank's piece (same values as single-device code with the same seed, e.g.
-   ``reset_parameters`` after meta init); other DTensors are dispatched to torch unchanged.
+When patches apply
+------------------
+``import raggedfsdp`` applies **nothing**: the planner, the CLI's pure-Python commands and torch's
+own ``fully_shard`` run on unmodified torch. :func:`apply` runs on the first construction of a
+:class:`~raggedfsdp.placement.RaggedShard` (which every RaggedShard DTensor, every raggedfsdp
+``fully_shard`` and every unpickled RaggedShard goes through) and is idempotent and thread-safe.
+
+How they apply: at the code object, so every alias is patched
+-------------------------------------------------------------
+A module-attribute patch misses every name bound before it (``from torch.distributed.tensor import
+distribute_tensor`` in user code, or the many ``from ._utils import ...`` copies inside torch).
+So each patched torch *function object* keeps its identity and gets a new ``__code__``: a
+trampoline with the identical signature (defaults stay on the function) that calls
+``placement/_api.py`` / ``_ops.py`` / ``_checkpoint.py`` / ``_redistribute.py``, which call
+torch's original code (a copy of the function with the original ``__code__``,
+``fn.__ragged_original__``) for non-ragged inputs. Every alias, whenever it was bound, reaches the
+new code; ``tests/unit/test_ragged_patches.py`` scans all loaded torch modules to prove it.
+Targets must be plain Python functions without closures, else :func:`apply` raises naming it.
+
+Patched torch functions (``module:qualname``) and why
+------------------------------------------------------
+1. ``tensor._redistribute:redistribute_local_tensor``: torch dispatches on ``is_shard()`` and
+   treats equal ``.dim`` as "no change"; ragged specs go to ``placement/_redistribute.py``.
+   Covers ``redistribute``, ``full_tensor`` and their backward.
+2. ``tensor._api:distribute_tensor``: torch raises for unknown placements; RS = broadcast + slice.
+3. ``tensor._api:DTensor.from_local``: clear error without ``shape``/``stride``; numel check.
+4. ``tensor._api:_dtensor_init_helper``: the factories ``zeros/ones/empty/full/rand/randn``
+   (+ ``linspace/logspace`` on 2.15) would build a full-shape local tensor; RS gets its flat piece.
+5. ``tensor._sharding_prop:ShardingPropagator.propagate_op_sharding_non_cached``: the op guard
+   of ``placement/_ops.py`` (only pointwise-like ops and full sum/p-norm reductions run on RS;
+   everything else raises ``RaggedShardOpError``).
+6. ``tensor._ops.single_dim_strategy:_fill_single_dim_strategy_placeholders`` (patch A: pointwise
+   and foreach rules keep RS), ``tensor._ops.utils:is_tensor_shardable`` (patch C: invalid RS
+   tuples are no strategy candidates), ``tensor._ops._math_ops:map_placements_after_reduction``
+   (patch B: RS -> the reduction's Partial), ``tensor._ops.utils:map_placements_after_broadcast``
+   (patch D: 2.11/2.12 map pointwise outputs onto operands with it and assert ``Shard``; RS stays
+   RS on same-shape operands, Replicate on scalars).
+7. ``tensor._utils:_compute_local_shape_and_global_offset`` (and so the public
+   ``compute_local_shape_and_global_offset`` that calls it): torch silently answers "Replicate"
+   for unknown placements. For RS: ``skip_offset=True`` (callers sizing the local tensor) gives
+   the flat local shape ``(numel,)``; otherwise the piece as one N-D box in global coordinates
+   (exact for ``dims=(0,)``), ``ValueError`` if the piece is not a rectangle.
+8. ``tensor._api:DTensor.__create_write_items__`` / ``__create_chunk_list__`` /
+   ``__get_tensor_shard__`` and ``_state_dict_utils:_distribute_tensors``: DCP boxes and
+   full-state-dict loading (``placement/_checkpoint.py``).
+9. ``DTensor._op_dispatcher._custom_op_handlers`` gains entries (a dict torch reads per call):
+   random ops (``placement/_random.py``: draw the full tensor, keep the piece) and the inf-norms
+   ``linalg_vector_norm`` / ``_foreach_norm`` (``placement/_ops.py``: empty pieces contribute 0).
+
+Supported torch: 2.11 - 2.15 (:data:`SUPPORTED`). Every target's signature is checked before it is
+patched (a moved or changed internal raises ``RuntimeError`` naming it). A newer minor warns and
+runs :func:`self_check` (local behaviour checks, no process group) instead of refusing.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
+import inspect
+import threading
+import types
+import warnings
 
 import torch
 
-SUPPORTED_TORCH = ((2, 13), (2, 14))
-_PATCHED: dict[str, object] = {}  # "module:attr" -> original object
+SUPPORTED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+HOOKS = "__raggedfsdp_hooks__"  # the one name added to a patched function's module globals
+
+# (module, qualname, leading parameter names torch must still have, impl factory "module:name")
+_P = "raggedfsdp.placement."
+TARGETS = (
+    ("torch.distributed.tensor._redistribute", "redistribute_local_tensor",
+     ("local_tensor", "current_spec", "target_spec"), _P + "_redistribute:make_redistribute_local_tensor"),
+    ("torch.distributed.tensor._api", "distribute_tensor",
+     ("tensor", "device_mesh", "placements", "src_data_rank"), _P + "_api:make_distribute_tensor"),
+    ("torch.distributed.tensor._api", "DTensor.from_local",
+     ("local_tensor", "device_mesh", "placements", "run_check", "shape", "stride"), _P + "_api:make_from_local"),
+    ("torch.distributed.tensor._api", "_dtensor_init_helper",
+     ("init_op", "size", "device_mesh", "placements", "kwargs"), _P + "_api:make_dtensor_init_helper"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding_non_cached",
+     ("self", "op_schema"), _P + "_ops:make_guarded_propagation"),
+    ("torch.distributed.tensor._ops.single_dim_strategy", "_fill_single_dim_strategy_placeholders",
+     ("unique_input_placements", "single_dim_strategies_with_placeholders"), _P + "_ops:make_fill_placeholders"),
+    ("torch.distributed.tensor._ops.utils", "is_tensor_shardable", ("shape", "spec"),
+     _P + "_ops:make_is_tensor_shardable"),
+    ("torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction",
+     ("placements", "reduction_dims", "reduction_dims_map", "reduction_op"), _P + "_ops:make_map_after_reduction"),
+    ("torch.distributed.tensor._ops.utils", "map_placements_after_broadcast",
+     ("placements", "shape", "broadcast_dims_map"), _P + "_ops:make_map_placements_after_broadcast"),
+    ("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset",
+     ("global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset"),
+     _P + "_checkpoint:make_compute_local_shape_and_global_offset"),
+    ("torch.distributed.tensor._api", "DTensor.__create_write_items__", ("self", "fqn", "object"),
+     _P + "_checkpoint:make_create_write_items"),
+    ("torch.distributed.tensor._api", "DTensor.__create_chunk_list__", ("self",),
+     _P + "_checkpoint:make_create_chunk_list"),
+    ("torch.distributed.tensor._api", "DTensor.__get_tensor_shard__", ("self", "index"),
+     _P + "_checkpoint:make_get_tensor_shard"),
+    ("torch.distributed._state_dict_utils", "_distribute_tensors", ("local_state_dict", "keys", "device"),
+     _P + "_checkpoint:make_distribute_tensors"),
+)
+
+_LOCK = threading.RLock()
+_APPLIED = False
+_APPLYING = False
+_STOCK: dict[str, types.FunctionType] = {}  # "module:qualname" -> copy of torch's original function
+_HANDLERS: list[str] = []
 
 
-def _torch_version() -> tuple[int, int]:
-    v = torch.__version__.split("+")[0].split(".")
+def torch_minor(version: str | None = None) -> tuple[int, int]:
+    v = (version or torch.__version__).split("+")[0].split(".")
     return int(v[0]), int(v[1])
 
 
-def check_torch_version() -> None:
-    """Raise ``RuntimeError`` unless the installed torch minor is one raggedfsdp has patches for."""
-    if _torch_version() not in SUPPORTED_TORCH:
+def check_torch_version(version: str | None = None) -> bool:
+    """True for a tested minor, False (after a ``UserWarning``) for a newer one; ``RuntimeError`` if older.
+
+    Called by :func:`apply`, never at import. For a newer minor :func:`apply` also runs
+    :func:`self_check`, which raises if a patch no longer behaves.
+    """
+    version = version or torch.__version__
+    minor = torch_minor(version)
+    if minor in SUPPORTED:
+        return True
+    if minor < SUPPORTED[0]:
         raise RuntimeError(
-            f"raggedfsdp patches DTensor internals and supports torch 2.13.x and 2.14.x only; found torch "
-            f"{torch.__version__}. Install a supported torch (pip install 'torch>=2.13,<2.15') or port "
-            "raggedfsdp/_torch_patches.py to this version."
+            f"raggedfsdp's RaggedShard needs torch >= 2.11 (tested 2.11 - 2.15); found torch {version}. "
+            "Upgrade torch (pip install 'torch>=2.11,<2.16')."
+        )
+    warnings.warn(
+        f"raggedfsdp: torch {version} is newer than the tested 2.11 - 2.15; the RaggedShard patches are "
+        "applied and self-checked (raggedfsdp._torch_patches.self_check), but run the test suite before "
+        "trusting results on this version.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+def _resolve(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        try:
+            obj = inspect.getattr_static(obj, part)
+        except AttributeError:
+            raise RuntimeError(
+                f"raggedfsdp: torch {torch.__version__} has no {module}:{qualname}; the RaggedShard patches "
+                "must be ported to this torch (raggedfsdp/_torch_patches.py)"
+            ) from None
+    return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+
+
+def _check_target(key: str, fn, params: tuple[str, ...]) -> None:
+    why = None
+    if not isinstance(fn, types.FunctionType):
+        why = f"is a {type(fn).__name__}, not a plain Python function"
+    elif fn.__closure__ or fn.__code__.co_freevars:
+        why = "is a closure (decorated?), so its code cannot be swapped"
+    elif fn.__code__.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR):
+        why = "is a generator or coroutine"
+    else:
+        got = tuple(inspect.signature(fn, follow_wrapped=False).parameters)
+        if got[: len(params)] != params:
+            why = f"has parameters {got}, expected them to start with {params}"
+    if why:
+        raise RuntimeError(
+            f"raggedfsdp: torch {torch.__version__}'s {key} {why}; the RaggedShard patch for it must be "
+            "ported (raggedfsdp/_torch_patches.py)"
         )
 
 
-def _set(module_name: str, attr: str, new) -> None:
-    mod = importlib.import_module(module_name)
-    old = getattr(mod, attr)  # AttributeError here == torch moved the symbol: fail loudly
-    if getattr(old, "__ragged_patched__", False):
-        # already ours (e.g. a module imported after the patch picked up the patched name)
-        _PATCHED.setdefault(f"{module_name}:{attr}", getattr(old, "__ragged_original__", old))
+def _trampoline(fn: types.FunctionType, key: str) -> types.CodeType:
+    """A code object with ``fn``'s exact parameters that calls ``HOOKS[key]`` with them."""
+    sig = inspect.signature(fn, follow_wrapped=False)
+    P = inspect.Parameter
+    decl, call, star = [], [], False
+    kinds = [p.kind for p in sig.parameters.values()]
+    for i, p in enumerate(sig.parameters.values()):
+        if p.kind is P.VAR_POSITIONAL:
+            decl.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            star = True
+        elif p.kind is P.VAR_KEYWORD:
+            decl.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+        elif p.kind is P.KEYWORD_ONLY:
+            if not star:
+                decl.append("*")
+                star = True
+            decl.append(f"{p.name}=None")  # placeholder: the real defaults stay on fn
+            call.append(f"{p.name}={p.name}")
+        else:
+            decl.append(f"{p.name}=None")
+            call.append(p.name)
+        if p.kind is P.POSITIONAL_ONLY and (i + 1 == len(kinds) or kinds[i + 1] is not P.POSITIONAL_ONLY):
+            decl.append("/")
+    src = f"def {fn.__name__}({', '.join(decl)}):\n    return {HOOKS}[{key!r}]({', '.join(call)})\n"
+    ns: dict = {}
+    exec(compile(src, f"<raggedfsdp patch of {key}>", "exec"), ns)  # noqa: S102 - generated trampoline
+    code = ns[fn.__name__].__code__.replace(co_qualname=fn.__qualname__) if hasattr(
+        fn.__code__, "co_qualname") else ns[fn.__name__].__code__
+    assert code.co_argcount == fn.__code__.co_argcount
+    assert code.co_kwonlyargcount == fn.__code__.co_kwonlyargcount
+    return code
+
+
+def _swap(module: str, qualname: str, params: tuple[str, ...], factory: str) -> None:
+    key = f"{module}:{qualname}"
+    fn = _resolve(module, qualname)
+    if getattr(fn, "__ragged_patched__", False):
+        _STOCK.setdefault(key, fn.__ragged_original__)
         return
-    new.__ragged_patched__ = True
-    new.__ragged_original__ = old
-    _PATCHED[f"{module_name}:{attr}"] = old
-    setattr(mod, attr, new)
+    _check_target(key, fn, params)
+    stock = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, None)
+    stock.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
+    stock.__qualname__, stock.__doc__, stock.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    stock.__annotations__ = dict(fn.__annotations__)
+    mod_name, _, maker = factory.partition(":")
+    impl = getattr(importlib.import_module(mod_name), maker)(stock)
+    fn.__globals__.setdefault(HOOKS, {})[key] = impl
+    fn.__code__ = _trampoline(fn, key)
+    fn.__ragged_patched__ = True
+    fn.__ragged_original__ = stock
+    _STOCK[key] = stock
 
 
-def original(module_name: str, attr: str):
-    """torch's original object for a patched ``module:attr`` (the current one if unpatched)."""
-    cur = getattr(importlib.import_module(module_name), attr)
-    return getattr(cur, "__ragged_original__", cur)
-
-
-def patched_symbols() -> list[str]:
-    """``"module:attr"`` of every torch symbol replaced by :func:`apply`."""
-    return sorted(_PATCHED)
-
-
-# ---------------------------------------------------------------------------------------------
-def _patch_redistribute() -> None:
-    from raggedfsdp.placement._redistribute import has_ragged, redistribute_ragged
-
-    stock = original("torch.distributed.tensor._redistribute", "redistribute_local_tensor")
-
-    @functools.wraps(stock)
-    def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
-        if has_ragged(current_spec.placements) or has_ragged(target_spec.placements):
-            return redistribute_ragged(local_tensor, current_spec, target_spec, stock)
-        return stock(local_tensor, current_spec, target_spec, *args, **kwargs)
-
-    for mod in ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._api",
-                "torch.distributed.tensor._dispatch"):
-        _set(mod, "redistribute_local_tensor", redistribute_local_tensor)
-
-
-def _patch_distribute_tensor() -> None:
+def _install_handlers() -> None:
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement._redistribute import (
-        _coord,
-        base_placements,
-        check_placements,
-        has_ragged,
-        make_spec,
-        ragged_mesh_dim,
-    )
-
-    stock = original("torch.distributed.tensor._api", "distribute_tensor")
-
-    @functools.wraps(stock)
-    def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
-        if placements is None or not has_ragged(placements):
-            return stock(tensor, device_mesh, placements, src_data_rank=src_data_rank)
-        mesh = device_mesh
-        if mesh is None:
-            raise ValueError("distribute_tensor with RaggedShard needs an explicit device_mesh")
-        placements = tuple(placements)
-        check_placements(placements, tuple(tensor.shape), mesh)
-        base = stock(tensor.detach(), mesh, base_placements(placements), src_data_rank=src_data_rank)
-        i = ragged_mesh_dim(placements)
-        local = placements[i].shard_full(base._local_tensor, _coord(mesh, i))
-        spec = make_spec(mesh, placements, tensor.shape, tensor.stride(), tensor.dtype)
-        return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
-
-    _set("torch.distributed.tensor._api", "distribute_tensor", distribute_tensor)
-    _set("torch.distributed.tensor", "distribute_tensor", distribute_tensor)
-
-
-def _patch_from_local() -> None:
-    from torch.distributed.tensor import DTensor
-
-    from raggedfsdp.placement._redistribute import (
-        base_local_shape,
-        check_placements,
-        has_ragged,
-        _coord,
-        ragged_mesh_dim,
-    )
-
-    stock = DTensor.__dict__["from_local"].__func__
-    if getattr(stock, "__ragged_patched__", False):
-        return
-
-    @functools.wraps(stock)
-    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
-                   stride=None, **kwargs):
-        if placements is not None and has_ragged(placements):
-            if shape is None or stride is None:
-                raise ValueError(
-                    f"DTensor.from_local with {tuple(placements)}: a RaggedShard local tensor is a flat piece, so "
-                    "the global shape cannot be inferred; pass shape=<global shape> and "
-                    "stride=<global contiguous stride>"
-                )
-            mesh = device_mesh
-            if mesh is not None:
-                check_placements(tuple(placements), tuple(shape), mesh)
-                i = ragged_mesh_dim(placements)
-                base = base_local_shape(tuple(shape), mesh, placements)
-                want = placements[i].local_numel(base, _coord(mesh, i))
-                if local_tensor.dim() != 1 or local_tensor.numel() != want:
-                    raise ValueError(
-                        f"DTensor.from_local with {placements[i]}: local_tensor must be 1-D with {want} elements "
-                        f"on this rank for global shape {tuple(shape)}, got shape {tuple(local_tensor.shape)}; "
-                        "use local_tensor.reshape(-1) of the rows placement.row_range(shape, rank)"
-                    )
-        return stock(local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride,
-                     **kwargs)
-
-    from_local.__ragged_patched__ = True
-    from_local.__ragged_original__ = stock
-    _PATCHED["torch.distributed.tensor._api:DTensor.from_local"] = stock
-    DTensor.from_local = staticmethod(from_local)
-
-
-def _patch_propagation() -> None:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._sharding_prop import LocalLRUCache
-
-    from raggedfsdp.placement._ops import guard_propagation
-
-    sp = DTensor._op_dispatcher.sharding_propagator
-    cur = sp.propagate_op_sharding_non_cached
-    if getattr(cur, "__ragged_patched__", False):
-        return
-    guarded = guard_propagation(cur)
-    guarded.__ragged_patched__ = True
-    sp.propagate_op_sharding_non_cached = guarded
-    sp.propagate_op_sharding = LocalLRUCache(guarded)
-    _PATCHED["torch.distributed.tensor._sharding_prop:ShardingPropagator.propagate_op_sharding"] = cur
-
-
-def _patch_strategies() -> None:
-    from raggedfsdp.placement._ops import make_fill_placeholders, make_is_tensor_shardable, make_map_after_reduction
-
-    sds = "torch.distributed.tensor._ops.single_dim_strategy"
-    _set(sds, "_fill_single_dim_strategy_placeholders",
-         make_fill_placeholders(original(sds, "_fill_single_dim_strategy_placeholders")))
-    ut = "torch.distributed.tensor._ops.utils"
-    _set(ut, "is_tensor_shardable", make_is_tensor_shardable(original(ut, "is_tensor_shardable")))
-    mo = "torch.distributed.tensor._ops._math_ops"
-    mod = importlib.import_module(mo)
-    _set(mo, "map_placements_after_reduction",
-         make_map_after_reduction(original(mo, "map_placements_after_reduction"),
-                                  mod.get_placement_from_reduction_op))
-
-
-def _patch_checkpoint() -> None:
-    from raggedfsdp.placement import _checkpoint
-
-    _checkpoint.install(_set, original, _PATCHED)
-
-
-def _patch_random_ops() -> None:
-    from torch.distributed.tensor import DTensor
-
-    from raggedfsdp.placement import _random
+    from raggedfsdp.placement import _ops, _random
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _random.install(handlers):  # idempotent; raises if torch gained its own handler
-        _PATCHED[f"torch.distributed.tensor._dispatch:OpDispatcher._custom_op_handlers[{op}]"] = None
+    for name, install in (("_random", _random.install), ("_ops", _ops.install_norm_handlers)):
+        for op in install(handlers):  # idempotent; raises if torch gained its own handler
+            tag = f"torch.distributed.tensor._dispatch:OpDispatcher._custom_op_handlers[{op}]"
+            if tag not in _HANDLERS:
+                _HANDLERS.append(tag)
 
 
-_APPLIED = False
+def is_applied() -> bool:
+    """Whether :func:`apply` has installed the patches in this process."""
+    return _APPLIED
 
 
 def apply() -> None:
-    """Install every patch (idempotent). Raises ``RuntimeError`` on an unsupported torch version."""
-    global _APPLIED
-    check_torch_version()
-    if _APPLIED:
+    """Install every patch (idempotent, thread-safe). Called by ``RaggedShard.__init__``.
+
+    Raises ``RuntimeError`` for torch < 2.11 or when a target moved/changed; warns and runs
+    :func:`self_check` on a minor newer than 2.15.
+    """
+    global _APPLIED, _APPLYING
+    if _APPLIED or _APPLYING:
         return
-    _patch_redistribute()
-    _patch_distribute_tensor()
-    _patch_from_local()
-    _patch_propagation()
-    _patch_strategies()
-    _patch_checkpoint()
-    _patch_random_ops()
-    _APPLIED = True
+    with _LOCK:
+        if _APPLIED or _APPLYING:
+            return
+        _APPLYING = True
+        try:
+            known = check_torch_version()
+            for module, qualname, params, factory in TARGETS:
+                _swap(module, qualname, params, factory)
+            _install_handlers()
+            if not known:
+                self_check()
+            _APPLIED = True
+        finally:
+            _APPLYING = False
 
 
-apply()
+def original(module_name: str, qualname: str):
+    """torch's original function for a patched ``module:qualname`` (the current one if unpatched)."""
+    fn = _resolve(module_name, qualname)
+    return getattr(fn, "__ragged_original__", fn)
+
+
+def patched_symbols() -> list[str]:
+    """``"module:qualname"`` of every torch function patched by :func:`apply`, plus the op handlers."""
+    return sorted(_STOCK) + sorted(_HANDLERS)
+
+
+def stock_codes() -> dict[str, types.CodeType]:
+    """``"module:qualname"`` -> torch's original code object (for the alias scan in the tests)."""
+    return {k: f.__code__ for k, f in _STOCK.items()}
+
+
+def self_check() -> None:
+    """Local behaviour checks of the patches (no process group needed); ``RuntimeError`` on failure.
+
+    Run by :func:`apply` on an untested torch minor; the test suite checks the same behaviours
+    (and the distributed ones) on each tested minor.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._ops import _math_ops as mo
+    from torch.distributed.tensor._ops import single_dim_strategy as sds
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as clsgo
+
+    from raggedfsdp.placement.ragged_shard import RaggedShard
+
+    rs = RaggedShard((0,), (1, 0, 2))
+    problems = []
+    try:
+        rules = [[sds._ShardingPlaceholder(0), sds._ShardingPlaceholder(0)]]
+        if [rs, rs] not in sds._fill_single_dim_strategy_placeholders({rs, Shard(0)}, rules):
+            problems.append("pointwise strategies no longer keep RaggedShard (patch A)")
+        if mo.map_placements_after_reduction((rs,), [0, 1], [-1, -1], "sum") != (Partial("sum"),):
+            problems.append("reductions no longer map RaggedShard to Partial (patch B)")
+        if clsgo((6, 4), (3,), [2], [rs], True) != ((16,), ()) or clsgo((6, 4), (3,), [2], [rs]) != (
+                (4, 4), (2, 0)) or clsgo((6, 4), (3,), [1], [Replicate()]) != ((6, 4), (0, 0)):
+            problems.append("local shapes of RaggedShard are wrong (_compute_local_shape_and_global_offset)")
+    except Exception as e:  # noqa: BLE001 - any failure here means the patch no longer fits
+        problems.append(f"{type(e).__name__}: {e}")
+    for key in _STOCK:
+        if not _resolve(*key.split(":")).__code__.co_filename.startswith("<raggedfsdp patch of"):
+            problems.append(f"{key} is not patched")
+    if problems:
+        raise RuntimeError(
+            f"raggedfsdp: the RaggedShard patches do not work on torch {torch.__version__}: "
+            + "; ".join(problems) + ". Use torch 2.11 - 2.15 or port raggedfsdp/_torch_patches.py."
+        )
 
 
 # ---------------------------------------------------------------------------------------------

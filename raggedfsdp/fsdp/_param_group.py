@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from raggedfsdp._torch_patches import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride
@@ -98,7 +99,8 @@ class FSDPParamGroup:
             )
         self.orig_dtype = params[0][0].dtype if params else torch.float32
         self.param_dtype = mp_policy.param_dtype or self.orig_dtype
-        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        # reduce_dtype=None: torch <= 2.14 reduces in param_dtype, 2.15 in each parameter's own dtype (peers-2026-12 2.15-b)
+        self.reduce_dtype = mp_policy.reduce_dtype or (self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype)
         if not self.orig_dtype.is_floating_point:
             self.param_dtype = self.reduce_dtype = self.orig_dtype
         self.mp_policy = mp_policy

@@ -8,17 +8,17 @@ in GLOBAL coordinates, so each rank writes only its own piece and DCP's ordinary
 matching loads any saved layout into any other one (other local_units or dims, Shard, Replicate,
 a plain tensor, another world size).
 
-Installed by ``raggedfsdp/_torch_patches.py`` on the DTensor CLASS (not on instances), so it also
-covers optimizer states (``zeros_like(param)``) and ``load_state_dict(assign=True)`` copies.
-Patched symbols (all delegate to torch when no RaggedShard is present):
+Installed by ``raggedfsdp/_torch_patches.py`` in the code of torch's functions (so every alias and
+every DTensor, e.g. optimizer states from ``zeros_like`` and ``load_state_dict(assign=True)`` copies,
+is covered). All delegate to torch when no RaggedShard is present:
 
 * ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``
   (torch/distributed/tensor/_api.py): one chunk per box instead of one per DTensor.
-* ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (and the names
-  imported from it in ``checkpoint.planner_helpers`` and ``_state_dict_utils``): exact for
-  RaggedShard pieces that are boxes (always for ``dims=(0,)``); raises ``ValueError`` for pieces
-  that are not rectangular instead of silently describing the whole tensor.
-* ``torch.distributed._state_dict_utils.distribute_tensor`` and ``_distribute_tensors``: used by
+* ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset`` (which the public
+  ``compute_local_shape_and_global_offset`` calls): the flat local shape with ``skip_offset=True``;
+  otherwise the piece as one N-D box (always for ``dims=(0,)``), ``ValueError`` for pieces that are
+  not rectangular instead of silently describing the whole tensor.
+* ``torch.distributed._state_dict_utils._distribute_tensors``: used by
   ``set_model_state_dict(full_state_dict=True[, broadcast_from_rank0=True])``; the ragged piece is
   sliced from the full tensor as a flat range.
 
@@ -36,7 +36,6 @@ import torch
 
 from raggedfsdp.placement._redistribute import (
     _coord,
-    _stock_local_shape,
     base_placements,
     check_placements,
     has_ragged,
@@ -158,29 +157,53 @@ def get_tensor_shard(dt, index):
     raise ValueError(f"RaggedShard checkpoint: no local box at offset {tuple(index.offset)} for {index.fqn}")
 
 
-# ---- compute_local_shape_and_global_offset -----------------------------------------------
+# ---- _compute_local_shape_and_global_offset ----------------------------------------------
+class _MeshShape:
+    """The ``ndim`` / ``size(i)`` of a mesh, from its shape only (for :func:`check_placements`)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(int(s) for s in shape)
+        self.ndim = len(self.shape)
+
+    def size(self, i: int) -> int:
+        return self.shape[i]
+
+    def __repr__(self) -> str:
+        return f"mesh of shape {self.shape}"
+
+
 def make_compute_local_shape_and_global_offset(stock):
-    @functools.wraps(stock)
-    def compute_local_shape_and_global_offset(global_shape, mesh, placements, *args, **kwargs):
+    """torch's plain-data ``_compute_local_shape_and_global_offset`` (``tensor/_utils.py``) for RaggedShard.
+
+    The public ``compute_local_shape_and_global_offset`` calls it. For RaggedShard the local tensor
+    is flat, so ``skip_offset=True`` (asked by callers that size the local tensor: the factories,
+    ``new_empty``-like ops, cost models) gives ``(local_numel,)``. With offsets (DCP-style callers that
+    locate the piece in the global tensor) it gives the piece as ONE N-D box in global coordinates
+    (always possible for ``dims=(0,)`` and empty pieces) and raises ``ValueError`` otherwise.
+    """
+
+    def _compute_local_shape_and_global_offset(global_shape, mesh_shape, my_coordinate, placements,
+                                               skip_offset=False):
         if not has_ragged(placements):
-            return stock(global_shape, mesh, placements, *args, **kwargs)
+            return stock(global_shape, mesh_shape, my_coordinate, placements, skip_offset)
         placements = tuple(placements)
         gshape = tuple(int(s) for s in global_shape)
-        check_placements(placements, gshape, mesh)
-        if not mesh._is_current_rank_part_of_mesh():
-            return (0,) * len(gshape), (0,) * len(gshape)
+        check_placements(placements, gshape, _MeshShape(mesh_shape))
         i = ragged_mesh_dim(placements)
         rs: RaggedShard = placements[i]
-        base_shape, base_off = stock(gshape, mesh, list(base_placements(placements)))
-        base_shape = tuple(base_shape)
-        a, b = rs.flat_range(base_shape, _coord(mesh, i))
+        coord = int(my_coordinate[i] if isinstance(my_coordinate, (list, tuple)) else my_coordinate(i))
+        base_shape, base_off = stock(gshape, mesh_shape, my_coordinate, list(base_placements(placements)), False)
+        base_shape = tuple(int(s) for s in base_shape)
+        a, b = rs.flat_range(base_shape, coord)
+        if skip_offset:
+            return (b - a,), ()
         boxes = flat_range_boxes(base_shape, a, b)
         if not boxes:  # empty piece: a 0-size box at its position along dim 0
             inner = math.prod(base_shape[1:])
             row0 = min(a // inner, base_shape[0]) if inner else 0
             sizes = (0, *base_shape[1:])
             off = (row0, *([0] * (len(base_shape) - 1)))
-            return sizes, tuple(o + g for o, g in zip(off, base_off))
+            return sizes, tuple(int(o) + int(g) for o, g in zip(off, base_off))
         if len(boxes) > 1:
             raise ValueError(
                 f"compute_local_shape_and_global_offset: the {rs} piece of shape {gshape} on this rank is not a "
@@ -188,9 +211,9 @@ def make_compute_local_shape_and_global_offset(stock):
                 "or coarser dims (dims=(0,)) so each piece is whole rows"
             )
         off, size, _ = boxes[0]
-        return tuple(size), tuple(o + g for o, g in zip(off, base_off))
+        return tuple(size), tuple(int(o) + int(g) for o, g in zip(off, base_off))
 
-    return compute_local_shape_and_global_offset
+    return _compute_local_shape_and_global_offset
 
 
 # ---- _state_dict_utils -------------------------------------------------------------------
@@ -230,40 +253,24 @@ def make_distribute_tensors(stock):
     return _distribute_tensors
 
 
-def install(set_attr, original, registry) -> None:
-    """Install the DCP patches (called by ``raggedfsdp._torch_patches.apply``)."""
-    from torch.distributed.tensor import DTensor
+# ---- DTensor's DCP protocol methods (torch/distributed/tensor/_api.py) ------------------
+def _method(stock, impl):
+    def method(self, *args, **kwargs):
+        if has_ragged(self._spec.placements):
+            self._raise_if_contains_partial_placements()  # as torch: no Partial in checkpoints
+            return impl(self, *args, **kwargs)
+        return stock(self, *args, **kwargs)
 
-    for name, impl in (
-        ("__create_write_items__", lambda self, fqn, object, _s=None: create_write_items(self, fqn)),
-        ("__create_chunk_list__", lambda self: create_chunk_list(self)),
-        ("__get_tensor_shard__", lambda self, index: get_tensor_shard(self, index)),
-    ):
-        stock = DTensor.__dict__[name]
-        if getattr(stock, "__ragged_patched__", False):
-            continue
+    return method
 
-        def make(stock=stock, impl=impl):
-            @functools.wraps(stock)
-            def method(self, *args, **kwargs):
-                if has_ragged(self._spec.placements):
-                    self._raise_if_contains_partial_placements()  # as torch: no Partial in checkpoints
-                    return impl(self, *args, **kwargs)
-                return stock(self, *args, **kwargs)
 
-            method.__ragged_patched__ = True
-            method.__ragged_original__ = stock
-            return method
+def make_create_write_items(stock):
+    return _method(stock, lambda self, fqn, object: create_write_items(self, fqn))
 
-        registry[f"torch.distributed.tensor._api:DTensor.{name}"] = stock
-        setattr(DTensor, name, make())
 
-    utils = "torch.distributed.tensor._utils"
-    clsgo = make_compute_local_shape_and_global_offset(original(utils, "compute_local_shape_and_global_offset"))
-    for mod in (utils, "torch.distributed.checkpoint.planner_helpers", "torch.distributed._state_dict_utils"):
-        set_attr(mod, "compute_local_shape_and_global_offset", clsgo)
-    sdu = "torch.distributed._state_dict_utils"
-    from torch.distributed.tensor import _api
+def make_create_chunk_list(stock):
+    return _method(stock, create_chunk_list)
 
-    set_attr(sdu, "distribute_tensor", _api.distribute_tensor)
-    set_attr(sdu, "_distribute_tensors", make_distribute_tensors(original(sdu, "_distribute_tensors")))
+
+def make_get_tensor_shard(stock):
+    return _method(stock, get_tensor_shard)

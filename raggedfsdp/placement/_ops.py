@@ -25,6 +25,7 @@ Source: fsdp2-internals.md section 3.4 (patches A and B, verified on torch 2.13)
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -178,10 +179,10 @@ def _check_reduction(op_schema) -> None:
     op = op_schema.op
     idx = _REDUCTIONS[op]
     args = op_schema.args_schema
-    # inf-norms reduce with max/min, which fails on empty local pieces
-    if op in (aten.linalg_vector_norm.default, aten.norm.Scalar, aten._foreach_norm.Scalar) and len(args) > 1:
-        if args[1] in (float("inf"), float("-inf"), "inf", "-inf"):
-            raise _err(op, "inf-norms reduce with max/min, which is undefined on empty local pieces")
+    # inf-norms of linalg_vector_norm / _foreach_norm are computed by inf_norm_handler (empty pieces
+    # contribute 0); any other inf-norm op would run max/min on possibly empty local pieces
+    if op is aten.norm.Scalar and len(args) > 1 and args[1] in (float("inf"), float("-inf")):
+        raise _err(op, "use torch.linalg.vector_norm(x, float('inf')) for inf-norms of RaggedShard DTensors")
     if idx is None or len(args) <= idx or args[idx] is None:
         return
     dims = args[idx]
@@ -194,12 +195,16 @@ def _check_reduction(op_schema) -> None:
         raise _err(op, f"it reduces over dims {list(dims)} only; only full reductions (all dims) are supported")
 
 
-def guard_propagation(stock):
-    """Wrap a ``propagate_op_sharding(op_schema)`` callable with the RaggedShard op checks."""
+def make_guarded_propagation(stock):
+    """``ShardingPropagator.propagate_op_sharding_non_cached(self, op_schema)`` with the RaggedShard op checks.
 
-    def propagate(op_schema):
+    torch caches its result (Python LRU + the C++ dispatch cache), so the checks run once per
+    op/spec combination; an op that raises is never cached.
+    """
+
+    def propagate_op_sharding_non_cached(self, op_schema):
         if not schema_has_ragged(op_schema):
-            return stock(op_schema)
+            return stock(self, op_schema)
         kind = classify(op_schema.op)
         if kind is None:
             raise _err(op_schema.op, "its result is not a function of each rank's flat element range")
@@ -207,10 +212,9 @@ def guard_propagation(stock):
             _check_pointwise(op_schema)
         else:
             _check_reduction(op_schema)
-        return stock(op_schema)
+        return stock(self, op_schema)
 
-    propagate.__ragged_original__ = stock
-    return propagate
+    return propagate_op_sharding_non_cached
 
 
 # ---- patch A ---------------------------------------------------------------------------------
@@ -227,12 +231,13 @@ def make_fill_placeholders(stock):
                     out.append([rs if isinstance(p, _ShardingPlaceholder) else p for p in s])
         return out
 
-    _fill_single_dim_strategy_placeholders.__ragged_original__ = stock
     return _fill_single_dim_strategy_placeholders
 
 
 # ---- patch B ---------------------------------------------------------------------------------
-def make_map_after_reduction(stock, get_placement_from_reduction_op):
+def make_map_after_reduction(stock):
+    get_placement_from_reduction_op = stock.__globals__["get_placement_from_reduction_op"]
+
     def map_placements_after_reduction(placements, reduction_dims, reduction_dims_map, reduction_op):
         if not any(isinstance(p, RaggedShard) for p in placements):
             return stock(placements, reduction_dims, reduction_dims_map, reduction_op)
@@ -249,7 +254,6 @@ def make_map_after_reduction(stock, get_placement_from_reduction_op):
                 out.extend(stock((p,), reduction_dims, reduction_dims_map, reduction_op))
         return tuple(out)
 
-    map_placements_after_reduction.__ragged_original__ = stock
     return map_placements_after_reduction
 
 
@@ -274,6 +278,129 @@ def make_is_tensor_shardable(stock):
             return False
         return True
 
-    is_tensor_shardable.__ragged_original__ = stock
     return is_tensor_shardable
 
+
+
+# ---- inf-norms: an empty local piece contributes the identity of max (0) -----------------------
+# Reached through DTensor._op_dispatcher._custom_op_handlers (torch/distributed/tensor/_dispatch.py):
+# torch computes the local norm and marks the result _NormPartial(inf) (an all-reduce MAX when read),
+# but linalg_vector_norm / _foreach_norm of an EMPTY local tensor raise for ord=+-inf ("no identity").
+# Max of absolute values has identity 0 (and -inf-norms, a min, identity +inf), so an empty piece
+# contributes that; the result is Partial(max) (Partial(min) for -inf), read with one all-reduce.
+_INF = (float("inf"), float("-inf"))
+_HANDLER_LOCK = threading.RLock()
+
+
+def call_torch_dispatch(op_call, args, kwargs):
+    """Run ``op_call`` through torch's own DTensor dispatch, with this op's custom handler stepped aside."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with _HANDLER_LOCK:
+        mine = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = mine
+
+
+def _is_ragged(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and any(isinstance(p, RaggedShard) for p in t._spec.placements)
+
+
+def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
+    """``linalg.vector_norm(dt, ord=+-inf)`` of a RaggedShard DTensor over all dims (no communication)."""
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    spec = dt._spec
+    local = dt._local_tensor
+    if local.numel() == 0:  # identity element of max (|x| >= 0) or of min
+        local = local.new_zeros(1) if ord > 0 else local.new_full((1,), float("inf"))
+    val = torch.linalg.vector_norm(local, ord, dtype=dtype)
+    ndim = len(spec.shape)
+    if keepdim:
+        val = val.reshape((1,) * ndim)
+    op = "max" if ord > 0 else "min"  # torch's own inf-norm strategy also reduces with Partial(max/min)
+    placements = []
+    for p in spec.placements:
+        if p.is_replicate():
+            placements.append(p)
+        elif p.is_shard() or isinstance(p, RaggedShard):
+            placements.append(Partial(op))
+        else:
+            raise _err(aten.linalg_vector_norm.default, f"an inf-norm of a {p} (pending-reduction) operand")
+    meta = TensorMeta(val.shape, val.stride(), val.dtype)
+    return DTensor(val, DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def inf_norm_handler(op_call, args, kwargs):
+    """Custom DTensor handler of ``linalg_vector_norm`` / ``_foreach_norm``: RaggedShard inf-norms here."""
+    if op_call is aten._foreach_norm.Scalar:
+        tensors = args[0]
+        ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+        dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+        if ord in _INF and any(_is_ragged(t) for t in tensors):
+            return [
+                _ragged_inf_norm(t, ord, dtype=dtype) if _is_ragged(t) else torch.linalg.vector_norm(t, ord, dtype=dtype)
+                for t in tensors
+            ]
+        return call_torch_dispatch(op_call, args, kwargs)
+    names = ("self", "ord", "dim", "keepdim")
+    a = dict(zip(names, args))
+    a.update({k: v for k, v in kwargs.items() if k in names})
+    x, ord, dim = a["self"], float(a.get("ord", 2)), a.get("dim")
+    full = dim is None or (x.dim() > 0 and {d % x.dim() for d in ([dim] if isinstance(dim, int) else dim)}
+                           == set(range(x.dim())))
+    if ord in _INF and _is_ragged(x) and full:
+        return _ragged_inf_norm(x, ord, bool(a.get("keepdim", False)), kwargs.get("dtype"))
+    return call_torch_dispatch(op_call, args, kwargs)
+
+
+NORM_OPS = (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar)
+
+
+def install_norm_handlers(custom_handlers: dict) -> list:
+    """Register :func:`inf_norm_handler`; returns the ops. Idempotent; raises if torch has its own handler."""
+    for op in NORM_OPS:
+        cur = custom_handlers.get(op)
+        if cur is not None and cur is not inf_norm_handler:
+            raise RuntimeError(f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_ops.py")
+        custom_handlers[op] = inf_norm_handler
+    return list(NORM_OPS)
+
+
+# ---- patch D: map_placements_after_broadcast -------------------------------------------------
+def make_map_placements_after_broadcast(stock):
+    """torch 2.11/2.12 run pointwise ops through ``common_pointwise_strategy``, which maps the output
+    placements onto each operand with ``_ops/utils.py map_placements_after_broadcast`` and asserts
+    that anything not Replicate/Partial is a ``Shard``. RaggedShard stays RaggedShard on an operand of
+    the same shape (the guard allows no other non-scalar operand) and becomes Replicate on an
+    operand broadcast along the ragged dims (a scalar)."""
+    from torch.distributed.tensor import Replicate
+
+    def map_placements_after_broadcast(placements, shape, broadcast_dims_map, *args, **kwargs):
+        if not any(isinstance(p, RaggedShard) for p in placements):
+            return stock(placements, shape, broadcast_dims_map, *args, **kwargs)
+        out = []
+        for p in placements:
+            if not isinstance(p, RaggedShard):
+                out.extend(stock((p,), shape, broadcast_dims_map, *args, **kwargs))
+                continue
+            mapped = [broadcast_dims_map[d] for d in p.dims]
+            if all(m == -1 for m in mapped):
+                out.append(Replicate())
+            elif mapped == list(p.dims) and len(shape) == len(broadcast_dims_map):
+                out.append(p)
+            else:
+                raise RaggedShardOpError(
+                    f"RaggedShard: {p} of an output of shape {tuple(shape)} cannot be mapped onto an operand "
+                    f"broadcast along its ragged dims (map {broadcast_dims_map}); operands of a pointwise op on "
+                    "RaggedShard DTensors must have the same global shape or be scalars"
+                )
+        return tuple(out)
+
+    return map_placements_after_broadcast

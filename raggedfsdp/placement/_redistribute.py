@@ -337,3 +337,14 @@ def local_piece_of_full(full: torch.Tensor, mesh, placements) -> torch.Tensor:
 
 def make_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
+
+
+def make_redistribute_local_tensor(stock):
+    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/_torch_patches.py`` (ragged specs -> here)."""
+
+    def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
+        if has_ragged(current_spec.placements) or has_ragged(target_spec.placements):
+            return redistribute_ragged(local_tensor, current_spec, target_spec, stock)
+        return stock(local_tensor, current_spec, target_spec, *args, **kwargs)
+
+    return redistribute_local_tensor

@@ -8,8 +8,9 @@ with ``U = sum(local_units)`` (which must divide ``N``), rank ``i`` owns the con
 
 The class is a real ``torch.distributed.tensor.placement_types.Placement`` subclass. It works
 through torch's own DTensor APIs (``distribute_tensor``, ``from_local``, ``redistribute``,
-``full_tensor``, pointwise ops, ``torch.optim``, ``clip_grad_norm_``, DCP) once the patches in
-``raggedfsdp/_torch_patches.py`` are installed, which happens on ``import raggedfsdp``.
+``full_tensor``, the DTensor factories, pointwise ops, ``torch.optim``, ``clip_grad_norm_``, DCP)
+through the patches in ``raggedfsdp/_torch_patches.py``, which the first ``RaggedShard(...)`` of a
+process installs (``import raggedfsdp`` alone changes nothing in torch).
 See ``docs/raggedshard.md`` for the supported op set and mesh compositions.
 """
 
@@ -19,7 +20,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+from raggedfsdp import _torch_patches
 
 
 class RaggedShard(Placement):
@@ -65,6 +68,7 @@ class RaggedShard(Placement):
             )
         self.dims = dims
         self.local_units = local_units
+        _torch_patches.apply()  # lazy: the first RaggedShard of the process installs the patches
 
     # ---- identity -------------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
@@ -85,15 +89,34 @@ class RaggedShard(Placement):
     def __fx_repr__(self) -> str:  # used by torch.fx codegen; the pybind base raises
         return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
 
-    # ---- DTensor duck typing (torch/distributed/tensor/_redistribute.py) -------------------
+    # ---- DTensor duck typing ----------------------------------------------------------------
+    # Decision (docs/raggedshard.md "is_shard() and .dim"): RaggedShard answers is_shard() = True
+    # and .dim = 0, because torch's cost model (_collective_utils.redistribute_cost) must price
+    # RS -> Replicate as an all-gather: with is_shard() False it is "free", and the strategy search
+    # turns local pointwise ops (optimizer steps) into hidden all-gathers with Replicate outputs.
+    # Every torch path that then acts on it as a Shard calls a Shard method, and those raise
+    # below (__getattr__) instead of computing even-Shard(0) pieces.
     @property
     def dim(self) -> int:
-        """The first flattened tensor dim (always 0): lets shard-like torch code read ``.dim``."""
+        """The first flattened tensor dim (always 0), for torch code that reads ``.dim`` of shardings."""
         return 0
 
     def is_shard(self, dim: int | None = None) -> bool:
         """True (for ``dim`` None or one of ``dims``): a RaggedShard is a sharding of those dims."""
         return dim is None or dim in self.dims
+
+    def __getattr__(self, name: str):
+        # only reached for names the class does not define: a Shard method means a torch code path
+        # took this placement for an even Shard(0); refuse loudly rather than compute wrong pieces
+        if name.startswith("_") and not name.startswith("__") and hasattr(Shard, name):
+            raise AttributeError(
+                f"RaggedShard has no Shard method {name!r}: a torch code path treated "
+                f"RaggedShard(dims={self.dims}, local_units={self.local_units}) as an even Shard(0), which "
+                "would give wrong local pieces. This DTensor path is not supported for RaggedShard: "
+                "redistribute to Shard(0)/Replicate first (x.redistribute(mesh, [Shard(0)])), or report the "
+                "torch entry point to raggedfsdp (docs/raggedshard.md)"
+            )
+        raise AttributeError(f"'RaggedShard' object has no attribute {name!r}")
 
     def is_replicate(self) -> bool:
         return False

@@ -256,3 +256,39 @@ def _hsdp_deferred_all_reduce(rank, ws):
 def test_hsdp_set_requires_all_reduce_false_defers_the_all_reduce():
     """HSDP microbatches reduce-scatter only; the last one all-reduces the sum over replicas."""
     run_distributed(_hsdp_deferred_all_reduce, 4)
+
+
+def _bf16_default_reduce(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import raggedfsdp
+
+    data = batches(STEPS, LOCAL_BATCH * ws)
+    torch.manual_seed(0)
+    init = ToyLM().state_dict()
+    mesh = init_device_mesh("cpu", (ws,))
+    tok, tgt = data[0]
+    per = tok.shape[0] // ws
+    tok_l, tgt_l = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
+    # torch 2.15 (peers-2026-12 2.15-b): reduce_dtype=None reduces in the params' dtype (fp32), before in bf16
+    want = torch.float32 if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 15) else torch.bfloat16
+    grads = {}
+    for name, fs, mp in (("ragged", raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                         ("torch", torch_fully_shard, TorchMP(param_dtype=torch.bfloat16))):
+        model = ToyLM()
+        model.load_state_dict(init)
+        shard_model(model, fs, mesh, mp_policy=mp)
+        if name == "ragged":
+            groups = [m._raggedfsdp_state.group for m in model.modules() if getattr(m, "_raggedfsdp_state", None)]
+            assert groups and all(g.reduce_dtype == want for g in groups if g is not None)
+        lm_loss(model, tok_l, tgt_l).backward()
+        grads[name] = _full_grads(model)
+    errs = _grad_rel_errors(grads["ragged"], grads["torch"])
+    assert max(errs.values()) < 3e-2, errs
+
+
+def test_bf16_param_default_reduce_dtype_matches_torch_fsdp():
+    """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on 2.15."""
+    run_distributed(_bf16_default_reduce, 3)

@@ -154,7 +154,7 @@ def _errors(rank, ws, mesh):
         "aten.mean.default": lambda: d.mean(),
         "aten.sum.dim_IntList": lambda: d.sum(0),
         "aten.add.Tensor": lambda: d + rep,  # broadcasting
-        "aten.linalg_vector_norm.default": lambda: torch.linalg.vector_norm(d, float("inf")),
+        "aten.amax.default": lambda: d.amax(),  # (inf-norms are supported: tests/dist/test_ragged_api.py)
         "aten.transpose.int": lambda: d.transpose(0, 1),
         "aten.index.Tensor": lambda: d[distribute_tensor(torch.tensor([0, 1]), mesh, [Replicate()])],
     }

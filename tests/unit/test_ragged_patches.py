@@ -1,118 +1,235 @@
-"""The torch-internal patches of raggedfsdp/_torch_patches.py: present, idempotent, still behaving.
+"""The torch-internal patches of raggedfsdp/_torch_patches.py: lazy, complete at every alias, guarded.
 
-These fail loudly when a torch upgrade moves, renames or changes a patched internal.
+These fail loudly when a torch upgrade moves, renames or changes a patched internal, when an alias
+of a patched function still holds torch's original code, or when importing raggedfsdp changes torch.
 """
 
+import importlib
 import inspect
 import re
+import subprocess
+import sys
+import textwrap
+import types
 
 import pytest
 import torch
 
-import raggedfsdp  # noqa: F401
-from raggedfsdp import RaggedShard, _torch_patches as tp
-
-EXPECTED = {
-    "torch.distributed.tensor._redistribute:redistribute_local_tensor",
-    "torch.distributed.tensor._api:redistribute_local_tensor",
-    "torch.distributed.tensor._dispatch:redistribute_local_tensor",
-    "torch.distributed.tensor._api:distribute_tensor",
-    "torch.distributed.tensor:distribute_tensor",
-    "torch.distributed.tensor._api:DTensor.from_local",
-    "torch.distributed.tensor._sharding_prop:ShardingPropagator.propagate_op_sharding",
-    "torch.distributed.tensor._ops.single_dim_strategy:_fill_single_dim_strategy_placeholders",
-    "torch.distributed.tensor._ops._math_ops:map_placements_after_reduction",
-    "torch.distributed.tensor._ops.utils:is_tensor_shardable",
-    "torch.distributed.tensor._api:DTensor.__create_write_items__",
-    "torch.distributed.tensor._api:DTensor.__create_chunk_list__",
-    "torch.distributed.tensor._api:DTensor.__get_tensor_shard__",
-    "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
-    "torch.distributed.checkpoint.planner_helpers:compute_local_shape_and_global_offset",
-    "torch.distributed._state_dict_utils:compute_local_shape_and_global_offset",
-    "torch.distributed._state_dict_utils:distribute_tensor",
-    "torch.distributed._state_dict_utils:_distribute_tensors",
-}
+from raggedfsdp import RaggedShard
+from raggedfsdp import _torch_patches as tp
 
 
-def test_all_patches_installed():
+def _run(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; return its stdout (fails with its stderr)."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+def test_import_and_plan_apply_nothing():
+    """``import raggedfsdp`` and ``raggedfsdp plan`` leave torch's code untouched; RaggedShard() patches."""
+    out = _run("""
+        import contextlib, io
+        import torch.distributed.tensor as T
+        from torch.distributed.tensor import _utils
+        codes = (T.distribute_tensor.__code__, _utils._compute_local_shape_and_global_offset.__code__)
+        import raggedfsdp
+        from raggedfsdp import _torch_patches as tp
+        from raggedfsdp.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["plan", "--model", "llama3-8b", "--world-size", "8", "--json"]) == 0
+        assert not tp.is_applied() and tp.patched_symbols() == []
+        assert (T.distribute_tensor.__code__, _utils._compute_local_shape_and_global_offset.__code__) == codes
+        assert not any("raggedfsdp" in k for k in T.distribute_tensor.__globals__)
+        raggedfsdp.RaggedShard((0,), (1, 2))
+        assert tp.is_applied() and T.distribute_tensor.__code__ is not codes[0]
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_all_targets_patched_in_place():
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _random
+    from raggedfsdp.placement import _ops, _random
 
+    RaggedShard((0,), (1,))
+    keys = {f"{m}:{q}" for m, q, _, _ in tp.TARGETS}
     syms = set(tp.patched_symbols())
+    assert keys <= syms and len(keys) == len(tp.TARGETS) == 14
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
-    assert syms - handlers == EXPECTED
-    assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) >= 12
-    for op in (*_random.RANDOM_INPLACE_OPS, *_random.RANDOM_LIKE_OPS):
-        assert DTensor._op_dispatcher._custom_op_handlers[op] is _random.random_inplace_handler, op
-    import importlib
+    assert syms == keys | handlers
+    assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(_ops.NORM_OPS)
+    for op in _ops.NORM_OPS:
+        assert DTensor._op_dispatcher._custom_op_handlers[op] is _ops.inf_norm_handler
+    for module, qualname, params, _ in tp.TARGETS:
+        fn = tp._resolve(module, qualname)
+        assert fn.__ragged_patched__ and fn.__code__.co_filename.startswith("<raggedfsdp patch of"), qualname
+        # the trampoline keeps torch's exact signature (defaults live on the function object)
+        assert inspect.signature(fn) == inspect.signature(fn.__ragged_original__), qualname
+        assert fn.__ragged_original__.__code__ is tp.stock_codes()[f"{module}:{qualname}"]
 
-    for sym in EXPECTED:
-        mod, attr = sym.split(":")
-        if attr == "ShardingPropagator.propagate_op_sharding":
-            from torch.distributed.tensor import DTensor
 
-            obj = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached
-        else:
-            obj = importlib.import_module(mod)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-            obj = getattr(obj, "__func__", obj)
-        assert getattr(obj, "__ragged_patched__", False), f"{sym} is not patched"
+def _torch_modules():
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp
+    import torch.distributed.tensor.debug
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    return [(n, m) for n, m in list(sys.modules.items())
+            if m is not None and (n == "torch" or n.startswith("torch.")) and isinstance(m, types.ModuleType)]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_no_alias_keeps_torch_original_code():
+    """Scan every loaded torch module (and its classes) for a name still bound to an unpatched original.
+
+    A name counts as an alias of a patched function when it is the same function (``__module__`` +
+    ``__qualname__``) or carries its original code object. With module-attribute patching (before
+    this design) this found 11 stale aliases on torch 2.13, e.g. ``tensor._api.compute_local_shape_and_global_offset``.
+    """
+    RaggedShard((0,), (1,))
+    targets = {}
+    for module, qualname, _, _ in tp.TARGETS:
+        fn = tp._resolve(module, qualname)
+        targets[(fn.__module__, fn.__qualname__)] = f"{module}:{qualname}"
+    stock = {id(c): k for k, c in tp.stock_codes().items()}
+    seen, bad = 0, []
+
+    def check(where, v):
+        nonlocal seen
+        v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+        if not isinstance(v, types.FunctionType):
+            return
+        key = targets.get((v.__module__, v.__qualname__))
+        if key is not None:
+            seen += 1
+            if not getattr(v, "__ragged_patched__", False) or id(v.__code__) in stock:
+                bad.append(f"{where} -> {key}")
+        elif id(v.__code__) in stock and v is not tp._STOCK[stock[id(v.__code__)]]:
+            bad.append(f"{where} (copy of the original code of {stock[id(v.__code__)]})")
+
+    for name, mod in _torch_modules():
+        for attr, v in list(vars(mod).items()):
+            check(f"{name}.{attr}", v)
+            if isinstance(v, type) and getattr(v, "__module__", "") == name:
+                for a2, v2 in list(vars(v).items()):
+                    check(f"{name}.{attr}.{a2}", v2)
+    assert not bad, "unpatched aliases of patched torch functions:\n" + "\n".join(bad)
+    assert seen > len(tp.TARGETS) + 5, seen  # the scan did see the targets and torch's own aliases of them
 
 
 def test_apply_is_idempotent():
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import _redistribute
 
-    before = (_redistribute.redistribute_local_tensor, DTensor.__dict__["from_local"],
-              DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding)
+    RaggedShard((0,), (1,))
+    fn = _redistribute.redistribute_local_tensor
+    code, orig = fn.__code__, fn.__ragged_original__
     tp._APPLIED = False
     tp.apply()
     tp.apply()
-    after = (_redistribute.redistribute_local_tensor, DTensor.__dict__["from_local"],
-             DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding)
-    assert before[0] is after[0] and before[2] is after[2]
-    assert after[1].__func__.__ragged_original__.__name__ == "from_local"
-    assert not getattr(tp.original("torch.distributed.tensor._redistribute", "redistribute_local_tensor"),
-                       "__ragged_patched__", False)
+    assert fn.__code__ is code and fn.__ragged_original__ is orig
+    assert tp.original("torch.distributed.tensor._redistribute", "redistribute_local_tensor") is orig
+    assert not getattr(orig, "__ragged_patched__", False)
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.15.0+cu128", "3.0.0"])
-def test_version_guard(monkeypatch, version):
-    monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(RuntimeError, match=r"supports torch 2\.13\.x and 2\.14\.x only; found torch " + re.escape(version)):
-        tp.check_torch_version()
+@pytest.mark.parametrize("version, known", [("2.11.0", True), ("2.12.1+cu126", True), ("2.13.0+cpu", True),
+                                            ("2.14.1", True), ("2.15.0+cu132", True)])
+def test_version_policy_tested_minors(version, known):
+    assert tp.check_torch_version(version) is known
 
 
-@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.1"])
-def test_version_guard_accepts(monkeypatch, version):
-    monkeypatch.setattr(torch, "__version__", version)
-    tp.check_torch_version()
+def test_version_policy_new_and_old_minors():
+    with pytest.warns(UserWarning, match=r"torch 2\.16\.0 is newer than the tested 2\.11 - 2\.15.*self-checked"):
+        assert tp.check_torch_version("2.16.0") is False
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.11.*found torch 2\.10\.2"):
+        tp.check_torch_version("2.10.2")
+
+
+def test_unknown_minor_runs_self_check(monkeypatch):
+    """A newer torch warns, applies and self-checks; a broken patch makes the self-check raise."""
+    out = _run("""
+        import warnings, torch
+        torch.__version__ = "2.16.0"
+        import raggedfsdp
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            raggedfsdp.RaggedShard((0,), (1, 2))
+        assert raggedfsdp._torch_patches.is_applied()
+        print([str(x.message)[:40] for x in w if "newer than the tested" in str(x.message)])
+    """)
+    assert "torch 2.16.0 is newer" in out
+    RaggedShard((0,), (1,))
+    tp.self_check()
+    from torch.distributed.tensor._ops import single_dim_strategy as sds
+
+    fn = sds._fill_single_dim_strategy_placeholders
+    monkeypatch.setattr(fn, "__code__", fn.__ragged_original__.__code__)  # as if torch moved the call
+    with pytest.raises(RuntimeError, match=r"do not work on torch .*patch A.*not patched"):
+        tp.self_check()
+
+
+def test_target_guard_fails_loudly():
+    def decorated():
+        x = 1
+
+        def inner(a, b):
+            return a + b + x
+        return inner
+
+    with pytest.raises(RuntimeError, match=r"mod:f is a closure.*must be ported"):
+        tp._check_target("mod:f", decorated(), ("a", "b"))
+    with pytest.raises(RuntimeError, match=r"mod:g has parameters \('a', 'c'\), expected them to start with"):
+        tp._check_target("mod:g", lambda a, c: None, ("a", "b"))
+    with pytest.raises(RuntimeError, match=r"has no torch.distributed.tensor._api:nope"):
+        tp._resolve("torch.distributed.tensor._api", "nope")
+
+
+def test_trampoline_keeps_any_signature():
+    def f(a, b=2, /, c=3, *args, d, e=5, **kw):
+        return a, b, c, args, d, e, kw
+
+    glob = {}
+    g = types.FunctionType(f.__code__, glob, "f", f.__defaults__)
+    g.__kwdefaults__ = f.__kwdefaults__
+    glob[tp.HOOKS] = {"k": lambda *a, **k: ("hook", a, k)}
+    g.__code__ = tp._trampoline(g, "k")
+    assert g(1, d=4) == ("hook", (1, 2, 3), {"d": 4, "e": 5})
+    assert g(1, 7, 8, 9, d=4, z=0) == ("hook", (1, 7, 8, 9), {"d": 4, "e": 5, "z": 0})
+    assert str(inspect.signature(g)) == str(inspect.signature(f))
+
+
+def test_is_shard_poses_as_sharding_but_shard_methods_raise():
+    from torch.distributed.tensor import Shard
+
+    rs = RaggedShard((0, 1), (1, 2))
+    assert rs.is_shard() and rs.is_shard(1) and not rs.is_shard(2) and rs.dim == 0
+    assert rs != Shard(0) and Shard(0) != rs
+    shard_only = [n for n in dir(Shard) if n.startswith("_") and not n.startswith("__")
+                  and n not in type(rs).__dict__ and n not in dir(type(rs))]
+    assert "_split_tensor" in shard_only and "_local_shard_size_and_offset" in shard_only
+    for n in shard_only:
+        with pytest.raises(AttributeError, match=r"treated RaggedShard.*as an even Shard\(0\)"):
+            getattr(rs, n)
+    assert not hasattr(rs, "_split_tensor")
 
 
 def test_original_signatures_unchanged():
-    """The internals we wrap still take the arguments our wrappers pass through."""
-    sig = lambda m, a: list(inspect.signature(tp.original(m, a)).parameters)  # noqa: E731
-    assert sig("torch.distributed.tensor._redistribute", "redistribute_local_tensor")[:3] == [
-        "local_tensor", "current_spec", "target_spec"]
-    assert sig("torch.distributed.tensor._ops.single_dim_strategy", "_fill_single_dim_strategy_placeholders") == [
-        "unique_input_placements", "single_dim_strategies_with_placeholders"]
-    assert sig("torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction") == [
-        "placements", "reduction_dims", "reduction_dims_map", "reduction_op"]
-    assert sig("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")[:3] == [
-        "global_shape", "mesh", "placements"]
-    assert sig("torch.distributed.tensor._ops.utils", "is_tensor_shardable")[:2] == ["shape", "spec"]
-    assert sig("torch.distributed._state_dict_utils", "_distribute_tensors")[:3] == [
-        "local_state_dict", "keys", "device"]
-    assert "src_data_rank" in sig("torch.distributed.tensor._api", "distribute_tensor")
+    """The internals we wrap still take the arguments our implementations pass through."""
+    for module, qualname, params, _ in tp.TARGETS:
+        got = list(inspect.signature(tp.original(module, qualname)).parameters)
+        assert got[: len(params)] == list(params), (qualname, got)
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropagator
 
     assert callable(DTensor._raise_if_contains_partial_placements)
     assert isinstance(DTensor._op_dispatcher._custom_op_handlers, dict)
+    assert "get_placement_from_reduction_op" in tp.original(
+        "torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction").__globals__
+    from torch.distributed.device_mesh import _mesh_resources
 
-    assert hasattr(ShardingPropagator, "propagate_op_sharding_non_cached") and callable(LocalLRUCache)
+    assert callable(_mesh_resources.get_current_mesh)
 
 
 def test_patch_a_expands_placeholders_to_ragged():
@@ -139,6 +256,27 @@ def test_patch_b_maps_ragged_to_partial():
         mo.map_placements_after_reduction((rs,), [1], [0, -1], "sum")
 
 
+def test_local_shape_and_offset_of_ragged_pieces():
+    """torch's local-shape function: flat shape for sizing, one N-D box with offsets, ValueError otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as f
+
+    rs = RaggedShard((0,), (1, 0, 2))  # 6 rows: [0, 2), [], [2, 6)
+    assert f((6, 4), (3,), [0], [rs], True) == ((8,), ())
+    assert f((6, 4), (3,), [1], [rs], True) == ((0,), ())
+    assert f((6, 4), (3,), [2], [rs]) == ((4, 4), (2, 0))
+    assert f((6, 4), (3,), [1], [rs]) == ((0, 4), (2, 0))
+    # composed with Shard(1) on a 2x3 mesh: the ragged rows of the column block
+    assert f((6, 4), (2, 3), [1, 2], [Shard(1), rs]) == ((4, 2), (2, 2))
+    assert f((6, 4), (2, 3), [1, 2], [Shard(1), rs], True) == ((8,), ())
+    el = RaggedShard((0, 1), (3, 3, 2))  # element granularity: rank 0 holds 9 of 24 elements
+    with pytest.raises(ValueError, match="is not a rectangle"):
+        f((6, 4), (3,), [0], [el])
+    with pytest.raises(ValueError, match="has 3 entries but mesh dim 0 of mesh of shape \\(2,\\) has 2 ranks"):
+        f((6, 4), (2,), [0], [rs])
+    assert f((6, 4), (3,), [2], [Replicate()]) == ((6, 4), (0, 0))
+
+
 def test_op_classification():
     from raggedfsdp.placement._ops import classify
 
@@ -152,3 +290,11 @@ def test_op_classification():
                aten.permute.default, aten.mean.default, aten.rand_like.default, aten.native_dropout.default,
                aten.addmm.default, aten.index.Tensor, aten._foreach_max.default, aten.cat.default):
         assert classify(op) is None, op
+
+
+def test_module_docstring_lists_every_target():
+    doc = tp.__doc__
+    for _, qualname, _, _ in tp.TARGETS:
+        assert qualname.split(".")[-1] in doc, qualname
+    assert re.search(r"2\.11 - 2\.15", doc)
+    importlib.import_module("raggedfsdp.placement._api")
