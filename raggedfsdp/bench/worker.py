@@ -277,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+    from raggedfsdp.train.teardown import shutdown_process_group
+
+    ok = False
     try:
         result = run(args)
+        ok = True
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group(synchronize=ok)
     if result is not None:
         print(json.dumps(result) if args.json else format_report(result), flush=True)
     return 0

@@ -180,22 +180,25 @@ def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int
         interrupts=interrupts,
         store=heartbeat_store() if world_size > 1 else None,
     ).start()
+    from raggedfsdp.train.teardown import shutdown_process_group
     from raggedfsdp.train.trainer import Interrupted
 
+    ok = False
     try:
         try:
             Trainer(cfg, device=device, watchdog=watchdog, interrupts=interrupts).train()
         except Interrupted:  # raised on every rank at the same step: still tear down together
-            dist.barrier()
+            ok = True
             raise
         except BaseException:
             if interrupts is not None:  # a failed rank: torchrun's SIGTERM may end it at once now
                 interrupts.uninstall()
             raise
-        dist.barrier()  # every rank is done with its collectives before any tears the group down
+        ok = True
     finally:
         watchdog.stop()
-        dist.destroy_process_group()
+        # barrier + store check-in: no rank closes its sockets while a peer is still in a collective
+        shutdown_process_group(synchronize=ok)
     return 0
 
 

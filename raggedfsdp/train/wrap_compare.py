@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
+    from raggedfsdp.train.teardown import shutdown_process_group
+
+    ok = False
     try:
         build, wraps = hybrid_wraps(
             args.model,
@@ -474,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
             seq=args.seq,
             seed=args.seed,
         )
+        ok = True
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group(synchronize=ok)
     if r is not None:
         r.update(model=args.model, flavor=args.flavor, param_dtype=args.param_dtype, backend=args.backend)
         print(
