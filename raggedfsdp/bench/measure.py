@@ -11,8 +11,7 @@ All of it is local to the calling rank (no collective); the bench gathers the pe
 - ``padding_bytes``: bytes of padding in the collective buffers of each system's layout.
 - ``state_bytes``: persistent bytes of this rank's sharded params and optimizer state.
 - ``peak_memory``: ``raggedfsdp.fsdp.memory.PeakMemory`` (the project's shared method: CUDA allocator
-  peak on GPU; CPU allocator events from ``torch.profiler`` on CPU); ``_FallbackPeakMemory`` below
-  applies the same method where that module is not installed yet.
+  peak on GPU; CPU allocator events from ``torch.profiler`` on CPU).
 """
 
 from __future__ import annotations
@@ -137,46 +136,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def peak_memory(device: torch.device):
-    """``PeakMemory(device)`` from ``raggedfsdp.fsdp.memory`` (the shared method), else the fallback."""
-    try:
-        from raggedfsdp.fsdp.memory import PeakMemory
-    except ImportError:
-        return _FallbackPeakMemory(device)
+    """``raggedfsdp.fsdp.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
+    from raggedfsdp.fsdp.memory import PeakMemory
+
     return PeakMemory(device)
-
-
-class _FallbackPeakMemory:
-    """The shared method's core (see the module docstring): ``peak_bytes`` above the entry baseline."""
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.peak_bytes = 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-            return False
-        self._prof.__exit__(*exc)
-        events = sorted(
-            (e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-        live = peak = 0
-        for _, n in events:
-            live += n
-            peak = max(peak, live)
-        self.peak_bytes = peak
-        return False

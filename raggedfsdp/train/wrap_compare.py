@@ -62,50 +62,10 @@ def _step(model, opt, tok) -> torch.Tensor:
 
 
 def _peak_memory(device: torch.device):
-    """The project's shared method (``raggedfsdp.fsdp.memory.PeakMemory``); until it is installed,
-    the same method here (:class:`_PeakMemoryFallback`)."""
-    try:
-        from raggedfsdp.fsdp.memory import PeakMemory
-    except ImportError:
-        return _PeakMemoryFallback(device)
+    """``raggedfsdp.fsdp.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
+    from raggedfsdp.fsdp.memory import PeakMemory
+
     return PeakMemory(device)
-
-
-class _PeakMemoryFallback:
-    """``peak_bytes``: peak live bytes above the entry baseline (CUDA allocator peak; on CPU the
-    running sum of the allocator events ``torch.profiler(profile_memory=True)`` records)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.peak_bytes = torch.device(device), 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-            return False
-        self._prof.__exit__(*exc)
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in self._prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-        live = 0
-        for _, n in events:
-            live += n
-            self.peak_bytes = max(self.peak_bytes, live)
-        return False
 
 
 def _storage_bytes(tensors) -> int:
