@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from raggedfsdp.cli import main as cli_main
-from tests._dist import run_distributed
+from _dist import run_distributed
 
 try:
     from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
