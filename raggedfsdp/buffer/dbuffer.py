@@ -182,9 +182,18 @@ class DBuffer:
             return None
         return _all_gather_single(self.data, inp, group=group, async_op=async_op)
 
-    def reduce_scatter_(self, out: torch.Tensor | None, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    def reduce_scatter_(self, out: torch.Tensor | None, group, op=dist.ReduceOp.SUM, async_op: bool = False,
+                        consume_input: bool = False):
         """Reduce this global buffer over ``group`` into ``out`` ((S,), same dtype) or, if ``None``, in place
-        into :meth:`rank_slice`. Collective over ``group``."""
+        into :meth:`rank_slice`. Collective over ``group``.
+
+        ``consume_input=True``: the caller discards this buffer afterwards, so its contents may be
+        overwritten. On gloo (CPU) the reduce-scatter then runs as an in-place all-reduce of the buffer
+        and this rank's slice is copied into ``out`` when the returned work is waited: gloo implements
+        ``reduce_scatter_tensor`` as exactly that all-reduce on a *clone* of the input (bitwise the same
+        result, ``AVG`` = sum then one division by the group size), so this saves a whole-unit
+        allocation and copy for as long as the collective is in flight. Other backends are unchanged.
+        """
         assert not self.sharded
         if out is None:
             out = self.rank_slice()
@@ -192,7 +201,48 @@ class DBuffer:
             if out.data_ptr() != self.data.data_ptr():
                 out.copy_(self.data)
             return None
+        if consume_input and _is_gloo(group, self.data.device):
+            return _AllReduceScatterWork(self, out, op, group, async_op)
         return _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
+
+
+def _is_gloo(group, device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):  # e.g. a group object this process is not part of
+        return False
+
+
+class _AllReduceScatterWork:
+    """gloo reduce-scatter of a consumed buffer (see :meth:`DBuffer.reduce_scatter_`): an in-place
+    all-reduce; ``wait()`` copies this rank's ``(S,)`` slice into the output (the copy gloo's own
+    reduce-scatter makes inside its ``wait()``) and divides it for ``AVG``. Behaves like ``dist.Work``
+    for ``wait()`` / ``is_completed()``."""
+
+    def __init__(self, buf: DBuffer, out: torch.Tensor, op, group, async_op: bool):
+        self._divisor = dist.get_world_size(group) if op == dist.ReduceOp.AVG else None
+        red = dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op
+        self._src, self._out = buf.rank_slice(), out
+        self._work = dist.all_reduce(buf.data, op=red, group=group, async_op=True)
+        if not async_op:
+            self.wait()
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            with torch.no_grad():
+                if self._out.data_ptr() != self._src.data_ptr():
+                    self._out.copy_(self._src)
+                if self._divisor is not None:
+                    self._out.div_(self._divisor)
+            self._src = self._out = None
+        return True
 
 
 __all__ = ["DBuffer", "alloc_storage", "free_storage"]

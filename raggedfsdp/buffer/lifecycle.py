@@ -6,7 +6,7 @@ keeps the records of in-flight work. Transitions (all local except where a colle
 
     gather_params   sharded --all-gather--> unsharded params      (allocates ``params``)
     free_params     unsharded params --> freed                    (reshard)
-    begin_grads     allocate + zero the unsharded grads           (pre-backward)
+    begin_grads     allocate + zero the unsharded grads           (the unit's first gradient in backward)
     hold_grads      no-sync backward: fold the grads into the ``reduce_dtype`` accumulator, free them
     reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
                     the returned handle is waited; the caller then frees it)
@@ -153,7 +153,7 @@ class UnitBuffers:
             inp = self.grads
         wait_stream(stream, current_stream(self.device))
         with on_stream(stream):
-            work = inp.reduce_scatter_(out.data, group, op=op, async_op=True)
+            work = inp.reduce_scatter_(out.data, group, op=op, async_op=True, consume_input=True)
         return CommHandle(work, [inp, out], stream, "reduce-scatter"), inp
 
 

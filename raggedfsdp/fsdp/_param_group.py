@@ -200,8 +200,7 @@ class FSDPParamGroup:
                 fp.requires_grad = rg
                 changed = True
                 if rg and not fp.extra.get("hooked"):
-                    fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: setattr(fp, "got_grad", True))
-                    fp.extra["hooked"] = True
+                    self._register_grad_hook(fp)
         if changed:
             self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
 
@@ -247,11 +246,24 @@ class FSDPParamGroup:
         for i, fp in enumerate(self.fsdp_params):
             fp.unsharded = nn.Parameter(self.bufs.params.tensor_view(i), requires_grad=fp.requires_grad)
             fp.grad_view = self.bufs.grads.tensor_view(i)  # for every param: requires_grad may change later
-            fp.extra["hooked"] = fp.requires_grad
+            fp.extra["hooked"] = False
             if fp.requires_grad:
-                fp.unsharded.register_post_accumulate_grad_hook(lambda _p, fp=fp: setattr(fp, "got_grad", True))
+                self._register_grad_hook(fp)
         self.bufs.params.free()
         self.bufs.grads.free()
+
+    def _register_grad_hook(self, fp: FSDPParam) -> None:
+        # one tensor pre-hook per unsharded param: it runs just before autograd accumulates into the
+        # pre-set ``.grad`` view, so the unit's grad buffer is allocated at its first gradient
+        fp.unsharded.register_hook(lambda _g, fp=fp: self._on_grad(fp))
+        fp.extra["hooked"] = True
+
+    def _on_grad(self, fp: FSDPParam) -> None:
+        """A gradient is about to be accumulated into ``fp``: mark it used and, if ``.grad`` is our
+        pre-set view and the grad buffer is not allocated yet, allocate it (zeroed). Local."""
+        fp.got_grad = True
+        if fp.unsharded.grad is fp.grad_view and not self.bufs.grads.is_allocated:
+            self.bufs.begin_grads()
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
@@ -373,19 +385,22 @@ class FSDPParamGroup:
 
     # ---- backward ------------------------------------------------------------------------
     def prepare_grads(self) -> None:
-        """Allocate (zeroed) the unsharded grads and pre-set ``.grad`` views. Local (may wait this unit's
-        previous reduce-scatter: a module whose backward runs twice)."""
+        """Pre-set ``.grad`` views of the unsharded grads. The buffer itself is allocated (zeroed) at the
+        unit's first gradient (``_on_grad``), or here if a ``.grad`` set by the user must be folded in:
+        until then the unit holds no gradient memory, as FSDP2, whose per-parameter grads appear as
+        autograd computes them. Local (may wait this unit's previous reduce-scatter: a module whose
+        backward runs twice)."""
         if not self.any_trainable:
             return
         if self.grad_state is GradState.REDUCING:
             self.comm.reduces.complete_group(self)
         check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
-        self.bufs.begin_grads()
         if self.grad_state is GradState.NONE:
             self.grad_state = GradState.ACCUMULATING
         for fp in self.trainable:
             if fp.unsharded.grad is not fp.grad_view:
                 if fp.unsharded.grad is not None:  # e.g. user set it; fold it in
+                    self.bufs.begin_grads()
                     fp.grad_view.add_(fp.unsharded.grad)
                 fp.unsharded.grad = fp.grad_view
 
@@ -426,6 +441,8 @@ class FSDPParamGroup:
                 fp.unsharded.grad = None
             self.grad_state = GradState.HELD
             return
+        if not self.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
+            self.bufs.begin_grads()
         launch_reduce(self, self.comm.reduces)
 
     def _drop_unsharded_grads(self) -> None:
