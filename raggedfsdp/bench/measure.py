@@ -22,6 +22,12 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Imported first thing (the bench imports this module before it builds any model): it switches on
+# c10's process-wide CPU allocator accounting, and a block allocated before that is unknown to c10, so
+# its free is never reported (docs/memory.md). Imported lazily, after the models were built, a
+# buffer freed and re-grown every step (raggedfsdp's sharded grads) counted as if never freed.
+from raggedfsdp.fsdp.memory import PeakMemory, storage_bytes
+
 aten = torch.ops.aten
 _SYNC_OPS = {
     aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
@@ -113,30 +119,28 @@ def padding_bytes(model: torch.nn.Module, backend: str, world_size: int) -> int:
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's sharded parameters plus optimizer state (distinct storages, local pieces)."""
-    tensors = list(model.parameters())
+    """Bytes this rank holds between steps: sharded parameters, their ``.grad``, optimizer state and
+    the FSDP runtime's own persistent buffers (raggedfsdp: a unit's sharded gradient buffer, which
+    outlives ``zero_grad(set_to_none=True)`` until the next forward, and any unsharded buffer kept
+    allocated, e.g. ``reshard_after_backward=False``). Distinct storages, local pieces.
+
+    The bench's peak is this plus the step's peak above its start, so everything live at the step's
+    start must be counted here, or a system that keeps a buffer across steps would be under-reported."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
     for st in optimizer.state.values():
         tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    try:
-        from raggedfsdp.fsdp.memory import storage_bytes
-    except ImportError:
-        storage_bytes = _storage_bytes
+    seen = set()
+    for m in model.modules():
+        g = getattr(getattr(m, "_raggedfsdp_state", None), "group", None)
+        if g is None or id(g) in seen:
+            continue
+        seen.add(id(g))
+        b = g.bufs
+        tensors += [x.data for x in (b.sharded_grads, b.params, b.grads, b.acc) if x is not None]
+        tensors.append(g.post_forward_buf)
     return storage_bytes(tensors)
-
-
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        t = getattr(t, "_local_tensor", t)
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = t.untyped_storage()
-            if st.nbytes():
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 def peak_memory(device: torch.device):
     """``raggedfsdp.fsdp.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
-    from raggedfsdp.fsdp.memory import PeakMemory
-
     return PeakMemory(device)

@@ -22,6 +22,7 @@ Note [FSDP tensors]
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
 
@@ -43,13 +44,22 @@ class GradState(enum.Enum):
     """What a unit's unsharded gradient buffers hold."""
 
     NONE = "none"  # no unsharded grad storage
-    ACCUMULATING = "accumulating"  # allocated, ``.grad`` views pre-set, autograd may add into them
+    ACCUMULATING = "accumulating"  # ``.grad`` views pre-set (storage allocated at the first gradient)
     HELD = "held"  # no-sync: accumulated grads kept for the next synced backward
     REDUCING = "reducing"  # a reduce-scatter reads them (a PendingReduce in the root's queue)
 
 
 class InvariantError(RuntimeError):
     """A broken internal invariant of the FSDP runtime (a bug, never a user error)."""
+
+
+def labelled(name: str):
+    """``torch.profiler.record_function(name)`` while a profiler runs, else a no-op: names the FSDP
+    work that allocates each buffer in traces and in ``PeakMemory(breakdown=...)`` (as FSDP2's
+    ``FSDP::all_gather (unit)`` labels do), at no cost outside profiling."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def check(cond: bool, msg: str) -> None:

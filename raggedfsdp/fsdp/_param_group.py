@@ -33,7 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from raggedfsdp._torch_patches import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream, debug_enabled
-from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride
+from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
 from raggedfsdp.fsdp._reduce import launch_reduce
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import plan_layout
@@ -263,7 +263,8 @@ class FSDPParamGroup:
         pre-set view and the grad buffer is not allocated yet, allocate it (zeroed). Local."""
         fp.got_grad = True
         if fp.unsharded.grad is fp.grad_view and not self.bufs.grads.is_allocated:
-            self.bufs.begin_grads()
+            with labelled(f"raggedfsdp::begin_grads ({self.unit_name})"):
+                self.bufs.begin_grads()
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
@@ -325,13 +326,14 @@ class FSDPParamGroup:
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
-        if self.post_forward_buf is not None and version == self._post_forward_version:
-            buf, self.post_forward_buf = self.post_forward_buf, None
-            self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
-                                                    source_group=self.post_forward_group)
-        else:
-            self.post_forward_buf = None
-            self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
+        with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
+            if self.post_forward_buf is not None and version == self._post_forward_version:
+                buf, self.post_forward_buf = self.post_forward_buf, None
+                self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
+                                                        source_group=self.post_forward_group)
+            else:
+                self.post_forward_buf = None
+                self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 

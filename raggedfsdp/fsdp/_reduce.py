@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_, debug_enabled
-from raggedfsdp.fsdp._common import GradState, check
+from raggedfsdp.fsdp._common import GradState, check, labelled
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
@@ -114,7 +114,8 @@ class PendingReduce:
         if self.post_divide is not None and self.post_divide != 1.0:
             out.div_(self.post_divide)
         if not self.direct:
-            sg = g.bufs.sharded_grad_buffer().data
+            with labelled(f"raggedfsdp::install_grads ({g.unit_name})"):
+                sg = g.bufs.sharded_grad_buffer().data
             if sg.device == out.device:
                 sg.copy_(out) if self.fresh else sg.add_(out)
             elif out.device.type == "cpu" or not sg.is_pinned():
@@ -275,17 +276,22 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     fresh = group.sharded_grads_fresh()
     direct = (fresh and use_avg and group.reduce_dtype == group.orig_dtype and group.shard_world > 1
               and group.storage_device == group.device)
-    out = group.bufs.sharded_grad_buffer() if direct else group.bufs.sharded_output(group.reduce_dtype)
-    for fp in group.fsdp_params:
-        if fp.unsharded is not None:
-            fp.unsharded.grad = None
-    params = tuple(group.trainable)
-    flags = group.take_used_flags()
-    if debug_enabled():
-        group.agree_on_collective("reduce-scatter", group.layout.total_size)
-    handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
+    with labelled(f"raggedfsdp::reduce_scatter ({group.unit_name})"):
+        out = group.bufs.sharded_grad_buffer() if direct else group.bufs.sharded_output(group.reduce_dtype)
+        params = tuple(group.trainable)
+        flags = group.take_used_flags()
+        handle, inp = _launch(group, queue, out, op)
     group.grad_state = GradState.REDUCING
     group._sg_pending = True
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
+
+
+def _launch(group: FSDPParamGroup, queue: ReduceQueue, out: DBuffer, op):
+    for fp in group.fsdp_params:
+        if fp.unsharded is not None:
+            fp.unsharded.grad = None
+    if debug_enabled():
+        group.agree_on_collective("reduce-scatter", group.layout.total_size)
+    return group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)

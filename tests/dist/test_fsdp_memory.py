@@ -213,3 +213,92 @@ def test_frozen_base_holds_no_gradient_memory():
     assert tor["grad_storage"] < MiB and tor["bwd_peak"] < MiB, tor  # the reference behaves as described
     assert rag["grad_storage"] <= max(tor["grad_storage"], 64 * 1024), (rag, tor)
     assert rag["bwd_peak"] <= tor["bwd_peak"], (rag, tor)
+
+
+class _LateGradBlock(torch.nn.Module):
+    """``fc``, then a parameter-free chain whose saved activations backward frees *before* ``fc``'s
+    gradients arrive: a unit whose gradient buffer is allocated early (at pre-backward) holds it on
+    top of those activations; FSDP2's per-parameter grads appear only when autograd computes them."""
+
+    def __init__(self, d: int = 512):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        for _ in range(4):
+            h = h * torch.sigmoid(h)
+        return h
+
+
+LATE_GRAD_SLACK = 64 * 1024  # bias slices + padding of our flat buffer (one weight unit here is 1 MiB)
+
+
+def _late_grad_case(rank, ws):
+    from _memory import backends
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp.fsdp.memory import PeakMemory
+
+    mesh = init_device_mesh("cpu", (ws,))
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, (fs, _) in backends().items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_LateGradBlock() for _ in range(4)])
+        for b in model:
+            fs(b, mesh=mesh)
+        fs(model, mesh=mesh)
+        for _ in range(2):  # warm-up, then the measured backward
+            with PeakMemory() as m:
+                loss = model(x).square().mean()
+                m.reset()  # window 2: backward, above the end of forward
+                loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        out[name] = m.windows[-1].peak_bytes
+        del model, loss
+    return out
+
+
+def test_grad_buffer_allocated_at_first_gradient():
+    """A unit's flat grad buffer is allocated when its first gradient arrives, not at its pre-backward
+    (then the backward peak here would be one grad unit, 1 MiB, above FSDP2's)."""
+    r = run_fake_rank(_late_grad_case, 2, 0)
+    _report("4 x (Linear(512,512) + 4 x x*sigmoid(x)), batch 256, ws=2 rank 0: backward peak above forward's end",
+            [f"{b}: {v / MiB:.4f} MiB" for b, v in r.items()])
+    assert r["ragged"] <= r["torch"] + LATE_GRAD_SLACK, r
+
+
+def _gloo_reduce_scatter_case(rank, ws):
+    import torch.distributed as dist
+
+    from raggedfsdp.buffer import DBuffer
+    from raggedfsdp.fsdp.memory import PeakMemory
+    from raggedfsdp.planner import plan_layout
+
+    layout = plan_layout([3 * 100_003, 7], [1, 1], ws)
+    S = layout.shard_size
+    gen = torch.Generator().manual_seed(rank)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        buf = DBuffer(layout, sharded=False, rank=rank, dtype=torch.float32, device=torch.device("cpu"),
+                      shapes=[(3 * 100_003,), (7,)])
+        buf.data.copy_(torch.randn(buf.data.shape, generator=gen) * 1e3)
+        ref_out = torch.empty(S)
+        dist.reduce_scatter_tensor(ref_out, buf.data.clone(), op=op)  # gloo's own reduce-scatter
+        out = torch.empty(S)
+        with PeakMemory() as m:
+            work = buf.reduce_scatter_(out, None, op=op, async_op=True, consume_input=True)
+            work.wait()
+            del work
+        # in flight it held nothing of its own (gloo's reduce-scatter clones the whole input)
+        assert m.peak_bytes < 0.01 * buf.data.numel() * 4, (op, m.peak_bytes, buf.data.numel() * 4)
+        assert torch.equal(out, ref_out), (op, (out - ref_out).abs().max())
+
+
+def test_gloo_reduce_scatter_of_consumed_buffer_is_exact_and_holds_no_clone():
+    """``DBuffer.reduce_scatter_(consume_input=True)`` on gloo: bitwise gloo's reduce-scatter (SUM, AVG),
+    without the whole-unit input clone gloo's own reduce-scatter keeps while it is in flight."""
+    from _dist import run_distributed
+
+    run_distributed(_gloo_reduce_scatter_case, 3)
