@@ -9,7 +9,8 @@ are live at the peak, grouped by the op chain that allocated them and by categor
 
 * ``params``: unsharded parameters (ours: ``raggedfsdp::unshard``; FSDP2: all-gather output and
   the per-parameter copy-out);
-* ``grads``: unsharded gradients (ours: ``raggedfsdp::begin_grads``, the flat buffer; FSDP2:
+* ``grads``: unsharded gradients (ours: ``raggedfsdp::begin_grads``, the flat buffer, and its
+  ``reduce_dtype`` copy; FSDP2:
   autograd's weight gradients, kept as ``.grad``) and reduce-scatter inputs;
 * ``sharded grads``: reduce-scatter outputs / sharded gradient buffers;
 * ``backend``: scratch of the process group (gloo's all-gather / reduce-scatter buffers);
@@ -44,10 +45,11 @@ def category(op: str, nbytes: int, unit_bytes: int) -> str:
         return "params"
     if "raggedfsdp::begin_grads" in op or "AccumulateGrad" in op:
         return "grads"
-    if "raggedfsdp::reduce_scatter" in op or "raggedfsdp::install_grads" in op:
+    if "raggedfsdp::install_grads" in op:
         return "sharded grads"
-    if "FSDP::post_backward_reduce" in op:  # FSDP2's reduce-scatter input (chunk_cat) and its output
-        return "grads" if nbytes > unit_bytes // 2 else "sharded grads"
+    if "raggedfsdp::reduce_scatter" in op or "FSDP::post_backward_reduce" in op:
+        # the reduce-scatter's unsharded input (ours: the reduce_dtype copy; FSDP2: chunk_cat) or its output
+        return "grads" if nbytes > unit_bytes // 3 else "sharded grads"
     if "Backward" in op and op.startswith("aten::mm"):
         return "grads (weight grads / temporaries)"
     return "activations"
