@@ -190,5 +190,9 @@ def format_report(r: dict) -> str:
             f"{'floor: no FSDP, no comm':22s}{f * 1e3:13.1f} ms   best possible throughput ratio x{r['throughput_ceiling']:.3f}",
             f"{'FSDP overhead / step':22s}{o['raggedfsdp'] * 1e3:13.1f} ms{o['torch'] * 1e3:13.1f} ms"
             f"   torch / raggedfsdp x{r['overhead_ratio']:.3f}",
+            f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
+            "   (the step's collectives replayed alone)",
+            f"{'  the rest':22s}{r['non_comm_overhead_seconds']['raggedfsdp'] * 1e3:13.1f} ms"
+            f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, exposed waits)",
         ]
     return "\n".join(lines)

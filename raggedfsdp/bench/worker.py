@@ -16,7 +16,10 @@ Phases (collective: every rank runs every phase):
    step time is the floor no FSDP can beat. It turns the throughput ratio into an explanation:
    ``throughput_ceiling`` = torch step / floor step is the best ratio any FSDP could reach on this
    machine, and ``overhead_ratio`` = (torch - floor) / (raggedfsdp - floor) is how much of FSDP2's
-   own cost (communication, copies, hooks) raggedfsdp removes;
+   own cost (communication, copies, hooks) raggedfsdp removes; each system's forward + backward
+   collectives are also replayed alone (``comm_only_seconds``, the same sizes, blocking, no compute),
+   so ``non_comm_overhead_seconds`` = step - floor - comm is what hooks, copies, gradient traffic and
+   exposed waits cost;
 3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp  # noqa: F401  (installs the RaggedShard patches)
-    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, state_bytes
+    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, replay_collectives, state_bytes
     from raggedfsdp.bench.registry import get_bench_model
     from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
@@ -154,7 +157,8 @@ def run(args: argparse.Namespace) -> dict | None:
         counts[n] = dict(copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
                          backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
                          collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
-                         host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
+                         host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops),
+                         comm_only_seconds=replay_collectives(sc.trace, device) if args.floor else None)
     _progress(args, rank, "counted copies and collectives; measuring peak memory")
     mem = []
     for n in names:
@@ -212,6 +216,9 @@ def run(args: argparse.Namespace) -> dict | None:
             throughput_ceiling=tt["step_seconds_median"] / fl,
             overhead_seconds=dict(raggedfsdp=over_r, torch=over_t),
             overhead_ratio=over_t / over_r if over_r > 0 else float("inf"),
+            # step - floor - the same collectives run alone: hooks, copies, gradient traffic, exposed waits
+            non_comm_overhead_seconds={n: out[n]["step_seconds_median"] - fl - out[n]["comm_only_seconds"]
+                                       for n in names},
         )
     return dict(**floor,
         model=args.model, flavor=args.flavor, wrap=args.wrap,

@@ -35,6 +35,10 @@ def test_bench_json_smoke_moe_two_ranks():
     assert fl > 0 and len(r["local_floor"]["step_seconds"]) == 2
     assert r["throughput_ceiling"] == pytest.approx(b["step_seconds_median"] / fl)
     assert r["overhead_seconds"]["torch"] == pytest.approx(b["step_seconds_median"] - fl)
+    for n, sysr in (("raggedfsdp", a), ("torch", b)):  # the step's collectives replayed alone
+        assert sysr["comm_only_seconds"] > 0
+        assert r["non_comm_overhead_seconds"][n] == pytest.approx(
+            sysr["step_seconds_median"] - fl - sysr["comm_only_seconds"])
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)
