@@ -253,18 +253,22 @@ class FSDPParamGroup:
         self.bufs.grads.free()
 
     def _register_grad_hook(self, fp: FSDPParam) -> None:
-        # one tensor pre-hook per unsharded param: it runs just before autograd accumulates into the
-        # pre-set ``.grad`` view, so the unit's grad buffer is allocated at its first gradient
+        # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
+        # param's gradient, so the unit's grad buffer is allocated at its first gradient
         fp.unsharded.register_hook(lambda _g, fp=fp: self._on_grad(fp))
         fp.extra["hooked"] = True
 
     def _on_grad(self, fp: FSDPParam) -> None:
-        """A gradient is about to be accumulated into ``fp``: mark it used and, if ``.grad`` is our
-        pre-set view and the grad buffer is not allocated yet, allocate it (zeroed). Local."""
+        """A gradient is about to be accumulated into ``fp``: mark it used and, while the unit takes
+        gradients (pre-backward ran), point ``.grad`` at its view of the grad buffer, allocating the
+        buffer (zeroed) at the unit's first gradient; autograd then adds into the view. ``.grad`` stays
+        ``None`` until then (as in FSDP2), never a view of freed storage. Local."""
         fp.got_grad = True
-        if fp.unsharded.grad is fp.grad_view and not self.bufs.grads.is_allocated:
-            with labelled(f"raggedfsdp::begin_grads ({self.unit_name})"):
-                self.bufs.begin_grads()
+        if fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD):
+            if not self.bufs.grads.is_allocated:
+                with labelled(f"raggedfsdp::begin_grads ({self.unit_name})"):
+                    self.bufs.begin_grads()
+            fp.unsharded.grad = fp.grad_view
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
@@ -387,11 +391,12 @@ class FSDPParamGroup:
 
     # ---- backward ------------------------------------------------------------------------
     def prepare_grads(self) -> None:
-        """Pre-set ``.grad`` views of the unsharded grads. The buffer itself is allocated (zeroed) at the
-        unit's first gradient (``_on_grad``), or here if a ``.grad`` set by the user must be folded in:
-        until then the unit holds no gradient memory, as FSDP2, whose per-parameter grads appear as
-        autograd computes them. Local (may wait this unit's previous reduce-scatter: a module whose
-        backward runs twice)."""
+        """Open the unit for gradients (pre-backward). The flat grad buffer is allocated (zeroed) at the
+        unit's first gradient by ``_on_grad``, which also sets each ``.grad`` to its view; here only if
+        a ``.grad`` set by the user must be folded in, or views are pre-set when the buffer is already
+        allocated (no-sync accumulation). Until then the unit holds no gradient memory, as in FSDP2,
+        whose per-parameter grads appear as autograd computes them. Local (may wait this unit's
+        previous reduce-scatter: a module whose backward runs twice)."""
         if not self.any_trainable:
             return
         if self.grad_state is GradState.REDUCING:
@@ -400,17 +405,20 @@ class FSDPParamGroup:
         if self.grad_state is GradState.NONE:
             self.grad_state = GradState.ACCUMULATING
         for fp in self.trainable:
-            if fp.unsharded.grad is not fp.grad_view:
-                if fp.unsharded.grad is not None:  # e.g. user set it; fold it in
-                    self.bufs.begin_grads()
-                    fp.grad_view.add_(fp.unsharded.grad)
+            g = fp.unsharded.grad
+            if g is not None and g is not fp.grad_view:  # e.g. user set it; fold it in
+                self.bufs.begin_grads()
+                fp.grad_view.add_(g)
+                fp.unsharded.grad = fp.grad_view
+            elif g is None and self.bufs.grads.is_allocated:
                 fp.unsharded.grad = fp.grad_view
 
     def _collect_stray_grads(self) -> bool:
         """Fold grads autograd did not accumulate into our views (it steals when ``.grad`` is None).
-        True if the unit has grads to reduce (pre-set views count: every rank that ran the unit's
-        backward must take part in its reduce-scatter)."""
-        any_grad = self.grad_state is GradState.HELD
+        True if the unit has grads to reduce (a unit whose pre-backward ran counts even if no gradient
+        reached it on this rank: every rank that ran the unit's backward must take part in its
+        reduce-scatter)."""
+        any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
         for fp in self.trainable:
             g = fp.unsharded.grad
             if g is None:

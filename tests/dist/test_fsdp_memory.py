@@ -258,6 +258,8 @@ def _late_grad_case(rank, ws):
         for b in model:
             fs(b, mesh=mesh)
         fs(model, mesh=mesh)
+        seen = []  # .grad of the first block's weight when its backward starts: no gradient has arrived
+        model[0].fc.register_full_backward_pre_hook(lambda mod, _g: seen.append(mod.weight.grad))
         for _ in range(2):  # warm-up, then the measured backward
             with PeakMemory() as m:
                 loss = model(x).square().mean()
@@ -266,7 +268,8 @@ def _late_grad_case(rank, ws):
             for p in model.parameters():
                 p.grad = None
         out[name] = m.windows[-1].peak_bytes
-        del model, loss
+        out[name + " grad before first gradient"] = [g is None for g in seen]
+        del model, loss, seen
     return out
 
 
@@ -275,8 +278,11 @@ def test_grad_buffer_allocated_at_first_gradient():
     (then the backward peak here would be one grad unit, 1 MiB, above FSDP2's)."""
     r = run_fake_rank(_late_grad_case, 2, 0)
     _report("4 x (Linear(512,512) + 4 x x*sigmoid(x)), batch 256, ws=2 rank 0: backward peak above forward's end",
-            [f"{b}: {v / MiB:.4f} MiB" for b, v in r.items()])
+            [f"{b}: {v / MiB:.4f} MiB" if isinstance(v, int) else f"{b}: {v}" for b, v in r.items()])
     assert r["ragged"] <= r["torch"] + LATE_GRAD_SLACK, r
+    # and until a unit's first gradient its params' .grad is None, as in FSDP2 (not a view of freed storage)
+    assert r["torch grad before first gradient"] == [True, True], r
+    assert r["ragged grad before first gradient"] == [True, True], r
 
 
 def _gloo_reduce_scatter_case(rank, ws):
