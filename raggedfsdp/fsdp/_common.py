@@ -9,8 +9,9 @@ Note [FSDP tensors]
       and backward.
     * unsharded param -- a plain ``nn.Parameter`` of ``shape`` in ``param_dtype`` whose data is a view
       into the unsharded DBuffer; registered on the module while it is unsharded (forward/backward).
-    * unsharded grad  -- a view into the unsharded grad DBuffer, pre-set as the unsharded param's
-      ``.grad`` so autograd's AccumulateGrad adds into it in place.
+    * unsharded grad  -- a view into the unsharded grad DBuffer, set as the unsharded param's
+      ``.grad`` by a tensor pre-hook just before autograd's AccumulateGrad runs (the buffer is
+      allocated at the unit's first gradient), so AccumulateGrad adds into it in place.
     * sharded grad    -- a RaggedShard DTensor view into the sharded grad DBuffer, set as the sharded
       param's ``.grad`` when backward ends (lazily, once every rank's used-parameter flags are known).
 
@@ -44,7 +45,7 @@ class GradState(enum.Enum):
     """What a unit's unsharded gradient buffers hold."""
 
     NONE = "none"  # no unsharded grad storage
-    ACCUMULATING = "accumulating"  # ``.grad`` views pre-set (storage allocated at the first gradient)
+    ACCUMULATING = "accumulating"  # pre-backward ran; grads go into buffer views (allocated at the first)
     HELD = "held"  # no-sync: accumulated grads kept for the next synced backward
     REDUCING = "reducing"  # a reduce-scatter reads them (a PendingReduce in the root's queue)
 
