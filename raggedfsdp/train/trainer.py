@@ -44,7 +44,14 @@ from raggedfsdp.train.data import (
     windows,
 )
 from raggedfsdp.train.faults import FaultPlan
-from raggedfsdp.train.guard import FaultError, StepGuard, all_finite, signal_name
+from raggedfsdp.train.guard import (
+    FaultError,
+    StepGuard,
+    all_finite,
+    gather_signals,
+    out_of_memory,
+    signal_name,
+)
 from raggedfsdp.train.lr_schedule import lr_at
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 
@@ -332,7 +339,7 @@ class Trainer:
                 "config": self.cfg.to_dict(),
             },
             run_id=self.run_id,
-            inject_enospc=self.faults.take("enospc", step),
+            inject=self.faults.save_fault(step),
         )
 
     # -- steps -------------------------------------------------------------------------------
@@ -392,6 +399,7 @@ class Trainer:
             logits = self.model(inputs)  # (b, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             if self.faults and micro == 0:
+                self.faults.inject_forward(step)  # oom
                 if self.faults.take("nan", step):
                     loss = loss * float("nan")
                 elif self.faults.take("inf", step):
@@ -533,7 +541,13 @@ class Trainer:
         self.model.train()
         self.watchdog.arm()
         for step in range(first, t.steps + 1):
-            _, _, lr = self.train_step(step)
+            try:
+                _, _, lr = self.train_step(step)
+            except (RuntimeError, MemoryError) as e:  # out of memory: one line naming rank, step, batch
+                oom = out_of_memory(e, step, self.rank, self.device, self.batch_ids(step))
+                if oom is e:
+                    raise
+                raise oom from e
             st = self.last_stats  # global loss and grad norm, from the step's fused all-reduce
             if st.signals:
                 self._interrupted(step, st.signals, saved_step)
@@ -577,8 +591,15 @@ class Trainer:
                 )
                 mark = time.perf_counter()  # exclude eval time from the next throughput figure
             if interval > 0 and (step % interval == 0 or is_last):
-                self.save(step, lr)
+                path = self.save(step, lr)
                 saved_step = step
+                if self.interrupts is not None and not is_last:  # a signal during the save: stop now
+                    signals = gather_signals(self.interrupts.signum, self.device)
+                    if signals:
+                        raise Interrupted(min(signals.values()), (
+                            f"interrupted by {signal_name(min(signals.values()))} (rank(s) {sorted(signals)}) "
+                            f"during the save of step {step}, which completed: saved {path}; continue with "
+                            f"--resume auto --out {cfg.job.out}"))  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
         elapsed = time.perf_counter() - start
         self.watchdog.progress("done")
