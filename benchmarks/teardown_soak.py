@@ -183,7 +183,7 @@ def _forked_rank(case: str, out: str) -> None:
 
         q = _Q()
         _worker(_fsdp_step, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["SOAK_STORE"], (), q)
-        (rank, tb), = q
+        ((_, tb),) = q
         if tb is not None:
             print(tb, file=sys.stderr, flush=True)
             sys.exit(1)
@@ -212,12 +212,12 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
     else:
         port = str(_free_port())
-        procs = [
-            subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port))  # fmt: skip
+        envs = [
+            _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
             for r in range(nproc)
         ]
+        procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e) for e in envs]
     outs, deadline = [], time.monotonic() + timeout
     for p in procs:
         try:
@@ -276,17 +276,14 @@ def main() -> None:
     if launcher == "torchrun" and args.case not in ("bare", "harness"):
         p.error("--launcher torchrun: bare or harness only")
     if launcher == "fork":  # import once here; each run forks new ranks (no torch op ran in this process)
-        import torch
-        import torch.distributed  # noqa: F401
-        import torch.distributed.device_mesh  # noqa: F401
         import gc
 
-        import raggedfsdp  # noqa: F401
-        import raggedfsdp.train.teardown  # noqa: F401
+        import torch
+        import torch.distributed
+        import torch.distributed.device_mesh
+
 
         sys.path.insert(0, str(ROOT / "tests"))
-        import _dist  # noqa: F401
-        import _toy_models  # noqa: F401
 
         torch.set_num_threads(1)
         gc.freeze()  # forked ranks would otherwise copy every page at exit (refcounts), seconds per run

@@ -32,7 +32,6 @@ from raggedfsdp.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
@@ -54,6 +53,7 @@ from raggedfsdp.train.guard import (
 )
 from raggedfsdp.train.lr_schedule import lr_at
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
+from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
 
 logger = logging.getLogger(__name__)
 

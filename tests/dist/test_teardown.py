@@ -8,7 +8,6 @@ that the abort is gone. ``benchmarks/teardown_soak.py`` counts such aborts over 
 from __future__ import annotations
 
 import pytest
-
 from _dist import run_distributed
 
 

@@ -543,7 +543,7 @@ def test_unwritable_out_is_one_line_before_the_launch(tmp_path):
     home.chmod(0o777)
     cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *_cli(), "train", *ARGS,
            "--steps", "2", "--out", str(locked / "o")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**_env(), "HOME": str(home)})
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env={**_env(), "HOME": str(home)})
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     o = locked / "o"  # the path named is the first one the user could not touch (o, or o/run.json)
