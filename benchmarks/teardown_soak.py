@@ -277,14 +277,16 @@ def main() -> None:
         p.error("--launcher torchrun: bare or harness only")
     if launcher == "fork":  # import once here; each run forks new ranks (no torch op ran in this process)
         import gc
+        import importlib
 
         import torch
-        import torch.distributed
-        import torch.distributed.device_mesh
-
 
         sys.path.insert(0, str(ROOT / "tests"))
-
+        # what the ranks import, the first DTensor/FSDP step included (torch._dynamo & co: ~3 s per rank)
+        for name in ("torch.distributed", "torch.distributed.device_mesh", "torch._dynamo", "torch._functorch",
+                     "torch._inductor", "torch.fx", "torch.profiler", "raggedfsdp", "raggedfsdp.placement",
+                     "raggedfsdp.train.teardown", "_dist", "_toy_models"):  # fmt: skip
+            importlib.import_module(name)
         torch.set_num_threads(1)
         gc.freeze()  # forked ranks would otherwise copy every page at exit (refcounts), seconds per run
     counts = {"ok": 0, "abort": 0, "fail": 0}

@@ -507,7 +507,7 @@ def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_p
     before = _losses(out)
     assert set(before) >= {1, 2, 3, 4}, before
 
-    env["RAGGEDFSDP_FAULT_SLEEP_S"] = "4"
+    env["RAGGEDFSDP_FAULT_SLEEP_S"] = "3"
     proc = subprocess.Popen([*cmd, "--resume", "auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)  # fmt: skip
     err = _stderr_reader(proc)
