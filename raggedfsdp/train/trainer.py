@@ -52,35 +52,13 @@ from raggedfsdp.train.guard import (
     signal_name,
 )
 from raggedfsdp.train.lr_schedule import lr_at
+from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Interrupted", "Trainer"]
-
-
-class Interrupted(Exception):
-    """Raised on every rank at the step boundary after a SIGINT/SIGTERM/SIGHUP (exit 128 + signum)."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
-
-
-class _NoWatchdog:
-    step = 0
-
-    def arm(self) -> None:
-        pass
-
-    def progress(self, where: str, step: int | None = None) -> None:
-        pass
-
-    def paused(self, where: str):
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +78,7 @@ class Trainer:
         self.world_size = dist.get_world_size()
         cfg.validate(world_size=self.world_size)
         self.out_dir = Path(cfg.job.out)
-        self.watchdog = watchdog or _NoWatchdog()
+        self.watchdog = watchdog or NoWatchdog()
         self.interrupts = interrupts
         self.faults = FaultPlan.from_env(self.rank, cfg.debug)
         t = cfg.training
