@@ -279,10 +279,10 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     for fp in group.fsdp_params:
         if fp.unsharded is not None:
             fp.unsharded.grad = None
-    params = tuple(group.trainable)
+    params = tuple(group.grad_fps)
     flags = group.take_used_flags()
     if debug_enabled():
-        group.agree_on_collective("reduce-scatter", group.layout.total_size)
+        group.agree_on_collective("reduce-scatter", group.bufs.grad_layout.total_size)
     handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
     group.grad_state = GradState.REDUCING
     group._sg_pending = True
