@@ -335,6 +335,7 @@ class FSDPParamGroup:
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
+        self.comm.reduces.note(self, "all-gather")  # Note [unit agreement]
         if self.post_forward_buf is not None and version == self._post_forward_version:
             buf, self.post_forward_buf = self.post_forward_buf, None
             self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
@@ -342,6 +343,7 @@ class FSDPParamGroup:
         else:
             self.post_forward_buf = None
             self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
+        self._unshard.context = self.comm.reduces.context(self)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 

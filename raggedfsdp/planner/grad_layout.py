@@ -20,6 +20,7 @@ All sizes and offsets are in **elements**. Pure Python; no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from raggedfsdp.planner.layout import Layout
 
@@ -95,7 +96,7 @@ class GradLayout:
         segs = self.segments(i)
         if not segs:
             return None
-        for (a0, b0, d0), (a1, _, d1) in zip(segs, segs[1:]):
+        for (a0, b0, d0), (_, _, d1) in pairwise(segs):
             if d1 != d0 + (b0 - a0):
                 return None
         return segs[0][2]
@@ -109,7 +110,7 @@ def plan_grad_layout(layout: Layout, members) -> GradLayout:
     ``ValueError`` for an index outside the layout or a duplicate member.
     """
     n, m, al = len(layout.numels), layout.world_size, layout.align
-    mem = tuple(sorted(set(int(i) for i in members)))
+    mem = tuple(sorted({int(i) for i in members}))
     if len(mem) != len(list(members)) or any(not 0 <= i < n for i in mem):
         raise ValueError(f"plan_grad_layout: members={list(members)} must be distinct tensor indices in [0, {n})")
     by_rank_offsets = {i: [0] * m for i in mem}

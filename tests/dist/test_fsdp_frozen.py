@@ -115,7 +115,7 @@ def _frozen_cases(rank, ws):
             ref_opt.zero_grad(set_to_none=set_to_none)
         got = full_params(model)
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, w=f"{name} {n}": f"{w}: {m}")
 
 
 def test_frozen_params_parity_ws3():
