@@ -72,12 +72,13 @@ class UnitBuffers:
         """True while the grad roles use a compacted :class:`GradLayout` (some tensors have no slot)."""
         return self.grad_layout is not self.layout
 
-    def set_grad_members(self, members: tuple[int, ...] | None) -> bool:
+    def set_grad_members(self, members: tuple[int, ...] | None):
         """Lay the grad roles out for ``members`` (tensor indices with gradient storage; ``None``: all, the
         parameter layout). Allocated unsharded grads / accumulator / sharded grads are moved into the new
         layout (values of tensors in both layouts kept, new slots zero); the old sharded grad DBuffer is
-        dropped here, so the caller re-points any ``.grad`` views of it. Returns True if the layout
-        changed. Local (one copy per piece, only when the member set changes)."""
+        dropped here, so the caller re-points any ``.grad`` views of it. Returns the previous layout if
+        it changed (for :meth:`relayout_sharded`), else ``None``. Local (one copy per piece, only when the
+        member set changes)."""
         if members is not None and len(members) == len(self.shapes):
             members = None
         if members is None:
@@ -87,7 +88,7 @@ class UnitBuffers:
             if new is None:
                 new = self._grad_layouts[members] = plan_grad_layout(self.layout, members)
         if new is self.grad_layout:
-            return False
+            return None
         old, old_grads, old_acc, old_sg = self.grad_layout, self.grads, self.acc, self.sharded_grads
         self.grad_layout = new
         self.grads = self.param_layout_grads if new is self.layout else self._unsharded(self.param_dtype,
@@ -104,7 +105,14 @@ class UnitBuffers:
             old_acc.free()
         if old_sg is not None and old_sg.is_allocated and old_sg.data.device.type != "meta":
             _move_pieces(old, new, old_sg.data, self.sharded_grad_buffer().data, sharded=True, rank=self.rank)
-        return True
+        return old
+
+    def relayout_sharded(self, t: torch.Tensor, old) -> torch.Tensor:
+        """A ``(Sg,)`` tensor laid out by ``old`` (e.g. HSDP's deferred partial reduction) moved into the
+        current grad layout (new slots zero). Local."""
+        out = torch.zeros(self.grad_layout.shard_size, dtype=t.dtype, device=t.device)
+        _move_pieces(old, self.grad_layout, t, out, sharded=True, rank=self.rank)
+        return out
 
     def add_tensor_grad(self, i: int, grad: torch.Tensor) -> None:
         """Add tensor ``i``'s full unsharded gradient ``grad`` (its global shape) into its pieces of the

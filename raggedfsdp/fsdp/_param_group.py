@@ -175,7 +175,7 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
-        self._partial_flags: tuple[bool, ...] | None = None
+        self._partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
         self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
@@ -421,7 +421,7 @@ class FSDPParamGroup:
     def _sync_grad_members(self) -> None:
         """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
         accumulation window (grads held), params that hold grads keep their slots. Local."""
-        held = self.grad_state is not GradState.NONE or self.bufs.has_grads()
+        held = self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
         have = {id(fp) for fp in self.grad_fps}
         want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
         if {id(fp) for fp in want} == have:
@@ -433,7 +433,9 @@ class FSDPParamGroup:
             if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
                 fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
         kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
-        self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in want) if want else None)
+        old = self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in want) if want else None)
+        if old is not None and self._partial_reduce is not None:  # HSDP deferred all-reduce
+            self._partial_reduce = self.bufs.relayout_sharded(self._partial_reduce, old)
         for fp in self.fsdp_params:
             fp.sharded_grad = None
         for fp in kept:
@@ -526,7 +528,7 @@ class FSDPParamGroup:
         for fp in self.grad_fps:
             fp.got_grad = False
         if self._partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
-            flags = tuple(a or b for a, b in zip(flags, self._partial_flags))
+            flags = tuple(f or self._partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
             self._partial_flags = None
         return flags
 

@@ -104,7 +104,7 @@ class PendingReduce:
                     g._partial_reduce = self.out.data.clone()
                 else:
                     g._partial_reduce.add_(self.out.data)
-                g._partial_flags = self.flags
+                g._partial_flags = {id(fp): f for fp, f in zip(self.params, self.flags)}
                 self.out.free()
                 self.stage, self.attach = ReduceStage.DEFERRED, False
                 return

@@ -60,24 +60,31 @@ def _check_layout(group, ws, rank):
             assert g.placements == fp.sharded.placements and g._local_tensor.shape == fp.sharded._local_tensor.shape
 
 
-def _frozen_cases(rank, ws):
+def _frozen_cases(rank, ws, mesh_shape=None):
+    """Also run by test_fsdp_parity's HSDP test on a (2, 2) mesh (``mesh_shape``), where the micro-batches
+    defer the replicate all-reduce (``set_requires_all_reduce``) instead of the whole sync."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp
 
-    mesh = init_device_mesh("cpu", (ws,))
+    hsdp = mesh_shape is not None
+    mesh = init_device_mesh("cpu", mesh_shape or (ws,))
     g = torch.Generator().manual_seed(5)
     data = [torch.randn(2 * ws, 24, generator=g) for _ in range(10)]
     per = 2
-    # (name, schedule {step: [(names, requires_grad)]}, zero_grad set_to_none, micro-batches, reduce_dtype)
+    # (name, steps, schedule {step or (step, micro-batch): [(names, requires_grad)]}, zero_grad set_to_none,
+    #  micro-batches, reduce_dtype)
     cases = [
-        ("lora", {}, True, 1, None),
-        ("change-between-steps", {2: [(["base.bias"], True)], 3: [(["a.weight"], False)],
-                                  4: [(FROZEN + ("a.weight",), True)], 5: [(["base.weight"], False)]}, False, 1, None),
-        ("no-sync, freeze mid-window", {(1, 1): [(["a.weight"], False)], 2: [(["a.weight"], True)]}, True, 2,
-         torch.float64),
+        ("lora", 3, {}, True, 1, None),
+        ("change-between-steps", 6, {2: [(["base.bias"], True)], 3: [(["a.weight"], False)],
+                                     4: [(FROZEN + ("a.weight",), True)], 5: [(["base.weight"], False)]}, False, 1,
+         None),
+        ("accumulate, freeze / unfreeze mid-window", 3, {(0, 1): [(["base.bias"], True)], (1, 1): [(["a.weight"], False)],
+                                                         2: [(["a.weight"], True)]}, True, 2, torch.float64),
     ]
-    for name, schedule, set_to_none, micro, reduce_dtype in cases:
+    if hsdp:
+        cases = cases[:1] + cases[2:]
+    for name, n_steps, schedule, set_to_none, micro, reduce_dtype in cases:
         torch.manual_seed(0)
         ref = LoraNet()
         _set_rg(ref, FROZEN, False)
@@ -88,18 +95,19 @@ def _frozen_cases(rank, ws):
         group = model._raggedfsdp_state.group
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        steps = len(data) // micro
-        for step in range(min(steps, 6)):
+        for step in range(n_steps):
             for mb in range(micro):
                 for names, rg in schedule.get(step if mb == 0 else (step, mb), []):
                     _set_rg(ref, names, rg)
                     _set_rg(model, names, rg)
                 x = data[step * micro + mb]
-                if micro > 1:
+                if micro > 1 and hsdp:
+                    model.set_requires_all_reduce(mb == micro - 1)
+                elif micro > 1:
                     model.set_requires_gradient_sync(mb == micro - 1)
                 model(x[rank * per : (rank + 1) * per]).square().mean().backward()
                 ref(x).square().mean().backward()
-            if name == "lora" and step == 0:
+            if name == "lora" and step == 0 and not hsdp:
                 _check_layout(group, ws, rank)
             for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                 where = f"{name} ws={ws} step {step}: {n}"
