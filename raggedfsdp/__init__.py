@@ -8,7 +8,7 @@ are installed by the first ``RaggedShard(...)`` of the process (every raggedfsdp
 makes one), so the planner, ``raggedfsdp plan`` and torch's own ``fully_shard`` run on stock torch.
 """
 
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.placement import RaggedShard, RaggedShardOpError
 from raggedfsdp.planner import Layout, plan_layout
 from raggedfsdp.fsdp import (
     CPUOffloadPolicy,
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RaggedShard",
+    "RaggedShardOpError",
     "Layout",
     "plan_layout",
     "fully_shard",

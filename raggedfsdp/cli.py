@@ -60,8 +60,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raggedfsdp {_version()}")
         return 0
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_flags(parser, args.command, extras)
     return int(args.func(args) or 0)
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> None:
+    """argparse's "unrecognized arguments" error, with the closest flags of the subcommand as a hint.
+    Exits with code 2 (argparse's)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    known = [o for o in sub._option_string_actions if o.startswith("--")]
+    hints = []
+    for flag in extras:
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{flag.split('=', 1)[0]}: did you mean {' or '.join(close)}?")
+    msg = "unrecognized arguments: " + " ".join(extras)
+    if hints:
+        msg += " (" + "; ".join(hints) + ")"
+    sub.error(msg + f"; see raggedfsdp {command} --help")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ table of both systems with ratios, or with ``--json`` one JSON object::
      "peak_memory_ratio": raggedfsdp peak / torch peak (max over ranks; < 1: raggedfsdp smaller),
      "raggedfsdp": {"step_seconds_median", "copy_bytes", "padding_bytes", "collectives",
                     "collective_bytes", "host_syncs", "peak_memory_bytes", "final_loss", ...},
-     "torch": {... the same keys ...}, "model", "nproc", "torch_version", ...}
+     "torch": {... the same keys ...}, "model", "nproc", "torch_version", ...,
+     with --floor (default): "local_floor": {"step_seconds_median", ...} (no FSDP, no communication),
+     "throughput_ceiling": torch step / floor step (the best ratio any FSDP could reach here),
+     "overhead_seconds": {"raggedfsdp", "torch"} (step - floor), "overhead_ratio": torch's / ours}
 
 Progress lines go to stderr. Exit code 2 for a bad argument (checked before the launch).
 """
@@ -58,6 +61,9 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="DIR", help="also cProfile rank 0; write DIR/<system>.pstats")
     p.add_argument("--profile-steps", dest="profile_steps", type=int, default=3, help="steps per system to profile")
     p.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the model without FSDP or communication (each rank its own replica): the "
+                        "floor of the step time, giving throughput_ceiling and overhead_ratio; default: on")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -108,8 +114,8 @@ def worker_argv(args) -> list[str]:
         if key in ("nproc", "func", "command") or val is None:
             continue
         flag = "--" + key.replace("_", "-")
-        if key == "foreach":
-            out.append(flag if val else "--no-foreach")
+        if key in ("foreach", "floor"):
+            out.append(flag if val else f"--no-{key}")
             continue
         if val is False:
             continue
@@ -177,4 +183,16 @@ def format_report(r: dict) -> str:
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",
     ]
+    if "local_floor" in r:
+        f = r["local_floor"]["step_seconds_median"]
+        o = r["overhead_seconds"]
+        lines += [
+            f"{'floor: no FSDP, no comm':22s}{f * 1e3:13.1f} ms   best possible throughput ratio x{r['throughput_ceiling']:.3f}",
+            f"{'FSDP overhead / step':22s}{o['raggedfsdp'] * 1e3:13.1f} ms{o['torch'] * 1e3:13.1f} ms"
+            f"   torch / raggedfsdp x{r['overhead_ratio']:.3f}",
+            f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
+            "   (the step's collectives replayed alone)",
+            f"{'  the rest':22s}{r['non_comm_overhead_seconds']['raggedfsdp'] * 1e3:13.1f} ms"
+            f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, exposed waits)",
+        ]
     return "\n".join(lines)

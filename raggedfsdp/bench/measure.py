@@ -51,6 +51,8 @@ class StepCounter(TorchDispatchMode):
         self.bytes: collections.Counter = collections.Counter()
         self.host_syncs = 0
         self.sync_ops: collections.Counter = collections.Counter()
+        # (op, numel / dtype of its first and second tensor argument): c10d ops take (output, input)
+        self.trace: list[tuple[str, int, torch.dtype, int, torch.dtype]] = []
 
     @property
     def collectives(self) -> int:
@@ -69,6 +71,10 @@ class StepCounter(TorchDispatchMode):
             name = pkt.removeprefix("c10d.")
             self.calls[name] += 1
             self.bytes[name] += max(ins, outs)
+            ti, to = _tensors(args[0]) if args else [], _tensors(args[1]) if len(args) > 1 else []
+            if len(ti) == 1 and len(to) <= 1:
+                self.trace.append((name, ti[0].numel(), ti[0].dtype, to[0].numel() if to else 0,
+                                   to[0].dtype if to else ti[0].dtype))
         elif func in _SYNC_OPS or pkt in _SYNC_PACKETS or (
             func in (aten._to_copy.default, aten.copy_.default) and _is_d2h(func, args, kwargs)
         ):
@@ -140,3 +146,37 @@ def peak_memory(device: torch.device):
     from raggedfsdp.fsdp.memory import PeakMemory
 
     return PeakMemory(device)
+
+
+def replay_collectives(trace, device, reps: int = 3) -> float:
+    """Median wall seconds of running ``trace`` (a :class:`StepCounter` ``trace``) alone, one blocking
+    collective after another on the default group with fresh buffers: the communication a step's
+    collectives cost without any compute, hook or copy around them. Collective: every rank calls it
+    with the same trace. Ops other than all-gather / reduce-scatter / all-reduce are skipped."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    from raggedfsdp.buffer.dbuffer import _all_gather_single, _reduce_scatter_single
+
+    bufs = [(op, torch.zeros(n0, dtype=d0, device=device), torch.zeros(n1, dtype=d1, device=device))
+            for op, n0, d0, n1, d1 in trace]
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for op, out, inp in bufs:
+            if op.startswith("_allgather_base"):
+                _all_gather_single(out, inp)
+            elif op.startswith("_reduce_scatter_base"):
+                _reduce_scatter_single(out, inp)
+            elif op.startswith("allreduce"):
+                dist.all_reduce(out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return statistics.median(times)
+

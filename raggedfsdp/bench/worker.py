@@ -11,6 +11,15 @@ Phases (collective: every rank runs every phase):
    sync) before each timed step; a step's time is that of the slowest rank; also the CPU time
    (``time.process_time``, all threads of the rank's process) per step, mean over ranks, which a
    loaded machine disturbs much less than wall time (``cpu_time_ratio``; on CUDA it is host time only);
+   with ``--floor`` (default) a third, "local" system joins the rotation: the same model *without*
+   FSDP and without any communication (each rank trains its own replica on its own batch), whose
+   step time is the floor no FSDP can beat. It turns the throughput ratio into an explanation:
+   ``throughput_ceiling`` = torch step / floor step is the best ratio any FSDP could reach on this
+   machine, and ``overhead_ratio`` = (torch - floor) / (raggedfsdp - floor) is how much of FSDP2's
+   own cost (communication, copies, hooks) raggedfsdp removes; each system's forward + backward
+   collectives are also replayed alone (``comm_only_seconds``, the same sizes, blocking, no compute),
+   so ``non_comm_overhead_seconds`` = step - floor - comm is what hooks, copies, gradient traffic and
+   exposed waits cost;
 3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
@@ -78,7 +87,7 @@ def run(args: argparse.Namespace) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp  # noqa: F401  (installs the RaggedShard patches)
-    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, state_bytes
+    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, replay_collectives, state_bytes
     from raggedfsdp.bench.registry import get_bench_model
     from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
@@ -89,18 +98,24 @@ def run(args: argparse.Namespace) -> dict | None:
     args.wrap = args.wrap or next(iter(spec.wraps))
     mesh = init_device_mesh(device.type, (ws,))
     systems = {name: _build(args, spec, backend, mesh, device) for name, backend in SYSTEMS.items()}
+    timed = dict(systems)
+    if args.floor:  # the same model, no FSDP, no communication: the floor of the step time
+        floor_model = spec.build(args).to(device)
+        if args.param_dtype == "bf16":
+            floor_model = floor_model.to(torch.bfloat16)  # compute in the all-gathered dtype, like the others
+        timed["local"] = (floor_model, torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach))
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
     batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
                for _ in range(args.warmup + args.steps + 2 + args.profile_steps)]
-    names = list(systems)
-    times = {n: [] for n in names}
-    cpu = {n: [] for n in names}  # CPU seconds of this process per step (all its threads)
-    losses = {n: [] for n in names}
+    tnames = list(timed)  # raggedfsdp, torch (, local)
+    times = {n: [] for n in tnames}
+    cpu = {n: [] for n in tnames}  # CPU seconds of this process per step (all its threads)
+    losses = {n: [] for n in tnames}
     for i in range(args.warmup + args.steps):
         tok = batches[i].to(device)
-        order = names if i % 2 == 0 else names[::-1]
+        order = tnames if i % 2 == 0 else tnames[::-1]
         for n in order:
-            model, opt = systems[n]
+            model, opt = timed[n]
             _sync(device)
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -118,16 +133,18 @@ def run(args: argparse.Namespace) -> dict | None:
         else:
             _progress(args, rank, f"warm-up {i + 1}/{args.warmup}")
     # slowest rank per step
-    t = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    t = torch.tensor([times[n] for n in tnames], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    c = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
+    c = torch.tensor([cpu[n] for n in tnames], dtype=torch.float64)
     dist.all_reduce(c)
     c /= ws  # mean over ranks
+    timed.pop("local", None)  # frees the floor replica before the memory phase
+    names = list(systems)
     final = torch.stack([losses[n][-1].float() for n in names]).cpu()
     dist.all_reduce(final)
     final /= ws
 
-    counts = {}
+    counts, traces = {}, {}
     k = args.warmup + args.steps
     for n in names:
         model, opt = systems[n]
@@ -141,6 +158,14 @@ def run(args: argparse.Namespace) -> dict | None:
                          backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
                          collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
                          host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
+        traces[n] = sc.trace
+    if args.floor:  # the collectives alone, the systems alternated like the steps
+        replays = {n: [] for n in names}
+        for i in range(max(args.steps, 3)):
+            for n in (names if i % 2 == 0 else names[::-1]):
+                replays[n].append(replay_collectives(traces[n], device, reps=1))
+        for n in names:
+            counts[n]["comm_only_seconds"] = statistics.median(replays[n])
     _progress(args, rank, "counted copies and collectives; measuring peak memory")
     mem = []
     for n in names:
@@ -188,7 +213,21 @@ def run(args: argparse.Namespace) -> dict | None:
             final_loss=float(final[a]), **counts[n],
         )
     r, tt = out["raggedfsdp"], out["torch"]
-    return dict(
+    floor = {}
+    if args.floor:
+        fl = statistics.median(t[2].tolist())
+        over_r, over_t = r["step_seconds_median"] - fl, tt["step_seconds_median"] - fl
+        floor = dict(
+            local_floor=dict(step_seconds_median=fl, cpu_seconds_median=statistics.median(c[2].tolist()),
+                             step_seconds=t[2].tolist()),
+            throughput_ceiling=tt["step_seconds_median"] / fl,
+            overhead_seconds=dict(raggedfsdp=over_r, torch=over_t),
+            overhead_ratio=over_t / over_r if over_r > 0 else float("inf"),
+            # step - floor - the same collectives run alone: hooks, copies, gradient traffic, exposed waits
+            non_comm_overhead_seconds={n: out[n]["step_seconds_median"] - fl - out[n]["comm_only_seconds"]
+                                       for n in names},
+        )
+    return dict(**floor,
         model=args.model, flavor=args.flavor, wrap=args.wrap,
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,

@@ -269,6 +269,20 @@ class TrainConfig:
                 "--resume auto needs --out (the default --out is a fresh folder per run, so there is "
                 "nothing to resume in it); e.g. --out outputs/myrun --resume auto"
             )
+        if self.job.device == "cuda":  # before the launch: torch's own error comes from every rank, later
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n == 0:
+                raise ValueError(
+                    f"job.device='cuda' but torch {torch.__version__} sees no CUDA device (a CPU-only wheel, or "
+                    "no GPU visible); use --job.device cpu (or auto), or install a CUDA build of torch"
+                )
+            if world_size is not None and world_size > n:
+                raise ValueError(
+                    f"job.device='cuda' with {world_size} ranks but only {n} CUDA device(s) are visible; "
+                    f"use --nproc {n} or fewer"
+                )
         if self.job.pg_timeout_s <= 0:
             raise ValueError(f"job.pg_timeout_s must be > 0, got {self.job.pg_timeout_s}")
         if o.name != "adamw" and f.backend != "ragged":

@@ -30,6 +30,15 @@ def test_bench_json_smoke_moe_two_ranks():
             assert key in sysr, key
         assert len(sysr["step_seconds"]) == 2 and sysr["peak_memory_bytes"] > 0
     assert r["nproc"] == 2 and r["model"] == "moe"
+    # the no-FSDP, no-communication floor (--floor, default on) and what it explains
+    fl = r["local_floor"]["step_seconds_median"]
+    assert fl > 0 and len(r["local_floor"]["step_seconds"]) == 2
+    assert r["throughput_ceiling"] == pytest.approx(b["step_seconds_median"] / fl)
+    assert r["overhead_seconds"]["torch"] == pytest.approx(b["step_seconds_median"] - fl)
+    for n, sysr in (("raggedfsdp", a), ("torch", b)):  # the step's collectives replayed alone
+        assert sysr["comm_only_seconds"] > 0
+        assert r["non_comm_overhead_seconds"][n] == pytest.approx(
+            sysr["step_seconds_median"] - fl - sysr["comm_only_seconds"])
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)
