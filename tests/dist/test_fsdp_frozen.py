@@ -84,6 +84,8 @@ def _frozen_cases(rank, ws, mesh_shape=None):
     ]
     if hsdp:
         cases = cases[:1] + cases[2:]
+    elif ws == 5:
+        cases = cases[:2]  # the accumulation case runs at ws 3 and under HSDP (keeps the suite fast)
     for name, n_steps, schedule, set_to_none, micro, reduce_dtype in cases:
         torch.manual_seed(0)
         ref = LoraNet()
