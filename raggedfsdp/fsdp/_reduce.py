@@ -29,7 +29,8 @@ Note [unit agreement]
     equal. On a mismatch each rank raises :class:`~raggedfsdp.fsdp._common.CollectiveMismatchError`
     naming the units whose counts differ and the units it ran, *before* any ``.grad`` is set (and it
     drops the sharded ``.grad`` of the root's units, so no optimizer step can use corrupted values).
-    No-sync micro-batches and forward-only passes keep accumulating the hash until the next check.
+    No-sync micro-batches and forward-only passes keep accumulating the hash until the next backward
+    that reduces gradients (they communicate nothing extra).
     Cost: the result is read back on the host every backward (one D2H copy of the small vector; on CUDA
     a host sync at the end of backward). Mismatched collectives of *different* sizes do not get that
     far: gloo aborts the rank with the smaller buffer ("Received data size doesn't match expected
@@ -254,8 +255,8 @@ class ReduceQueue:
 
     def finish_backward(self) -> None:
         """Root's final callback: complete everything, exchange used flags and check unit agreement, set
-        ``.grad``. Collective (one small all-reduce per mesh, when some collective was issued since the
-        last check). Raises :class:`CollectiveMismatchError` (Note [unit agreement])."""
+        ``.grad``. Collective (one small all-reduce per mesh, when some unit reduced grads). Raises
+        :class:`CollectiveMismatchError` (Note [unit agreement])."""
         self.drain()
         recs, self.installed = self.installed, []
         for r in recs:
@@ -263,7 +264,7 @@ class ReduceQueue:
         for r in recs:
             r.group._sg_pending = False
         attach = [r for r in recs if r.attach]
-        if not attach and not self.seq_len:
+        if not attach:  # no-sync / deferred micro-batch: no communication; the hash carries to the next check
             return
         used = exchange_used_flags(attach, self)
         groups: dict[int, tuple[FSDPParamGroup, dict]] = {}
