@@ -31,8 +31,13 @@ Note [unit agreement]
     drops the sharded ``.grad`` of the root's units, so no optimizer step can use corrupted values).
     No-sync micro-batches and forward-only passes keep accumulating the hash until the next backward
     that reduces gradients (they communicate nothing extra).
-    Cost: the result is read back on the host every backward (one D2H copy of the small vector; on CUDA
-    a host sync at the end of backward). Mismatched collectives of *different* sizes do not get that
+    Cost on the host: on CPU the small vector is read back at once. On CUDA, when every local
+    parameter got a gradient (nothing to learn from the flags), it is copied non-blocking into pinned
+    memory with an event and checked at the next root forward (or the next check), so the step has no
+    host sync; a mismatch then raises one step late -- the optimizer step of that iteration used the
+    wrong gradients, and the message says so (restore the last checkpoint). ``RAGGEDFSDP_DEBUG=1``
+    checks every collective before it runs instead. ``AGREEMENT_CHECK`` = "auto" (that rule),
+    "immediate" (always read at once) or "deferred" (always defer; used by the CPU tests). Mismatched collectives of *different* sizes do not get that
     far: gloo aborts the rank with the smaller buffer ("Received data size doesn't match expected
     size. Is there a distributed collective mismatch") and its peers' wait raises
     :class:`~raggedfsdp.buffer.CollectiveError` naming the unit and this rank's sequence; same-byte
@@ -192,6 +197,18 @@ class ReduceQueue:
     seq: list = field(default_factory=list)  # (unit name, kind), the first _SEQ_KEEP since the last check
     seq_len: int = 0
     counts: dict = field(default_factory=dict)  # unit id -> collectives issued since the last check
+    deferred: list = field(default_factory=list)  # (host copy, event, units, counts, ran): read at the next check
+
+    def check_deferred(self) -> None:
+        """Read back deferred unit-agreement results (Note [unit agreement]) and raise
+        :class:`CollectiveMismatchError` if any shows a mismatch. Local (waits their events)."""
+        pending, self.deferred = self.deferred, []
+        for host, event, gs, counts, ran in pending:
+            if event is not None:
+                event.synchronize()
+            hash_differs, differ = _mismatches(host.tolist(), gs, counts)
+            if hash_differs or differ:
+                raise _mismatch_error(differ, ran, late=True)
 
     def note(self, group: FSDPParamGroup, kind: str) -> None:
         """Record that this rank issues ``kind`` for ``group`` (Note [unit agreement]). Local, O(1)."""
@@ -285,8 +302,11 @@ class ReduceQueue:
         self.inflight.clear()
         self.all_reduces.clear()
         self.installed.clear()
+        self.deferred.clear()
         self.clear_sequence()
 
+
+AGREEMENT_CHECK = "auto"  # "auto" | "immediate" | "deferred" (Note [unit agreement])
 
 _KINDS = {"all-gather": 0, "reduce-scatter": 1, "all-reduce": 2}
 _HASH_MUL, _HASH_MOD = 1_000_003, (1 << 61) - 1  # fits int64 with its negation
@@ -299,6 +319,7 @@ def exchange_used_flags(recs: list[PendingReduce], queue: ReduceQueue) -> dict[i
     HSDP) over every param of every unit of the root on that mesh. Returns ``{id(fsdp_param): used}``.
     Collective; reads the result back (on CUDA: pinned H2D, one D2H). Raises
     :class:`CollectiveMismatchError` on every rank when the ranks' sequences differ."""
+    queue.check_deferred()  # the previous backward's deferred check first
     local_or: dict[int, bool] = {}
     for r in recs:
         for fp, f in zip(r.params, r.flags):
@@ -309,6 +330,7 @@ def exchange_used_flags(recs: list[PendingReduce], queue: ReduceQueue) -> dict[i
         by_mesh.setdefault((id(g.shard_group), id(g.replicate_group)), []).append(g)
     used: dict[int, bool] = {}
     differ: list[str] = []
+    deferred: list = []
     hash_differs = False
     for gs in by_mesh.values():
         g = gs[0]
@@ -328,32 +350,63 @@ def exchange_used_flags(recs: list[PendingReduce], queue: ReduceQueue) -> dict[i
             handle = CommHandle(work, (), None, "used-flag all-reduce")
             handle.context = queue.context(g)
             handle.wait()
-            vals = t.tolist()
-            hash_differs |= vals[0] != -vals[1]
-            for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n]):
-                if hi != -lo:
-                    differ.append(f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the "
-                                  "ranks of its mesh)")
-            local = [bool(v) for v in vals[2 + 2 * n :]]
+            mode = "immediate" if debug_enabled() else AGREEMENT_CHECK
+            if all(local) and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
+                # every local param got a grad, so the OR is all-true: only the agreement needs reading,
+                # and that can wait for the next check (no host sync in the step)
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+                host.copy_(t, non_blocking=True)
+                event = None
+                if t.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                deferred.append((host, event, gs, counts))
+            else:
+                vals = t.tolist()
+                h, d = _mismatches(vals, gs, counts)
+                hash_differs |= h
+                differ += d
+                local = [bool(v) for v in vals[2 + 2 * len(gs) :]]
         for fp, f in zip(params, local):
             used[id(fp)] = f
     ran = queue.ran()
     queue.clear_sequence()
+    queue.deferred += [(*d, ran) for d in deferred]
     if hash_differs or differ:
         for u in units:  # values in the sharded grad buffers may mix units: let no optimizer step see them
             for fp in u.fsdp_params:
                 fp.sharded.grad = None
-        what = "; ".join(differ) if differ else "the same units, in a different order"
-        raise CollectiveMismatchError(
-            f"raggedfsdp: FSDP units ran differently across ranks since the last backward (found in the used-flag "
-            f"all-reduce at the end of backward, before any gradient was set): units whose collective counts differ: "
-            f"{what}. This rank (rank {dist.get_rank()}) issued: {ran}. Collectives pair up by issue order, so "
-            "same-sized collectives of different units paired up and these gradients are wrong; they were dropped "
-            "(.grad is None). Every rank must run the same FSDP units in the same order: run a unit on every rank "
-            "(with an empty input, as MoE experts inside one unit are) or merge data-dependent branches into a unit "
-            "every rank runs. Call reset_iter_state() on the root before the next step."
-        )
+        raise _mismatch_error(differ, ran, late=False)
     return used
+
+
+def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, list[str]]:
+    """From the all-reduced ``[h, -h, counts, -counts, ...]``: whether the hashes differ, and the units
+    whose counts differ (Note [unit agreement])."""
+    n = len(gs)
+    differ = [f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
+              for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n]) if hi != -lo]
+    return vals[0] != -vals[1], differ
+
+
+def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMismatchError:
+    what = "; ".join(differ) if differ else "the same units, in a different order"
+    when = (
+        "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
+        "next forward to keep the step free of host syncs): the optimizer step of that iteration already used "
+        "the wrong gradients, so restore the last checkpoint"
+        if late else
+        "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
+        "were dropped (.grad is None)"
+    )
+    return CollectiveMismatchError(
+        f"raggedfsdp: FSDP units ran differently across ranks since the last check ({when}): units whose "
+        f"collective counts differ: {what}. This rank (rank {dist.get_rank()}) issued: {ran}. Collectives pair up "
+        "by issue order, so same-sized collectives of different units paired up and these gradients are wrong. "
+        "Every rank must run the same FSDP units in the same order: run a unit on every rank (with an empty "
+        "input, as MoE experts inside one unit are) or merge data-dependent branches into a unit every rank "
+        "runs. Call reset_iter_state() on the root before the next step."
+    )
 
 
 def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:

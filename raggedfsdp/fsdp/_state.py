@@ -122,6 +122,7 @@ class FSDPState:
         if self.is_root and not in_bw:
             if root.comm.reduces.inflight or root.comm.reduces.installed or root.comm.reduces.all_reduces:
                 root.comm.reduces.finish_backward()  # a backward that did not reach the final callback
+            root.comm.reduces.check_deferred()  # the last backward's unit agreement, if it was deferred (CUDA)
             root.forward_order.clear()
             root.comm.start_forward()
             for st in root.all_states:

@@ -201,3 +201,59 @@ def test_unit_mismatch_of_different_sized_collectives_errors_not_hangs(tmp_path)
     assert "TimeoutError" not in str(ei.value), msg
     assert any(r.startswith("CollectiveError") and re.search(r"all-gather of FSDP unit '(A|B)'", r)
                and "this rank issued since the last check: all-gather of" in r for r in reports), msg
+
+
+class Ordered(nn.Module):
+    """Both branches run on every rank, in an order chosen per rank: same units, same sizes, different
+    issue order, so every local parameter gets a gradient (nothing to learn from the used flags)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = nn.Linear(4, 4)
+        self.B = nn.Linear(4, 4)
+        self.a_first = True
+
+    def forward(self, x):
+        return self.B(self.A(x)) if self.a_first else self.A(self.B(x))
+
+
+def _order_mismatch(rank, ws):
+    """Immediate check (CPU default): the backward raises before any .grad is set. Deferred check (what
+    CUDA uses when every local param got a grad, to keep the step free of host syncs): the backward
+    completes, and the next forward raises, saying the check was one step late."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import raggedfsdp
+    from raggedfsdp.fsdp import _reduce
+    from raggedfsdp.fsdp._common import CollectiveMismatchError
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    model = Ordered()
+    raggedfsdp.fully_shard(model.A, mesh=mesh)
+    raggedfsdp.fully_shard(model.B, mesh=mesh)
+    raggedfsdp.fully_shard(model, mesh=mesh)
+    model.a_first = rank == 0
+    x = torch.randn(2, 4)
+    with pytest.raises(CollectiveMismatchError, match="before any gradient was set"):
+        model(x).sum().backward()
+    model.reset_iter_state()
+    assert _reduce.AGREEMENT_CHECK == "auto"
+    _reduce.AGREEMENT_CHECK = "deferred"
+    try:
+        model(x).sum().backward()  # completes: the check is read at the next forward
+        assert all(p.grad is not None for p in model.parameters())
+        with pytest.raises(CollectiveMismatchError, match="deferred check .* already used the wrong gradients"):
+            model(x)
+        model.reset_iter_state()
+        model.a_first = True  # agreeing ranks: the deferred check passes silently
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        model(x)
+    finally:
+        _reduce.AGREEMENT_CHECK = "auto"
+    dist.barrier()
+
+
+def test_unit_order_mismatch_immediate_and_deferred_check():
+    run_distributed(_order_mismatch, 2)
