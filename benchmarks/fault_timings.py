@@ -6,7 +6,8 @@ to the last line the user sees (printed after every rank exited), the exit code 
 Each case is one real 2-rank launch of the debug model (``RAGGEDFSDP_FAULT``, see
 ``raggedfsdp/train/faults.py``). The fault's wall time comes from the rank's own log line
 (``debug: injecting fault KIND@stepN (t=...)``); SIGINT and kill -9 are sent to the launcher by this
-script. Prints one row per case.
+script (``ctrl-c-*``: to the job's whole process group, as a terminal does, while every rank sleeps
+inside the save of step 4: ``slowsave``). Prints one row per case.
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ CASES = {
     "exit": ("exit@step3:rank1", []),
     "hang": ("hang@step3:rank1", ["--job.hang_timeout_s", "5"]),
     "enospc": ("enospc@step2:rank1", []),
+    "eacces": ("eacces@step2:rank1", []),
+    "oom": ("oom@step3:rank1", []),
     "badtoken": ("badtoken@step3:rank1", []),
     "shortbatch": ("shortbatch@step3:rank1", []),
     "sigterm-rank": ("sigterm@step3:rank1", []),
     "sigint-launcher": ("", []),
     "kill9-launcher": ("", []),
+    "ctrl-c-mid-save": ("slowsave@step4", []),
+    "ctrl-c-twice-mid-save": ("slowsave@step4", []),
 }
 
 
@@ -76,6 +81,8 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
     env["RAGGEDFSDP_FAULT"] = fault
     steps = "400" if name.endswith("launcher") else "8"
     cmd = [*_cli(), "train", "--nproc", str(nproc), *ARGS, "--steps", steps, "--out", str(tmp / name), *extra]
+    if name.startswith("ctrl-c"):
+        return _ctrl_c_mid_save(name, cmd, env)
     if not name.endswith("launcher"):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         lines, t_last = [], time.time()
@@ -110,6 +117,28 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
         -9,
         f"ranks {ranks} {'still alive: ' + str(left) if left else 'all exited'}",
     )
+
+
+def _ctrl_c_mid_save(name: str, cmd: list[str], env: dict[str, str]) -> tuple[str, float, int, str]:
+    """SIGINT (once, or twice 2.5 s apart) to the job's process group during the save of step 4."""
+    import threading
+
+    env = {**env, "RAGGEDFSDP_FAULT_SLEEP_S": "4" if name == "ctrl-c-mid-save" else "60"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    while not any("debug: slow save" in ln for ln in lines) and proc.poll() is None:
+        time.sleep(0.05)
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    if name == "ctrl-c-twice-mid-save":
+        time.sleep(2.5)  # past the ranks' grace period
+        os.killpg(proc.pid, signal.SIGINT)
+    proc.wait()
+    reader.join(timeout=10)
+    return name, time.time() - t0, proc.returncode, (lines[-1] if lines else "").strip()
 
 
 def main() -> None:

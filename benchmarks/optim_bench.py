@@ -172,7 +172,9 @@ def main() -> None:
                f"(ratio {t_8 / t_adamw:.2f}x), 0 collectives")
     if rank == 0:
         print("\n".join(out), flush=True)
-    dist.destroy_process_group()
+    from raggedfsdp.train.teardown import shutdown_process_group
+
+    shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ batch many sub-cases into one call: spawning costs ~2-3 s per process group on t
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import traceback
 from datetime import timedelta
@@ -96,6 +97,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
+                    p.join()
+        if not failures:
+            # a rank that reported success but then died (e.g. SIGABRT, "terminate called without an
+            # active exception", at teardown) is a failure too: the test suite must see the abort
+            for r, p in enumerate(procs):
+                if p.exitcode:
+                    how = f"signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"code {p.exitcode}"
+                    failures.append((r, f"rank {r} reported success, then exited with {how} (teardown)"))
+                    break
         if failures:
             rank, tb = failures[0]
             raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")

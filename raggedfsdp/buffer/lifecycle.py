@@ -11,6 +11,12 @@ keeps the records of in-flight work. Transitions (all local except where a colle
     reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
                     the returned handle is waited; the caller then frees it)
 
+Gradient layout: the grad roles (``grads``, ``acc``, the reduce-scatter input/output, ``sharded_grads``)
+are laid out by ``grad_layout``: the parameter layout itself while every tensor of the unit has gradient
+storage, or a :class:`~raggedfsdp.planner.GradLayout` (only the trainable tensors' pieces, compacted per
+rank) after :meth:`UnitBuffers.set_grad_members` named a subset -- frozen parameters then hold no
+gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_param_group.py``).
+
 Every buffer is allocated on the current (compute) stream; collectives are issued from the stream
 passed in, which first waits on the compute stream (Note [stream invariant] in ``streams.py``).
 """
@@ -24,7 +30,7 @@ import torch.distributed as dist
 
 from raggedfsdp.buffer.dbuffer import DBuffer
 from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
-from raggedfsdp.planner import Layout
+from raggedfsdp.planner import GradLayout, Layout, plan_grad_layout
 
 
 class UnitBuffers:
@@ -48,24 +54,87 @@ class UnitBuffers:
         self.device, self.storage_device, self.pin = device, storage_device, pin
         self.sharded = DBuffer(layout, sharded=True, rank=rank, dtype=orig_dtype, device=storage_device,
                                shapes=shapes, pin_memory=pin, name="sharded params")
-        self.params = self._unsharded(param_dtype, "unsharded params")
-        self.grads = self._unsharded(param_dtype, "unsharded grads")
+        self.params = self._unsharded(param_dtype, "unsharded params", layout=layout)
+        self.grad_layout: Layout | GradLayout = layout  # see the module docstring
+        self._grad_layouts: dict[tuple[int, ...], GradLayout] = {}  # cached per member set
+        self.param_layout_grads = self._unsharded(param_dtype, "unsharded grads")  # the views' buffer
+        self.grads = self.param_layout_grads
         self.acc: DBuffer | None = None  # reduce_dtype no-sync accumulator (FSDP2: unsharded_accumulated_grad)
         self.sharded_grads: DBuffer | None = None
 
-    def _unsharded(self, dtype: torch.dtype, name: str, allocate: bool = False) -> DBuffer:
-        return DBuffer(self.layout, sharded=False, rank=self.rank, dtype=dtype, device=self.device,
+    def _unsharded(self, dtype: torch.dtype, name: str, allocate: bool = False, layout=None) -> DBuffer:
+        return DBuffer(layout or self.grad_layout, sharded=False, rank=self.rank, dtype=dtype, device=self.device,
                        shapes=self.shapes, allocate=allocate, name=name)
 
+    # ---- gradient layout ---------------------------------------------------------------------
+    @property
+    def compact_grads(self) -> bool:
+        """True while the grad roles use a compacted :class:`GradLayout` (some tensors have no slot)."""
+        return self.grad_layout is not self.layout
+
+    def set_grad_members(self, members: tuple[int, ...] | None):
+        """Lay the grad roles out for ``members`` (tensor indices with gradient storage; ``None``: all, the
+        parameter layout). Allocated unsharded grads / accumulator / sharded grads are moved into the new
+        layout (values of tensors in both layouts kept, new slots zero); the old sharded grad DBuffer is
+        dropped here, so the caller re-points any ``.grad`` views of it. Returns the previous layout if
+        it changed (for :meth:`relayout_sharded`), else ``None``. Local (one copy per piece, only when the
+        member set changes)."""
+        if members is not None and len(members) == len(self.shapes):
+            members = None
+        if members is None:
+            new = self.layout
+        else:
+            new = self._grad_layouts.get(members)
+            if new is None:
+                new = self._grad_layouts[members] = plan_grad_layout(self.layout, members)
+        if new is self.grad_layout:
+            return None
+        old, old_grads, old_acc, old_sg = self.grad_layout, self.grads, self.acc, self.sharded_grads
+        self.grad_layout = new
+        self.grads = self.param_layout_grads if new is self.layout else self._unsharded(self.param_dtype,
+                                                                                          "unsharded grads")
+        self.acc, self.sharded_grads = None, None
+        if old_grads.is_allocated:
+            self.begin_grads()
+            _move_pieces(old, new, old_grads.data, self.grads.data, sharded=False, rank=self.rank)
+            old_grads.free()
+        if old_acc is not None and old_acc.is_allocated:
+            self.acc = self._unsharded(self.reduce_dtype, "reduce_dtype accumulated grads", allocate=True)
+            self.acc.zero_()
+            _move_pieces(old, new, old_acc.data, self.acc.data, sharded=False, rank=self.rank)
+            old_acc.free()
+        if old_sg is not None and old_sg.is_allocated and old_sg.data.device.type != "meta":
+            _move_pieces(old, new, old_sg.data, self.sharded_grad_buffer().data, sharded=True, rank=self.rank)
+        return old
+
+    def relayout_sharded(self, t: torch.Tensor, old) -> torch.Tensor:
+        """A ``(Sg,)`` tensor laid out by ``old`` (e.g. HSDP's deferred partial reduction) moved into the
+        current grad layout (new slots zero). Local."""
+        out = torch.zeros(self.grad_layout.shard_size, dtype=t.dtype, device=t.device)
+        _move_pieces(old, self.grad_layout, t, out, sharded=True, rank=self.rank)
+        return out
+
+    def add_tensor_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Add tensor ``i``'s full unsharded gradient ``grad`` (its global shape) into its pieces of the
+        allocated unsharded grads: one view if they are contiguous, else one slice per rank it spans. Local."""
+        flat = grad.reshape(-1)
+        if not self.compact_grads:
+            off = self.layout.offsets[i]
+            self.grads.data.narrow(0, off, flat.numel()).add_(flat)
+            return
+        for a, b, dst in self.grad_layout.segments(i):
+            self.grads.data.narrow(0, dst, b - a).add_(flat[a:b])
+
     def sharded_output(self, dtype: torch.dtype, name: str = "reduce-scatter output") -> DBuffer:
-        """A fresh ``(S,)`` buffer on the compute device (zero-filled padding is not needed: it is written)."""
-        return DBuffer(self.layout, sharded=True, rank=self.rank, dtype=dtype, device=self.device,
+        """A fresh ``(Sg,)`` buffer (the grad layout's shard) on the compute device (zero-filled padding is
+        not needed: it is written)."""
+        return DBuffer(self.grad_layout, sharded=True, rank=self.rank, dtype=dtype, device=self.device,
                        shapes=self.shapes, name=name)
 
     def sharded_grad_buffer(self) -> DBuffer:
-        """The persistent ``(S,)`` sharded grads (orig dtype, storage device), created zeroed on first use."""
+        """The persistent ``(Sg,)`` sharded grads (orig dtype, storage device), created zeroed on first use."""
         if self.sharded_grads is None:
-            self.sharded_grads = DBuffer(self.layout, sharded=True, rank=self.rank, dtype=self.orig_dtype,
+            self.sharded_grads = DBuffer(self.grad_layout, sharded=True, rank=self.rank, dtype=self.orig_dtype,
                                          device=self.storage_device, shapes=self.shapes, pin_memory=self.pin,
                                          name="sharded grads")
             self.sharded_grads.zero_()
@@ -155,6 +224,25 @@ class UnitBuffers:
         with on_stream(stream):
             work = inp.reduce_scatter_(out.data, group, op=op, async_op=True, consume_input=True)
         return CommHandle(work, [inp, out], stream, "reduce-scatter"), inp
+
+
+def _move_pieces(old, new, src: torch.Tensor, dst: torch.Tensor, *, sharded: bool, rank: int) -> None:
+    """Copy every piece of the tensors present in both grad layouts from ``src`` (laid out by ``old``) to
+    ``dst`` (by ``new``): this rank's pieces for sharded buffers, every rank's for unsharded ones."""
+    def members(lay):
+        return set(lay.members) if isinstance(lay, GradLayout) else set(range(len(lay.numels)))
+
+    base = new.base if isinstance(new, GradLayout) else new
+    with torch.no_grad():
+        for i in sorted(members(old) & members(new)):
+            for r in [rank] if sharded else range(base.world_size):
+                a, b = base.piece(i, r)
+                if b == a:
+                    continue
+                so, do = old.shard_offset(i, r), new.shard_offset(i, r)
+                if not sharded:
+                    so, do = so + r * old.shard_size, do + r * new.shard_size
+                dst.narrow(0, do, b - a).copy_(src.narrow(0, so, b - a))
 
 
 def all_reduce_(buf: DBuffer, group, *, op=dist.ReduceOp.SUM, stream=None) -> CommHandle:

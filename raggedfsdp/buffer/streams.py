@@ -69,6 +69,11 @@ def wait_stream(waiter, other) -> None:
         waiter.wait_stream(other)
 
 
+class CollectiveError(RuntimeError):
+    """A collective raggedfsdp issued failed (peer abort, timeout, size mismatch); the message names
+    the FSDP unit and this rank's collective sequence where the runtime knows them."""
+
+
 class CommHandle:
     """A launched collective (or a local copy standing in for one) and the buffers it reads or writes.
 
@@ -82,6 +87,7 @@ class CommHandle:
     def __init__(self, work, buffers=(), stream=None, what: str = "collective"):
         self.id = next(_ids)
         self.work = work
+        self.context = None  # optional () -> str naming who issued it, added to a failure's message
         self.buffers = list(buffers)
         self.stream = stream
         self.what = what
@@ -103,7 +109,11 @@ class CommHandle:
             return
         with on_stream(stream):
             if self.work is not None:
-                self.work.wait()
+                try:
+                    self.work.wait()
+                except RuntimeError as e:  # a peer aborted (e.g. gloo's size check) or timed out
+                    ctx = self.context() if self.context is not None else ""
+                    raise CollectiveError(f"raggedfsdp: the {self.what}{ctx} failed: {e}") from e
                 if dev.type == "cpu":
                     # gloo's Work owns clones of its inputs: drop it once the host has waited (on CPU a
                     # completed wait orders every later use), or the scratch stays alive with the handle
@@ -114,5 +124,5 @@ class CommHandle:
             b._note_waited(self, key)
 
 
-__all__ = ["BufferLifetimeError", "CommHandle", "current_stream", "debug_enabled", "on_stream", "set_debug",
-           "stream_key", "wait_stream"]
+__all__ = ["BufferLifetimeError", "CollectiveError", "CommHandle", "current_stream", "debug_enabled", "on_stream",
+           "set_debug", "stream_key", "wait_stream"]

@@ -50,6 +50,11 @@ class GradState(enum.Enum):
     REDUCING = "reducing"  # a reduce-scatter reads them (a PendingReduce in the root's queue)
 
 
+class CollectiveMismatchError(RuntimeError):
+    """The ranks of a mesh ran different FSDP units (or in a different order) since the last check, so
+    collectives of different units paired up (Note [unit agreement] in ``_reduce.py``)."""
+
+
 class InvariantError(RuntimeError):
     """A broken internal invariant of the FSDP runtime (a bug, never a user error)."""
 

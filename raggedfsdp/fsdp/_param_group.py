@@ -16,6 +16,21 @@ every ``torch.optim`` step whose param groups contain one of the unit's sharded 
 single-tensor in-place edits by hand; torch's ``foreach``/``fused`` optimizer kernels on DTensors do
 not bump them, hence the counter). An optimizer step over other parameters -- an EMA, a probe head,
 on one rank only -- does not touch it, so every rank of a unit's group makes the same decision.
+
+Note [frozen parameters]
+    While every parameter of a unit requires grad, the grad roles use the parameter layout: each
+    unsharded param's ``.grad`` is pre-set to a view of the ``(m*S,)`` grad buffer and autograd adds into
+    it in place (no copy). When some are frozen (LoRA: a frozen base with small adapters), the grad
+    roles use a :class:`~raggedfsdp.planner.GradLayout` of the *grad members* instead -- the trainable
+    params when grads begin (plus, within one accumulation window, any that held grads) -- cached per
+    member set: ``(m*Sg,)`` unsharded, ``(Sg,)`` sharded, ``Sg`` ~ the largest rank's trainable pieces, so
+    frozen params hold no gradient storage. Autograd then owns the unsharded grads (``.grad`` is not
+    pre-set; AccumulateGrad allocates and accumulates them, as in FSDP2); ``post_backward`` first
+    reshards (frees the unsharded params), then allocates the compacted buffer, adds each member's grad
+    into its rank segments (one slice per rank it spans), drops autograd's tensor and reduce-scatters.
+    Each sharded ``.grad`` stays a view with its param's own RaggedShard spec. A change of the member
+    set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
+    left the set keeps its ``.grad`` as its own tensor).
 """
 
 from __future__ import annotations
@@ -136,6 +151,10 @@ class FSDPParamGroup:
         )
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
         self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
+        self._index = {id(fp): i for i, fp in enumerate(self.fsdp_params)}
+        self.grad_fps = list(self.trainable)  # params with gradient storage (Note [frozen parameters])
+        if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
+            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
         self._init_sharded(params)
         self._init_unsharded()
 
@@ -156,7 +175,7 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
-        self._partial_flags: tuple[bool, ...] | None = None
+        self._partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
         self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
@@ -241,16 +260,17 @@ class FSDPParamGroup:
 
     def _init_unsharded(self) -> None:
         # views must be created while the storage exists; they stay valid across free/alloc
+        grads = self.bufs.param_layout_grads  # the all-trainable path's views (Note [frozen parameters])
         self.bufs.params.alloc()
-        self.bufs.grads.alloc()
+        grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
             fp.unsharded = nn.Parameter(self.bufs.params.tensor_view(i), requires_grad=fp.requires_grad)
-            fp.grad_view = self.bufs.grads.tensor_view(i)  # for every param: requires_grad may change later
+            fp.grad_view = grads.tensor_view(i)  # for every param: requires_grad may change later
             fp.extra["hooked"] = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
         self.bufs.params.free()
-        self.bufs.grads.free()
+        grads.free()
 
     def _register_grad_hook(self, fp: FSDPParam) -> None:
         # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
@@ -264,7 +284,8 @@ class FSDPParamGroup:
         buffer (zeroed) at the unit's first gradient; autograd then adds into the view. ``.grad`` stays
         ``None`` until then (as in FSDP2), never a view of freed storage. Local."""
         fp.got_grad = True
-        if fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD):
+        if (fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
+                and not self.bufs.compact_grads):  # compacted grads: autograd keeps them (Note [frozen parameters])
             if not self.bufs.grads.is_allocated:
                 with labelled(f"raggedfsdp::begin_grads ({self.unit_name})"):
                     self.bufs.begin_grads()
@@ -293,6 +314,8 @@ class FSDPParamGroup:
                     local.copy_(old.reshape(-1))
                 fp.sharded._local_tensor = local
         self.bufs = new
+        if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
+            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
         self._gathered_version = -1
         self._init_unsharded()
 
@@ -330,6 +353,7 @@ class FSDPParamGroup:
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
+        self.comm.reduces.note(self, "all-gather")  # Note [unit agreement]
         with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
             if self.post_forward_buf is not None and version == self._post_forward_version:
                 buf, self.post_forward_buf = self.post_forward_buf, None
@@ -338,6 +362,7 @@ class FSDPParamGroup:
             else:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
+        self._unshard.context = self.comm.reduces.context(self)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
@@ -402,6 +427,11 @@ class FSDPParamGroup:
         if self.grad_state is GradState.REDUCING:
             self.comm.reduces.complete_group(self)
         check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
+        self._sync_grad_members()
+        if self.bufs.compact_grads:  # autograd owns the unsharded grads until post_backward folds them
+            if self.grad_state is GradState.NONE:
+                self.grad_state = GradState.ACCUMULATING
+            return
         if self.grad_state is GradState.NONE:
             self.grad_state = GradState.ACCUMULATING
         for fp in self.trainable:
@@ -413,32 +443,66 @@ class FSDPParamGroup:
             elif g is None and self.bufs.grads.is_allocated:
                 fp.unsharded.grad = fp.grad_view
 
+    def _sync_grad_members(self) -> None:
+        """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
+        accumulation window (grads held), params that hold grads keep their slots. Local."""
+        held = self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
+        have = {id(fp) for fp in self.grad_fps}
+        want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
+        if {id(fp) for fp in want} == have:
+            return
+        if self.grad_state is GradState.REDUCING:
+            self.comm.reduces.complete_group(self)
+        keep = {id(fp) for fp in want}
+        for fp in self.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
+            if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
+                fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
+        kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
+        old = self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in want) if want else None)
+        if old is not None and self._partial_reduce is not None:  # HSDP deferred all-reduce
+            self._partial_reduce = self.bufs.relayout_sharded(self._partial_reduce, old)
+        for fp in self.fsdp_params:
+            fp.sharded_grad = None
+        for fp in kept:
+            fp.sharded_grad = DTensor(self.bufs.sharded_grad_buffer().local_view(self._index[id(fp)]), fp.spec,
+                                      requires_grad=False)
+            fp.sharded.grad = fp.sharded_grad
+        self.grad_fps = want
+
     def _collect_stray_grads(self) -> bool:
-        """Fold grads autograd did not accumulate into our views (it steals when ``.grad`` is None).
-        True if the unit has grads to reduce (a unit whose pre-backward ran counts even if no gradient
-        reached it on this rank: every rank that ran the unit's backward must take part in its
-        reduce-scatter)."""
+        """Fold grads autograd did not accumulate into our views (it steals when ``.grad`` is None; with
+        compacted grads it owns them all). True if the unit has grads to reduce (a unit whose pre-backward
+        ran counts even if no gradient reached it on this rank, its buffer allocated lazily or compacted:
+        every rank that ran the unit's backward must take part in its reduce-scatter)."""
+        compact = self.bufs.compact_grads
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
-        for fp in self.trainable:
+        for fp in self.grad_fps:
             g = fp.unsharded.grad
             if g is None:
                 continue
-            if g is not fp.grad_view:
+            if g is not fp.grad_view or compact:
                 if self.grad_state is GradState.REDUCING:
                     self.comm.reduces.complete_group(self)
                 self.bufs.begin_grads()
                 if self.grad_state is GradState.NONE:
                     self.grad_state = GradState.ACCUMULATING
-                fp.grad_view.add_(g)
-                fp.unsharded.grad = fp.grad_view
+                with torch.no_grad():
+                    self.bufs.add_tensor_grad(self._index[id(fp)], g)
+                fp.unsharded.grad = None if compact else fp.grad_view
                 fp.got_grad = True
             any_grad = True
+        if any_grad and compact and not self.bufs.has_grads():
+            self.bufs.begin_grads()  # this rank ran the backward without grads: it still reduces (zeros)
         return any_grad
 
     def post_backward(self) -> None:
         """Reduce-scatter (and HSDP all-reduce) the unit's grads if sync is on; reshard. Collective."""
-        any_grad = self._collect_stray_grads() if self.any_trainable else False
-        self.reshard(free=self.reshard_after_backward)
+        if self.any_trainable and self.bufs.compact_grads:
+            self.reshard(free=self.reshard_after_backward)  # free the params before the grads are allocated
+            any_grad = self._collect_stray_grads()
+        else:
+            any_grad = self._collect_stray_grads() if self.any_trainable else False
+            self.reshard(free=self.reshard_after_backward)
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
         if not any_grad:
@@ -447,7 +511,7 @@ class FSDPParamGroup:
         if not self.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
             if self.reduce_dtype != self.param_dtype and self.bufs.grads.is_allocated:
                 self.bufs.hold_grads()
-            for fp in self.trainable:
+            for fp in self.grad_fps:
                 fp.unsharded.grad = None
             self.grad_state = GradState.HELD
             return
@@ -456,7 +520,7 @@ class FSDPParamGroup:
         launch_reduce(self, self.comm.reduces)
 
     def _drop_unsharded_grads(self) -> None:
-        for fp in self.trainable:
+        for fp in self.grad_fps:
             fp.unsharded.grad = None
         if self.grad_state is GradState.ACCUMULATING:
             self.bufs.free_grads()
@@ -487,11 +551,11 @@ class FSDPParamGroup:
 
     def take_used_flags(self) -> tuple[bool, ...]:
         """This rank's used bits of the trainable params since the last reduce (and reset them)."""
-        flags = tuple(fp.got_grad for fp in self.trainable)
-        for fp in self.trainable:
+        flags = tuple(fp.got_grad for fp in self.grad_fps)
+        for fp in self.grad_fps:
             fp.got_grad = False
         if self._partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
-            flags = tuple(a or b for a, b in zip(flags, self._partial_flags))
+            flags = tuple(f or self._partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
             self._partial_flags = None
         return flags
 
@@ -515,7 +579,7 @@ class FSDPParamGroup:
         if self._sg_pending:
             return False
         fresh = True
-        for fp in self.trainable:
+        for fp in self.grad_fps:
             if fp.sharded.grad is None:
                 continue
             fresh = False
@@ -523,15 +587,15 @@ class FSDPParamGroup:
                 self._adopt_foreign_grad(fp)
         if not fresh:
             buf = self.bufs.sharded_grad_buffer()
-            for i, fp in enumerate(self.fsdp_params):
-                if fp.requires_grad and fp.sharded.grad is None:
-                    buf.local_view(i).zero_()
+            for fp in self.grad_fps:
+                if fp.sharded.grad is None:
+                    buf.local_view(self._index[id(fp)]).zero_()
         return fresh
 
     def _adopt_foreign_grad(self, fp: FSDPParam) -> None:
         # the user replaced .grad with another tensor: move its values into our buffer view
         buf = self.bufs.sharded_grad_buffer()
-        i = self.fsdp_params.index(fp)
+        i = self._index[id(fp)]
         g = fp.sharded.grad
         local = g._local_tensor if isinstance(g, DTensor) else g
         buf.local_view(i).copy_(local.reshape(-1))
@@ -544,8 +608,7 @@ class FSDPParamGroup:
         for fp, u in used:
             if not u and fp.sharded.grad is None:
                 continue
-            i = self.fsdp_params.index(fp)
-            view = buf.local_view(i)
+            view = buf.local_view(self._index[id(fp)])
             if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
                 fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
             fp.sharded.grad = fp.sharded_grad

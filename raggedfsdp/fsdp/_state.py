@@ -110,6 +110,7 @@ class FSDPState:
             if st.group is not None:
                 st.group.comm = comm
                 st.group.unit_id, st.group.unit_name = i, names.get(id(st), "?")
+                comm.reduces.units.append(st.group)
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
@@ -121,6 +122,7 @@ class FSDPState:
         if self.is_root and not in_bw:
             if root.comm.reduces.inflight or root.comm.reduces.installed or root.comm.reduces.all_reduces:
                 root.comm.reduces.finish_backward()  # a backward that did not reach the final callback
+            root.comm.reduces.check_deferred()  # the last backward's unit agreement, if it was deferred (CUDA)
             root.forward_order.clear()
             root.comm.start_forward()
             for st in root.all_states:
@@ -253,12 +255,14 @@ class FSDPState:
                 g.post_backward()  # inputs needed no grad (root), or grads began again after the hook
             elif g.param_state is not ParamState.SHARDED:  # e.g. prefetched, never used in backward
                 g.reshard(free=g.reshard_after_backward)
-        self.comm.reduces.finish_backward()
-        for st in self.all_states:
-            st._post_backward_done = False
-            st._pre_backward_done = False
-        self._final_callback_queued = False
-        self.forward_order.clear()
+        try:
+            self.comm.reduces.finish_backward()  # may raise CollectiveMismatchError (Note [unit agreement])
+        finally:
+            for st in self.all_states:
+                st._post_backward_done = False
+                st._pre_backward_done = False
+            self._final_callback_queued = False
+            self.forward_order.clear()
 
     def _reset_iter_state(self) -> None:
         """Wait all in-flight work, drop it, reshard every unit, reset every per-iteration flag. Local."""

@@ -4,12 +4,14 @@ Public API (all sizes in elements):
 
 - :func:`plan_layout` -- exact minimum shard size for a fixed (or the best named) tensor order;
 - :class:`Layout`, :func:`validate_layout` -- the plan and an independent invariant check;
+- :class:`GradLayout`, :func:`plan_grad_layout` -- the compacted gradient shards of a unit with frozen tensors;
 - :class:`BlockSpec`, :func:`granularity_for`, :func:`make_policy`, :func:`plan_params` -- the
   per-parameter granularity policy (``orig_param_policy``) and the ``RaggedShard`` dims it implies.
 
 Pure Python + stdlib (``torch`` only to recognise tensors); no process group anywhere.
 """
 
+from raggedfsdp.planner.grad_layout import GradLayout, plan_grad_layout
 from raggedfsdp.planner.layout import Layout, validate_layout
 from raggedfsdp.planner.planner import plan_layout
 from raggedfsdp.planner.policy import (
@@ -25,11 +27,13 @@ from raggedfsdp.planner.policy import (
 
 __all__ = [
     "BlockSpec",
+    "GradLayout",
     "Layout",
     "ParamBlock",
     "Policy",
     "granularity_for",
     "make_policy",
+    "plan_grad_layout",
     "plan_layout",
     "plan_params",
     "ragged_dims",

@@ -178,14 +178,20 @@ def save_checkpoint(
     keep_latest: int,
     meta: dict[str, Any],
     run_id: str = "",
-    inject_enospc: bool = False,
+    inject: str = "",
 ) -> Path:
     """Save ``step-N`` under ``folder`` (collective: every rank calls it); prune to ``keep_latest``.
 
     The files are hashed into ``manifest.json`` (see ``ckpt_integrity``) before the folder gets its
     final name; pruning deletes only older checkpoints of ``run_id``, never the one just written.
     Any failure (a full disk, a permission error) raises ``CheckpointError`` on every rank with one
-    line naming the cause, the path and the rank. ``inject_enospc``: test-only (``RAGGEDFSDP_FAULT``).
+    line naming the cause, the path and the rank. ``inject``: test-only (``RAGGEDFSDP_FAULT``: ``enospc``,
+    ``eacces``, ``slowsave``; see ``train/faults.py``).
+
+    Interrupted saves: nothing is visible under ``step-N`` until every file is written and hashed
+    (``step-N.tmp`` is renamed last), so a rank killed mid-save (a second Ctrl-C, SIGKILL, a power
+    cut) leaves only ``step-N.tmp``, which ``--resume auto`` never considers; the next save of that
+    step deletes it.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -205,7 +211,7 @@ def save_checkpoint(
             box[0] = _os_error(e)
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        raise CheckpointError(f"cannot save checkpoint {final}: {box[0]}")
+        raise CheckpointError(f"cannot save checkpoint {final}: {box[0]} on rank 0")
     sd = _state_dict(model, optimizer)
     sd["train"] = {
         "step": torch.tensor(step, dtype=torch.int64),
@@ -213,7 +219,7 @@ def save_checkpoint(
         "seed": torch.tensor(seed, dtype=torch.int64),
     }
     try:
-        dcp.save(sd, storage_writer=_writer(tmp, inject_enospc))
+        dcp.save(sd, storage_writer=_writer(tmp, inject))
     except (Exception, CheckpointException) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -265,20 +271,31 @@ def _os_error(e: OSError) -> str:
     return f"{text}: {e.filename!r}" if e.filename else text
 
 
-def _writer(path: Path, inject_enospc: bool):
+def _writer(path: Path, inject: str = ""):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    if not inject_enospc:
+    if not inject:
         return FileSystemWriter(str(path))
 
-    class _FullDiskWriter(FileSystemWriter):  # test-only: fails like a full disk, inside DCP
+    class _FaultWriter(FileSystemWriter):  # test-only: a full disk, a denied write, a slow disk
         def write_data(self, plan, planner):
             import errno
 
-            target = str(path / "__fault.distcp")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
+            if inject == "slowsave":
+                from raggedfsdp.train.faults import SLEEP_ENV
 
-    return _FullDiskWriter(str(path))
+                fut = super().write_data(plan, planner)  # this rank's shard files are on disk
+                fut.wait()
+                deadline = time.monotonic() + float(os.environ.get(SLEEP_ENV) or 5.0)
+                logger.warning("debug: slow save: sleeping in the middle of %s", path)
+                while time.monotonic() < deadline:  # short sleeps: a signal handler runs at once
+                    time.sleep(0.05)
+                return fut
+            code = errno.ENOSPC if inject == "enospc" else errno.EACCES
+            target = str(path / "__fault.distcp")
+            raise (OSError if inject == "enospc" else PermissionError)(code, os.strerror(code), target)
+
+    return _FaultWriter(str(path))
 
 
 def _short(e: BaseException, load: bool = True) -> str:

@@ -117,8 +117,15 @@ def pick_resume(folder: Path, run_id: str | None) -> tuple[Path | None, list[str
     """``(newest step folder of run_id that verifies, notes)`` for ``--resume auto``.
 
     ``notes``: one line per checkpoint skipped (a corrupt one of this run, with the reason) and one
-    line for the other runs' checkpoints that were ignored."""
+    line for the other runs' checkpoints that were ignored. ``step-N.tmp`` folders (a save that was
+    interrupted before its final rename) are never candidates; a note names them."""
     notes, foreign = [], []
+    unfinished = sorted(p.name for p in folder.glob("step-*.tmp")) if folder.is_dir() else []
+    if unfinished:
+        notes.append(
+            f"--resume auto: ignoring unfinished save(s) {', '.join(unfinished)} (interrupted while being "
+            "written; never resumed from, deleted by the next save of that step)"
+        )
     for _, path in step_candidates(folder):
         man = read_manifest(path)
         owner = man.get("run_id") if man else None

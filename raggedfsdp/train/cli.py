@@ -96,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
+    cfg = None
     try:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -115,6 +116,11 @@ def run_train(args: argparse.Namespace) -> int:
         os.environ[LOCK_HELD_ENV] = str(Path(cfg.job.out).resolve())
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # --out not writable (permission, read-only or full disk): before any launch
+        what = f"cannot use --out {cfg.job.out}" if cfg is not None else "cannot read the configuration"
+        print(f"raggedfsdp train: error: {what}: {e.strerror or e}: {str(e.filename)!r} (choose a path this "
+              "user can write)", file=sys.stderr)  # fmt: skip
         return 2
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the local ranks
         from raggedfsdp.train.worker import _available_cpus

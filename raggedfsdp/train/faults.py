@@ -13,8 +13,12 @@ Kinds (each fires once, at the start of step N unless noted):
   collective); ``sigint`` / ``sigterm``: the rank sends itself that signal;
 - ``badtoken``: the batch of step N holds a token id past the vocabulary;
 - ``shortbatch``: the batch of step N has one row too few;
-- ``enospc``: the checkpoint save at step N raises ``OSError(ENOSPC)`` on this rank, as a full disk
-  does, after the files were opened.
+- ``enospc`` / ``eacces``: the checkpoint save at step N raises ``OSError(ENOSPC)`` (a full disk) /
+  ``PermissionError(EACCES)`` (a folder the job may not write) on this rank, inside DCP's write;
+- ``slowsave``: the checkpoint save at step N sleeps ``RAGGEDFSDP_FAULT_SLEEP_S`` seconds (default
+  5) on this rank after writing its shard files, before the ``.metadata``, the manifest and the
+  rename: a slow disk, so that a signal can arrive while the checkpoint is half written;
+- ``oom``: ``torch.OutOfMemoryError`` inside step N's forward on this rank, as an allocator raises it.
 
 The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to ``raise``/``exit``/``hang``.
 Nothing here runs unless the variable (or those flags) is set.
@@ -29,7 +33,11 @@ from dataclasses import dataclass
 __all__ = ["ENV", "Fault", "FaultPlan", "parse_faults"]
 
 ENV = "RAGGEDFSDP_FAULT"
-KINDS = ("nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc")
+KINDS = (
+    "nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc", "eacces",
+    "slowsave", "oom",
+)  # fmt: skip
+SLEEP_ENV = "RAGGEDFSDP_FAULT_SLEEP_S"
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
 
 
@@ -82,6 +90,19 @@ class FaultPlan:
                 )
                 return True
         return False
+
+    def save_fault(self, step: int) -> str:
+        """The fault, if any, of the checkpoint save of ``step``: ``enospc``, ``eacces``, ``slowsave``, ``""``."""
+        return next((k for k in ("enospc", "eacces", "slowsave") if self.take(k, step)), "")
+
+    def inject_forward(self, step: int) -> None:
+        """Inside step N's forward: ``oom``."""
+        if self.take("oom", step):
+            import torch
+
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (injected by RAGGEDFSDP_FAULT=oom)"
+            )
 
     def inject_step(self, step: int, rank: int) -> None:
         """The faults that act at the start of a step: raise, exit, hang, sigint, sigterm."""

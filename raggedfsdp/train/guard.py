@@ -46,6 +46,36 @@ class FaultError(RuntimeError):
         self.culprits = tuple(culprits)
 
 
+class ResourceError(FaultError):
+    """The machine ran out of something (memory) at a step: one line naming rank, step and batch."""
+
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "Cannot allocate memory")
+
+
+def out_of_memory(e: BaseException, step: int, rank: int, device, batch_ids: dict[int, str]) -> BaseException:
+    """``ResourceError`` for an out-of-memory ``e`` (``torch.OutOfMemoryError``, ``MemoryError``, CPU
+    allocator failures); any other exception is returned as it is (the caller re-raises it)."""
+    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or any(t in str(e) for t in _OOM_TEXT)):
+        return e
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    batch = f" (batch {batch_ids[rank]})" if rank in batch_ids else ""
+    return ResourceError(
+        f"out of memory on rank {rank} ({device}) at step {step}{batch}: {type(e).__name__}: {text}; "
+        "use smaller micro-batches (--training.grad_accum N, or a smaller --batch-size / --seq-len); "
+        "`raggedfsdp estimate-memory` shows the peak per rank",
+        (rank,),
+    )
+
+
+def gather_signals(signum: int, device) -> dict[int, int]:
+    """Collective: ``{rank: signum}`` of the ranks that got a signal (an empty dict: none did)."""
+    mine = torch.tensor([int(signum)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {r: int(t) for r, t in enumerate(every) if int(t)}
+
+
 class NonFiniteError(FaultError):
     """A NaN/Inf loss or gradient (policy ``stop``, or too many skipped steps)."""
 

@@ -32,7 +32,6 @@ from raggedfsdp.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
@@ -44,36 +43,22 @@ from raggedfsdp.train.data import (
     windows,
 )
 from raggedfsdp.train.faults import FaultPlan
-from raggedfsdp.train.guard import FaultError, StepGuard, all_finite, signal_name
+from raggedfsdp.train.guard import (
+    FaultError,
+    StepGuard,
+    all_finite,
+    gather_signals,
+    out_of_memory,
+    signal_name,
+)
 from raggedfsdp.train.lr_schedule import lr_at
+from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
+from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Interrupted", "Trainer"]
-
-
-class Interrupted(Exception):
-    """Raised on every rank at the step boundary after a SIGINT/SIGTERM/SIGHUP (exit 128 + signum)."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
-
-
-class _NoWatchdog:
-    step = 0
-
-    def arm(self) -> None:
-        pass
-
-    def progress(self, where: str, step: int | None = None) -> None:
-        pass
-
-    def paused(self, where: str):
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +78,7 @@ class Trainer:
         self.world_size = dist.get_world_size()
         cfg.validate(world_size=self.world_size)
         self.out_dir = Path(cfg.job.out)
-        self.watchdog = watchdog or _NoWatchdog()
+        self.watchdog = watchdog or NoWatchdog()
         self.interrupts = interrupts
         self.faults = FaultPlan.from_env(self.rank, cfg.debug)
         t = cfg.training
@@ -332,7 +317,7 @@ class Trainer:
                 "config": self.cfg.to_dict(),
             },
             run_id=self.run_id,
-            inject_enospc=self.faults.take("enospc", step),
+            inject=self.faults.save_fault(step),
         )
 
     # -- steps -------------------------------------------------------------------------------
@@ -392,6 +377,7 @@ class Trainer:
             logits = self.model(inputs)  # (b, T, V)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             if self.faults and micro == 0:
+                self.faults.inject_forward(step)  # oom
                 if self.faults.take("nan", step):
                     loss = loss * float("nan")
                 elif self.faults.take("inf", step):
@@ -533,7 +519,13 @@ class Trainer:
         self.model.train()
         self.watchdog.arm()
         for step in range(first, t.steps + 1):
-            _, _, lr = self.train_step(step)
+            try:
+                _, _, lr = self.train_step(step)
+            except (RuntimeError, MemoryError) as e:  # out of memory: one line naming rank, step, batch
+                oom = out_of_memory(e, step, self.rank, self.device, self.batch_ids(step))
+                if oom is e:
+                    raise
+                raise oom from e
             st = self.last_stats  # global loss and grad norm, from the step's fused all-reduce
             if st.signals:
                 self._interrupted(step, st.signals, saved_step)
@@ -577,8 +569,15 @@ class Trainer:
                 )
                 mark = time.perf_counter()  # exclude eval time from the next throughput figure
             if interval > 0 and (step % interval == 0 or is_last):
-                self.save(step, lr)
+                path = self.save(step, lr)
                 saved_step = step
+                if self.interrupts is not None and not is_last:  # a signal during the save: stop now
+                    signals = gather_signals(self.interrupts.signum, self.device)
+                    if signals:
+                        raise Interrupted(min(signals.values()), (
+                            f"interrupted by {signal_name(min(signals.values()))} (rank(s) {sorted(signals)}) "
+                            f"during the save of step {step}, which completed: saved {path}; continue with "
+                            f"--resume auto --out {cfg.job.out}"))  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
         elapsed = time.perf_counter() - start
         self.watchdog.progress("done")

@@ -42,7 +42,9 @@ import threading
 import time
 import traceback
 
-__all__ = ["GRACE_S", "HangError", "Interrupts", "Watchdog", "in_collective", "set_parent_death_signal"]
+__all__ = [
+    "GRACE_S", "HangError", "Interrupted", "Interrupts", "NoWatchdog", "Watchdog", "in_collective", "set_parent_death_signal",
+]  # fmt: skip
 
 GRACE_S = 2.0
 _COLLECTIVE_PATHS = (
@@ -76,6 +78,29 @@ def _where(frame) -> str:
     if frame is None:
         return "?"
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class Interrupted(Exception):
+    """Raised on every rank at the step boundary after a SIGINT/SIGTERM/SIGHUP (exit 128 + signum)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class NoWatchdog:
+    """The trainer's stand-in when no ``Watchdog`` is given (no hang detection)."""
+
+    step = 0
+
+    def arm(self) -> None:
+        pass
+
+    def progress(self, where: str, step: int | None = None) -> None:
+        pass
+
+    def paused(self, where: str):
+        return contextlib.nullcontext()
 
 
 class Interrupts:

@@ -80,7 +80,9 @@ def default_out() -> str:
 
 
 # Errors the trainer explains in their message: one line, no traceback (still recorded for torchrun).
-_ONE_LINE = ("FaultError", "NonFiniteError", "DivergenceError", "CheckpointError", "DataError", "HangError")
+_ONE_LINE = (
+    "FaultError", "NonFiniteError", "DivergenceError", "CheckpointError", "DataError", "HangError", "ResourceError",
+)  # fmt: skip
 
 
 @record

@@ -251,6 +251,9 @@ def _hsdp_deferred_all_reduce(rank, ws):
     got = full_params(model)
     for n, p in ref_params.items():
         torch.testing.assert_close(got[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    from test_fsdp_frozen import _frozen_cases
+
+    _frozen_cases(rank, ws, mesh_shape=(2, 2))  # frozen params (compacted grad layout) under HSDP
 
 
 def test_hsdp_set_requires_all_reduce_false_defers_the_all_reduce():

@@ -224,6 +224,27 @@ def _cases(rank, world, tmp):
     dist.barrier()
     assert integrity.verify_step_folder(out / "checkpoints" / "step-2") is None
 
+    # 8. a checkpoint folder this rank may not write: one line naming the cause, the path and the
+    #    rank; nothing under step-1.
+    out = tmp / "eacces"
+    tr = _trainer(_cfg(out, checkpoint__interval=1), "eacces@step1:rank1")
+    _raises(CheckpointError, r"cannot save checkpoint .*step-1: Permission denied: '.*step-1\.tmp/__fault.distcp' "
+            r"on rank 1$", tr.train)  # fmt: skip
+    tr.close()
+    dist.barrier()
+    assert not (out / "checkpoints" / "step-1").exists()
+
+    # 9. out of memory inside step 2's forward (every rank, so that no rank waits in a collective):
+    #    each rank's one line names itself, the step, its batch and the cause.
+    tr = _trainer(_cfg(tmp / "oom"), "oom@step2")
+    from raggedfsdp.train.guard import ResourceError
+
+    e = _raises(ResourceError, rf"out of memory on rank {rank} \(cpu\) at step 2 \(batch step2:rows{2 * rank}-"
+                rf"{2 * rank + 1} \(rank {rank}, micro-step 0\)\): OutOfMemoryError: CUDA out of memory\. Tried "
+                r"to allocate 2\.00 GiB .*; use smaller micro-batches", tr.train)  # fmt: skip
+    assert e.culprits == (rank,) and "\n" not in str(e)
+    tr.close()
+
 
 def _flag_at(train_step, ints, rank):
     def step(s):
@@ -418,3 +439,114 @@ def test_prelaunch_refusals(tmp_path, capsys):
     finally:
         lock.release()
     assert not (tmp_path / "new").exists()
+
+
+def _stderr_reader(proc):
+    """Collect ``proc``'s stderr lines in a thread; returns the list (appended to as they come)."""
+    import threading
+
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    return lines
+
+
+def _wait_line(lines, text, proc, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not any(text in ln for ln in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{text!r} not seen:\n{''.join(lines)}"
+        time.sleep(0.05)
+
+
+def _losses(out):
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, /proc")
+def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path):
+    """Ctrl-C (SIGINT to the job's whole process group, as a terminal sends it) while step 4 is being
+    written (``slowsave``: each rank sleeps between its shard files and the ``.metadata``/manifest/rename).
+
+    1. Ctrl-C twice: the ranks give up at once (exit 130, one last line); what is on disk is a partial
+       ``step-4.tmp`` (shards, no ``.metadata``, no manifest), which ``--resume auto`` ignores; step-2 survives.
+    2. ``--resume auto`` resumes step-2 and repeats steps 3-4 bit for bit (same losses); a single Ctrl-C
+       during its save of step 4 lets that save complete, then the job stops (exit 130) instead of
+       training on; step-4 verifies and the stale ``step-4.tmp`` is gone."""
+    from raggedfsdp.train import ckpt_integrity as integrity
+    from raggedfsdp.train.checkpoint import resolve_resume
+
+    out = tmp_path / "o"
+    ck = out / "checkpoints"
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "6", "--checkpoint-interval", "2",
+           "--out", str(out)]  # fmt: skip
+    env = {**_env("slowsave@step4"), "RAGGEDFSDP_FAULT_SLEEP_S": "60"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    err = _stderr_reader(proc)
+    _wait_line(err, "debug: slow save", proc)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(2.5)  # past the ranks' grace period (train/watchdog.py: GRACE_S): the second one is final
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    elapsed = time.monotonic() - t0
+    time.sleep(0.2)
+    lines = "".join(err).strip().splitlines()
+    assert proc.returncode == 130, "".join(err)
+    assert lines[-1] == f"raggedfsdp train: interrupted by SIGINT; resume with --resume auto --out {out}", lines
+    assert "Traceback" not in "".join(err), "".join(err)
+    assert elapsed < 30, f"{elapsed:.1f}s from the first Ctrl-C to the job's end"
+    partial = ck / "step-4.tmp"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4.tmp"]
+    assert list(partial.glob("*.distcp")) and not (partial / "manifest.json").exists()
+    assert integrity.verify_step_folder(ck / "step-2") is None
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    notes: list[str] = []
+    assert resolve_resume("auto", ck, run_id=run_id, notes=notes) == ck / "step-2"
+    assert notes and "ignoring unfinished save(s) step-4.tmp" in notes[0], notes
+    before = _losses(out)
+    assert set(before) >= {1, 2, 3, 4}, before
+
+    env["RAGGEDFSDP_FAULT_SLEEP_S"] = "3"
+    proc = subprocess.Popen([*cmd, "--resume", "auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+    err = _stderr_reader(proc)
+    _wait_line(err, "debug: slow save", proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=90)
+    time.sleep(0.2)
+    text = "".join(err)
+    assert proc.returncode == 130, text
+    assert "ignoring unfinished save(s) step-4.tmp" in text, text
+    done = [ln for ln in text.splitlines() if "during the save of step 4, which completed: saved" in ln]
+    assert len(done) == 1 and "interrupted by SIGINT (rank(s) [0, 1])" in done[0], text
+    assert text.strip().splitlines()[-1].startswith("raggedfsdp train: interrupted"), text
+    after = _losses(out)
+    assert max(after) == 4, after  # stopped after the save: step 5 never ran
+    assert [after[s] for s in (3, 4)] == [before[s] for s in (3, 4)], (before, after)
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4"]
+    assert integrity.verify_step_folder(ck / "step-4") is None
+
+
+@pytest.mark.skipif(
+    not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("setpriv")),
+    reason="needs root and setpriv to run the launcher as an unprivileged user",
+)
+def test_unwritable_out_is_one_line_before_the_launch(tmp_path):
+    """``--out`` under a folder the user may not write (a real EACCES: the launcher runs as
+    ``nobody``): exit 2, one line naming the cause and the path, no launch."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o755)  # root's; nobody may not create anything in it (nor pass pytest's 0700 base)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o777)
+    home.chmod(0o777)
+    cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *_cli(), "train", *ARGS,
+           "--steps", "2", "--out", str(locked / "o")]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env={**_env(), "HOME": str(home)})
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    o = locked / "o"  # the path named is the first one the user could not touch (o, or o/run.json)
+    assert last.startswith(f"raggedfsdp train: error: cannot use --out {o}: Permission denied: '{o}"), proc.stderr
+    assert last.endswith("' (choose a path this user can write)"), proc.stderr
+    assert "Traceback" not in proc.stderr and "launching" not in proc.stderr

@@ -31,6 +31,24 @@ def test_fault_grammar_and_plan():
     dbg = TrainConfig().debug
     dbg.fail_rank, dbg.fail_step, dbg.fail_mode = 0, 2, "exit"
     assert FaultPlan.from_env(0, dbg).take("exit", 2)
+    # the save faults (one per save), and oom inside the forward
+    plan = FaultPlan(parse_faults("slowsave@step4,eacces@step2:rank1,oom@step3"), rank=1)
+    assert plan.save_fault(2) == "eacces" and plan.save_fault(2) == "" and plan.save_fault(4) == "slowsave"
+    plan.inject_forward(2)  # nothing at another step
+    with pytest.raises(torch.OutOfMemoryError, match="injected by RAGGEDFSDP_FAULT=oom"):
+        plan.inject_forward(3)
+
+
+def test_out_of_memory_becomes_one_line_naming_rank_step_and_batch():
+    from raggedfsdp.train.guard import ResourceError, out_of_memory
+
+    ids = {1: "step3:rows2-3 (rank 1, micro-step 0)"}
+    for e in (MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB")):
+        r = out_of_memory(e, 3, 1, torch.device("cpu"), ids)
+        assert isinstance(r, ResourceError) and r.culprits == (1,)
+        assert str(r).startswith("out of memory on rank 1 (cpu) at step 3 (batch step3:rows2-3 (rank 1, micro-step 0)): ")
+    other = RuntimeError("shape mismatch")
+    assert out_of_memory(other, 3, 1, "cpu", ids) is other  # not an OOM: re-raised as it is
 
 
 def _guard(**kw):

@@ -208,9 +208,16 @@ def test_check_data_too_small_suggests_a_seq_len_that_fits(tmp_path):
         _check("", seq_len=128, max_bytes=200, val_fraction=0.05)
 
 
-def test_check_data_stdlib_is_cheap():
-    import time
+def test_check_data_stdlib_is_cheap(monkeypatch):
+    """The pre-launch check of the default corpus reads file sizes only, never a file's bytes."""
+    import builtins
+    import pathlib
 
-    start = time.perf_counter()
+    def no_read(*a, **k):
+        raise AssertionError("check_data read a corpus file; it must use sizes only")
+
+    real_open = builtins.open
+    monkeypatch.setattr(pathlib.Path, "read_bytes", no_read)
+    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: no_read() if "b" in mode and str(f).endswith(".py")
+                        else real_open(f, mode, *a, **k))
     assert _check("", seq_len=128, max_bytes=0, val_fraction=0.05) > 1_000_000
-    assert time.perf_counter() - start < 2.0  # file sizes only, no reading

@@ -101,10 +101,14 @@ def test_cli_unit_auto(capsys):
     assert "--max-k" in capsys.readouterr().err
 
 
-def test_auto_moe_2_4t_search_is_fast():
-    """moe-2.4t at M=1024: the whole auto search (shape tables, every bound, one plan) in well under
-    a second (measured 0.12-0.16 s on 2 CPU cores; README table 8)."""
-    secs = min(
-        choose_unit_size("moe-2.4t", 1024, policy="rows:32", align=8, order="best").seconds for _ in range(2)
-    )
-    assert secs <= 0.6, secs
+def test_auto_moe_2_4t_search_plans_only_what_the_bounds_allow():
+    """moe-2.4t at M=1024: the auto search computes a bound for every K but runs the planner only for
+    K whose bound is within the target (or needed for the best), so its cost is a few whole-model
+    plans (its speed, 0.12-0.16 s on 2 CPU cores, is a benchmark: README planner table 8)."""
+    choice = choose_unit_size("moe-2.4t", 1024, policy="rows:32", align=8, order="best")
+    planned = [t.k for t in choice.tries if t.padding_ratio is not None]
+    assert len(choice.tries) == choice.max_k  # every K bounded
+    assert choice.k in planned and len(planned) <= 3, planned
+    for t in choice.tries:  # a K skipped by the search is one its bound rules out
+        if t.padding_ratio is None:
+            assert t.bound_ratio > choice.target or t.k > choice.k, t

@@ -257,8 +257,16 @@ def test_text_report_and_toplevel_cli(capsys):
     assert "layers.0 .. layers.31 (x32)" in out and "total padding" in out and "FSDP2" in out
 
 
-def test_moe_2_4t_plans_fast():
-    """Whole-model planning of the 2.4T MoE at M=1024 within 0.3 s (best of 3; distinct units cached)."""
+def test_moe_2_4t_plans_each_distinct_unit_once(monkeypatch):
+    """Whole-model planning of the 2.4T MoE at M=1024 costs one plan_layout per *distinct* unit, not
+    per unit (the speed itself is a benchmark: benchmarks/README.md planner table 8, not a timed test)."""
+    import raggedfsdp.planner.modelplan as mp
+
+    calls = []
+    real = mp.plan_layout
+    monkeypatch.setattr(mp, "plan_layout", lambda *a, **k: calls.append(1) or real(*a, **k))
     units = model_units("moe-2.4t")
-    secs = min(plan_model(units, 1024, policy="row", align=8).plan_seconds for _ in range(3))
-    assert secs <= 0.3, secs
+    plan = plan_model(units, 1024, policy="row", align=8)
+    distinct = {tuple(s for _, s in u.params) for u in units}
+    assert len(calls) == len(distinct) < len(units)
+    assert len(plan.units) == len(units)

@@ -1,0 +1,322 @@
+"""Teardown soak (issue 11 item 7): launch a short multi-rank job N times, count the runs that end
+with a SIGABRT or a "terminate called" line after their work succeeded.
+
+    python benchmarks/teardown_soak.py --case bare    --runs 30  --nproc 3   # control: must abort
+    python benchmarks/teardown_soak.py --case harness --runs 200 --nproc 3
+    python benchmarks/teardown_soak.py --case fsdp    --runs 200 --nproc 3
+    python benchmarks/teardown_soak.py --case train   --runs 50  --nproc 3
+
+Cases (each run is a separate launch of fresh processes):
+
+- ``bare``: the issue's lead, torch only: ``init_device_mesh("cpu", (N,))``, one ``all_reduce``,
+  plain ``destroy_process_group()``. The control: it must show aborts, or the soak cannot see the bug.
+- ``harness``: the same script ending with ``raggedfsdp.train.teardown.shutdown_process_group()``.
+- ``fsdp``: one raggedfsdp ``fully_shard`` training step (forward, backward, reduce-scatter, AdamW)
+  on a small LM through the test harness (``tests/_dist.py: run_distributed``, FileStore, spawn),
+  which tears down with ``shutdown_process_group`` and checks every rank's exit code.
+- ``train``: ``raggedfsdp train`` of the debug model, 2 steps, batch 6 x 16 (torchrun inside).
+
+``bare`` and ``harness`` start the N ranks directly (env:// rendezvous on a free port, rank 0 hosts
+the TCPStore), so each rank's exit status is seen; ``--launcher torchrun`` runs them under torchrun
+as the issue's lead did. A run counts as *aborted* if any rank (or the launcher) died of a signal
+or printed ``terminate called``; as *failed* if it exited non-zero for another reason. Every run is
+bounded by ``--timeout`` s. Prints one line per aborted/failed run and a summary row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("bare", "harness", "fsdp", "train")
+
+
+# -- what the ranks run ----------------------------------------------------------------------------
+
+
+def _maybe_inject_abort() -> None:
+    """``--inject-abort``: rank 1 calls ``std::terminate()`` at interpreter exit, the exact signature
+    of the teardown bug (SIGABRT, "terminate called without an active exception"). A positive
+    control for the detector, in whichever launch path the case uses."""
+    if os.environ.get("SOAK_ABORT") == "1" and os.environ.get("RANK") == "1":
+        import atexit
+        import ctypes
+
+        atexit.register(lambda: ctypes.CDLL("libstdc++.so.6")["_ZSt9terminatev"]())
+
+
+def _rank_bare(use_ours: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    _maybe_inject_abort()
+    world = int(os.environ["WORLD_SIZE"])
+    init_device_mesh("cpu", (world,))
+    t = torch.ones(int(os.environ.get("SOAK_NUMEL", "4")))
+    dist.all_reduce(t)
+    assert float(t[0]) == world
+    if use_ours:
+        from raggedfsdp.train.teardown import shutdown_process_group
+
+        shutdown_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def _fsdp_step(rank: int, world: int) -> None:  # runs under tests/_dist.py: run_distributed
+    os.environ["RANK"] = str(rank)
+    _maybe_inject_abort()
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _toy_models import ToyLM, batches, lm_loss, shard_model
+
+    from raggedfsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = shard_model(ToyLM(n_layers=1), fully_shard, mesh)  # two FSDP units: the block, the root
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (tok, tgt), = batches(1, 2 * world)
+    sl = slice(2 * rank, 2 * rank + 2)
+    loss = lm_loss(model, tok[sl], tgt[sl])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _child(case: str) -> None:
+    if case in ("bare", "harness"):
+        _rank_bare(case == "harness")
+    elif case == "fsdp":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from _dist import run_distributed
+
+        run_distributed(_fsdp_step, int(os.environ["SOAK_NPROC"]), timeout=120)
+    else:
+        raise SystemExit(f"unknown child case {case!r}")
+
+
+# -- the soak --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "RAGGEDFSDP_FAULT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+def _sig(rc: int) -> str:
+    return signal.Signals(-rc).name if rc < 0 else str(rc)
+
+
+class _BecomeRank(BaseException):
+    """Raised in a forked child: unwinds to the script's top, which runs the rank and then lets the
+    interpreter exit normally (atexit, module and static C++ destructors: where aborts happen)."""
+
+    def __init__(self, case: str, out: str) -> None:
+        self.case, self.out = case, out
+
+
+def _fork_run(case: str, nproc: int, timeout: float, tmp: Path) -> tuple[list[int], str]:
+    """Fork ``nproc`` ranks from this (pre-imported) process; their exit statuses and output."""
+    port, store = str(_free_port()), str(tmp / f"store-{time.time_ns()}")
+    pids, logs = [], []
+    for r in range(nproc):
+        log = str(tmp / f"rank{r}-{time.time_ns()}.log")
+        pid = os.fork()
+        if pid == 0:  # the child: new process, new process group, sockets and threads; same imports
+            os.environ.update(_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, SOAK_STORE=store))  # fmt: skip
+            raise _BecomeRank(case, log)
+        pids.append(pid)
+        logs.append(log)
+    rcs: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(rcs) < nproc:
+        for pid in pids:
+            if pid not in rcs:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    rcs[pid] = os.waitstatus_to_exitcode(status)
+        if len(rcs) < nproc:
+            if time.monotonic() > deadline:
+                for pid in pids:
+                    if pid not in rcs:
+                        os.kill(pid, signal.SIGKILL)
+                        rcs[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                return [rcs[p] for p in pids], f"timed out after {timeout:.0f}s"
+            time.sleep(0.01)
+    text = "".join(Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in logs)
+    return [rcs[p] for p in pids], text
+
+
+def _forked_rank(case: str, out: str) -> None:
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if case == "fsdp":  # the harness's own per-rank path: FileStore init, fn, shutdown, report
+        sys.path.insert(0, str(ROOT / "tests"))
+        from _dist import _worker
+
+        class _Q(list):
+            put = list.append
+
+        q = _Q()
+        _worker(_fsdp_step, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["SOAK_STORE"], (), q)
+        ((_, tb),) = q
+        if tb is not None:
+            print(tb, file=sys.stderr, flush=True)
+            sys.exit(1)
+    else:
+        _rank_bare(case == "harness")
+
+
+def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> tuple[str, str]:
+    """One launch; returns (``ok``|``abort``|``fail``, detail)."""
+    if launcher == "fork":
+        rcs, text = _fork_run(case, nproc, timeout, tmp)
+        return _classify(rcs, text)
+    me = [sys.executable, str(Path(__file__).resolve()), "--child", case]
+    if case == "train":
+        cli = Path(sys.executable).with_name("raggedfsdp")
+        cmd = [str(cli) if cli.exists() else sys.executable, *([] if cli.exists() else ["-m", "raggedfsdp.cli"]),
+               "train", "--nproc", str(nproc), "--model", "debug", "--steps", "2", "--batch-size", str(2 * nproc),
+               "--seq-len", "16", "--data.max_bytes", "100000", "--metrics.eval_batches", "1",
+               "--optimizer.warmup_steps", "1", "--log-every", "1", "--out", str(tmp / f"out-{time.time_ns()}")]  # fmt: skip
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
+    elif case == "fsdp":
+        procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=_env(SOAK_NPROC=str(nproc)))]  # fmt: skip
+    elif case in ("bare", "harness") and launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *me[1:]]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
+    else:
+        port = str(_free_port())
+        envs = [
+            _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+            for r in range(nproc)
+        ]
+        procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e) for e in envs]
+    outs, deadline = [], time.monotonic() + timeout
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.wait()
+            return "fail", f"timed out after {timeout:.0f}s"
+    return _classify([p.returncode for p in procs], "\n".join(o + e for o, e in outs))
+
+
+def _classify(rcs: list[int], text: str) -> tuple[str, str]:
+    if text.startswith("timed out"):
+        return "fail", text
+    terminate = sum("terminate called" in ln for ln in text.splitlines())
+    signals = [_sig(rc) for rc in rcs if rc < 0]
+    # the harness and torchrun report a rank's signal in their own (non-zero) exit
+    signals += [ln.strip() for ln in text.splitlines() if "SIGABRT" in ln or "Signal 6" in ln][:2]
+    if terminate or signals:
+        return "abort", f"rcs {[_sig(rc) for rc in rcs]}, {terminate} 'terminate called' line(s); {signals[:3]}"
+    if any(rcs):
+        tail = " | ".join(text.strip().splitlines()[-3:])
+        return "fail", f"rcs {rcs}: {tail[-400:]}"
+    return "ok", ""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=CASES)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--launcher", choices=("fork", "fresh", "torchrun"), default="fork",
+                   help="bare/harness/fsdp: fork the ranks from this pre-imported process (default), or start "
+                        "fresh interpreters (fsdp: through run_distributed's spawn); torchrun: bare/harness "
+                        "under torchrun. train always launches `raggedfsdp train`")  # fmt: skip
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long (0: no limit)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per run before it counts as failed")
+    p.add_argument("--numel", type=int, default=4, help="bare/harness: elements of the all_reduce")
+    p.add_argument("--inject-abort", action="store_true",
+                   help="positive control (not train): rank 1 calls std::terminate() at exit; every run must count")  # fmt: skip
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    os.environ["SOAK_NUMEL"] = str(args.numel)
+    if args.inject_abort:
+        os.environ["SOAK_ABORT"] = "1"
+    if args.child:
+        _child(args.child)
+        return
+    if not args.case:
+        p.error("--case is required")
+    launcher = "fresh" if args.case == "train" else args.launcher
+    if args.inject_abort and args.case == "train":
+        p.error("--inject-abort: bare, harness or fsdp")
+    if launcher == "torchrun" and args.case not in ("bare", "harness"):
+        p.error("--launcher torchrun: bare or harness only")
+    if launcher == "fork":  # import once here; each run forks new ranks (no torch op ran in this process)
+        import gc
+        import importlib
+
+        import torch
+
+        sys.path.insert(0, str(ROOT / "tests"))
+        # what the ranks import, the first DTensor/FSDP step included (torch._dynamo & co: ~3 s per rank)
+        for name in ("torch.distributed", "torch.distributed.device_mesh", "torch._dynamo", "torch._functorch",
+                     "torch._inductor", "torch.fx", "torch.profiler", "raggedfsdp", "raggedfsdp.placement",
+                     "raggedfsdp.train.teardown", "_dist", "_toy_models"):  # fmt: skip
+            importlib.import_module(name)
+        torch.set_num_threads(1)
+        gc.freeze()  # forked ranks would otherwise copy every page at exit (refcounts), seconds per run
+    counts = {"ok": 0, "abort": 0, "fail": 0}
+    t0, parent = time.monotonic(), os.getpid()
+    tmp = Path(tempfile.mkdtemp(prefix="teardown-soak-"))
+    try:
+        for i in range(args.runs):
+            if args.max_minutes and time.monotonic() - t0 > 60 * args.max_minutes:
+                print(f"  stopping after {i} runs: --max-minutes {args.max_minutes} reached", flush=True)
+                args.runs = i
+                break
+            status, detail = one_run(args.case, args.nproc, launcher, args.timeout, tmp)
+            counts[status] += 1
+            if status != "ok":
+                print(f"run {i + 1}: {status}: {detail}", flush=True)
+            if (i + 1) % 10 == 0 or i + 1 == args.runs:
+                print(f"  {args.case}: {i + 1} runs, {counts['abort']} aborted, {counts['fail']} failed, "
+                      f"{(time.monotonic() - t0) / (i + 1):.2f} s/run", flush=True)  # fmt: skip
+    finally:
+        if os.getpid() == parent:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    args.runs = max(args.runs, 1)
+    print(f"| {args.case} | {launcher} | {args.nproc} | {args.runs} | {counts['abort']} | {counts['fail']} | "
+          f"{(time.monotonic() - t0) / args.runs:.2f} s |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except _BecomeRank as child:  # a forked rank: run it, then exit through normal interpreter shutdown
+        _forked_rank(child.case, child.out)
