@@ -64,7 +64,11 @@ def test_resolve_resume(tmp_path):
     assert resolve_resume("auto", tmp_path, run_id="r1", notes=notes) is None
     assert notes == [
         (
+            "--resume auto: ignoring unfinished save(s) step-9.tmp (interrupted while being written; never "
+            "resumed from, deleted by the next save of that step)"
+        ),
+        (
             f"--resume auto: skipping {tmp_path / 'step-3'}: manifest.json missing (an incomplete save, "
             "or not written by raggedfsdp train)"
-        )
+        ),
     ]
