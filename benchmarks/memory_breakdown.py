@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -116,6 +118,9 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--top", type=int, default=12, help="op chains to print per system")
+    ap.add_argument("--comm", default="backend", choices=["backend", "done"],
+                    help="'done': every raggedfsdp collective reports completion at once (communication that "
+                         "keeps up; Note [early free]); 'backend': as the backend reports (the fake PG: never)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -131,7 +136,15 @@ def main(argv=None) -> dict | None:
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (ws,))
-    res = {b: measure(args, b, mesh, rank) for b in ("ragged", "torch")}
+    if args.comm == "done":  # every raggedfsdp collective reports completion at once (Note [early free])
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from _memory import comm_done_at_once
+
+        with comm_done_at_once():
+            res = {"ragged": measure(args, "ragged", mesh, rank)}
+    else:
+        res = {"ragged": measure(args, "ragged", mesh, rank)}
+    res["torch"] = measure(args, "torch", mesh, rank)
     dist.destroy_process_group()
     if rank != 0:
         return None
@@ -139,7 +152,8 @@ def main(argv=None) -> dict | None:
     if args.json:
         print(json.dumps(res))
         return res
-    print(f"# {args.model} ({args.param_dtype}), {args.backend} backend, ws {ws}, rank {rank}; "
+    print(f"# {args.model} ({args.param_dtype}), {args.backend} backend"
+          f"{' (comm done at once)' if args.comm == 'done' else ''}, ws {ws}, rank {rank}; "
           f"largest unit {res['ragged']['unit_bytes'] / MiB:.2f} MiB fp32")
     for b in ("ragged", "torch"):
         r = res[b]

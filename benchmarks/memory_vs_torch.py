@@ -10,6 +10,7 @@ backward and during ``optimizer.step()``; ratios are ragged / torch (< 1: ragged
 Backends:
     python benchmarks/memory_vs_torch.py --nproc 2                 # CPU, fake process group (exact, default)
     python benchmarks/memory_vs_torch.py --nproc 3 --rank 2        # another simulated rank
+    python benchmarks/memory_vs_torch.py --nproc 2 --comm done     # fake PG, communication that keeps up
     python benchmarks/memory_vs_torch.py --nproc 2 --backend gloo  # CPU, real gloo ranks (adds gloo scratch)
     python benchmarks/memory_vs_torch.py --device cuda             # NCCL, one process per GPU, CUDA allocator
 Add ``--breakdown 8`` to list what each forward + backward peak is made of (CPU). Add ``--rss`` (with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print, as a
@@ -62,7 +63,9 @@ def _rss_step(build, loss, warmup: int) -> int:
 
 def measure(rank: int, ws: int, args) -> dict:
     """Every (dtype, backend) measurement on this rank (a process group must be initialised)."""
-    from _memory import MemNet, builder, loss_fn
+    import contextlib
+
+    from _memory import MemNet, builder, comm_done_at_once, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
 
     from raggedfsdp.fsdp.memory import measure_train_step
@@ -78,7 +81,9 @@ def measure(rank: int, ws: int, args) -> dict:
         row = {}
         for b in ("ragged", "torch"):
             build = builder(b, init, mesh, pdt, d=args.dim, n=args.blocks)
-            r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup, breakdown=args.breakdown)._asdict()
+            with comm_done_at_once() if args.comm == "done" else contextlib.nullcontext():
+                r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup,
+                                       breakdown=args.breakdown)._asdict()
             owners = r.pop("fwd_bwd_peak_owners")
             if args.breakdown:
                 r["fwd_bwd_peak_owners"] = [[n, op] for n, op in owners]
@@ -96,7 +101,8 @@ def measure(rank: int, ws: int, args) -> dict:
 def _print(res: dict, args, ws: int, rank: int) -> None:
     unit = 2 * (args.dim**2 + args.dim) * 4
     print(f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit {unit / MiB:.2f} MiB "
-          f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}; device {args.device}; ws {ws}; rank {rank}")
+          f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}"
+          f"{' (comm done at once)' if args.comm == 'done' else ''}; device {args.device}; ws {ws}; rank {rank}")
     print(f"{'dtype':5s} {'backend':7s} {'state MiB':>10s} {'fwd+bwd peak':>13s} {'optim peak':>11s}"
           + (f" {'step transient':>15s} {'RSS step growth':>15s}" if args.rss else ""))
     for dt, row in res.items():
@@ -183,6 +189,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--backend", default=None, choices=["fake", "gloo", "nccl"],
                     help="default: fake on CPU, nccl with --device cuda")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--comm", default="backend", choices=["backend", "done"],
+                    help="fake backend: 'backend' = its works never report completion (the slow-network worst "
+                         "case); 'done' = every raggedfsdp collective reports completion at once (communication "
+                         "that keeps up; Note [early free]). torch's FSDP2 does not poll, so it is unaffected")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16, help="rows per rank")

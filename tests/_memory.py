@@ -70,6 +70,27 @@ def builder(backend: str, init: dict, mesh, param_dtype=None, *, d: int = D, n: 
     return build
 
 
+def comm_done_at_once():
+    """Context manager: every raggedfsdp collective reports itself finished at once (``CommHandle.is_done``
+    -> True), modelling communication that keeps up with compute; torch's fake process group's works
+    otherwise never report completion (the slow-network worst case). Only raggedfsdp polls completion
+    (Note [early free] in ``raggedfsdp/fsdp/_reduce.py``); torch's FSDP2 frees at fixed points."""
+    import contextlib
+
+    from raggedfsdp.buffer.streams import CommHandle
+
+    @contextlib.contextmanager
+    def cm():
+        orig = CommHandle.is_done
+        CommHandle.is_done = lambda self: True
+        try:
+            yield
+        finally:
+            CommHandle.is_done = orig
+
+    return cm()
+
+
 def _fake_worker(fn, rank, ws, args, q):
     import os
     import traceback

@@ -6,7 +6,9 @@ keeps the records of in-flight work. Transitions (all local except where a colle
 
     gather_params   sharded --all-gather--> unsharded params      (allocates ``params``)
     free_params     unsharded params --> freed                    (reshard)
-    begin_grads     allocate + zero the unsharded grads           (the unit's first gradient in backward)
+    begin_grads     allocate + zero the unsharded grads           (views pre-set: a no-sync window, a user .grad)
+    fold_grads      autograd's per-parameter grads --> the flat buffer, once per backward (post-backward,
+                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold])
     hold_grads      no-sync backward: fold the grads into the ``reduce_dtype`` accumulator, free them
     reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
                     the returned handle is waited; the caller then frees it)
@@ -114,16 +116,61 @@ class UnitBuffers:
         _move_pieces(old, self.grad_layout, t, out, sharded=True, rank=self.rank)
         return out
 
-    def add_tensor_grad(self, i: int, grad: torch.Tensor) -> None:
+    def add_tensor_grad(self, i: int, grad: torch.Tensor, *, into: DBuffer | None = None,
+                        copy: bool = False) -> None:
         """Add tensor ``i``'s full unsharded gradient ``grad`` (its global shape) into its pieces of the
-        allocated unsharded grads: one view if they are contiguous, else one slice per rank it spans. Local."""
+        allocated unsharded grads (or of ``into``, e.g. the ``reduce_dtype`` accumulator; cast on the
+        fly): one view if they are contiguous, else one slice per rank it spans. ``copy``: the pieces are
+        known to be zero (a buffer zero-filled since), so write instead of add (1 read + 1 write per
+        element instead of 2 + 1). Local."""
         flat = grad.reshape(-1)
+        data = (into or self.grads).data
         if not self.compact_grads:
-            off = self.layout.offsets[i]
-            self.grads.data.narrow(0, off, flat.numel()).add_(flat)
+            dst = data.narrow(0, self.layout.offsets[i], flat.numel())
+            dst.copy_(flat) if copy else dst.add_(flat)
             return
-        for a, b, dst in self.grad_layout.segments(i):
-            self.grads.data.narrow(0, dst, b - a).add_(flat[a:b])
+        for a, b, off in self.grad_layout.segments(i):
+            dst = data.narrow(0, off, b - a)
+            dst.copy_(flat[a:b]) if copy else dst.add_(flat[a:b])
+
+    def fold_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Fold autograd's unsharded gradients into the unit's flat grads (Note [grad fold] in
+        ``raggedfsdp/fsdp/_grads.py``). ``grads``: ``(tensor index, grad)`` pairs, each grad in
+        ``param_dtype`` with its tensor's global shape. Target: the allocated unsharded grads if they
+        are (a no-sync window holding them: add); else the ``reduce_dtype`` accumulator when
+        ``reduce_dtype != param_dtype`` (cast while copying, as FSDP2's ``chunk_cat`` into its
+        reduce-scatter input; added to when it holds a no-sync window's sum); else the unsharded grads.
+        A target allocated here is zero-filled (padding, params without a gradient) and written by
+        copy. One ``torch._foreach_copy_`` / ``_foreach_add_`` for the whole unit (one multi-tensor
+        kernel on CUDA). Local."""
+        if not grads:
+            return
+        if self.grads.is_allocated:
+            into, fresh = self.grads, False
+        elif self.reduce_dtype != self.param_dtype:
+            if self.acc is None:
+                self.acc = self._unsharded(self.reduce_dtype, "reduce_dtype accumulated grads")
+            into = self.acc
+            fresh = into.alloc()
+            if fresh:
+                into.zero_()
+        else:
+            into, fresh = self.grads, self.begin_grads()
+        dsts, srcs = [], []
+        for i, g in grads:
+            flat = g.reshape(-1)
+            if not self.compact_grads:
+                dsts.append(into.data.narrow(0, self.layout.offsets[i], flat.numel()))
+                srcs.append(flat)
+                continue
+            for a, b, off in self.grad_layout.segments(i):
+                dsts.append(into.data.narrow(0, off, b - a))
+                srcs.append(flat[a:b])
+        with torch.no_grad():
+            if fresh:
+                torch._foreach_copy_(dsts, srcs)
+            else:
+                torch._foreach_add_(dsts, srcs)
 
     def sharded_output(self, dtype: torch.dtype, name: str = "reduce-scatter output") -> DBuffer:
         """A fresh ``(Sg,)`` buffer (the grad layout's shard) on the compute device (zero-filled padding is

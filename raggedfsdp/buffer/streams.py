@@ -99,6 +99,15 @@ class CommHandle:
     def waited(self) -> bool:
         return bool(self.waited_on)
 
+    def is_done(self) -> bool:
+        """Non-blocking: True if the collective has finished (``Work.is_completed()``; for NCCL an event
+        query, no host sync). False while it runs, and when it cannot be known without waiting (a local
+        copy issued on a side stream). Used to free buffers early (Note [early free] in
+        ``raggedfsdp/fsdp/_reduce.py``); :meth:`wait` is still what orders later work. Local."""
+        if self.work is None:
+            return self.stream is None
+        return bool(self.work.is_completed())
+
     def wait(self, stream=None) -> None:
         """Order ``stream`` (CUDA; default: the current stream) after the collective; on gloo, block
         the host until it is done. Local. Safe to call more than once."""

@@ -17,20 +17,7 @@ single-tensor in-place edits by hand; torch's ``foreach``/``fused`` optimizer ke
 not bump them, hence the counter). An optimizer step over other parameters -- an EMA, a probe head,
 on one rank only -- does not touch it, so every rank of a unit's group makes the same decision.
 
-Note [frozen parameters]
-    While every parameter of a unit requires grad, the grad roles use the parameter layout: each
-    unsharded param's ``.grad`` is pre-set to a view of the ``(m*S,)`` grad buffer and autograd adds into
-    it in place (no copy). When some are frozen (LoRA: a frozen base with small adapters), the grad
-    roles use a :class:`~raggedfsdp.planner.GradLayout` of the *grad members* instead -- the trainable
-    params when grads begin (plus, within one accumulation window, any that held grads) -- cached per
-    member set: ``(m*Sg,)`` unsharded, ``(Sg,)`` sharded, ``Sg`` ~ the largest rank's trainable pieces, so
-    frozen params hold no gradient storage. Autograd then owns the unsharded grads (``.grad`` is not
-    pre-set; AccumulateGrad allocates and accumulates them, as in FSDP2); ``post_backward`` first
-    reshards (frees the unsharded params), then allocates the compacted buffer, adds each member's grad
-    into its rank segments (one slice per rank it spans), drops autograd's tensor and reduce-scatters.
-    Each sharded ``.grad`` stays a view with its param's own RaggedShard spec. A change of the member
-    set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
-    left the set keeps its ``.grad`` as its own tensor).
+Notes [grad fold] and [frozen parameters] are in ``_grads.py`` (the gradient side of a unit).
 """
 
 from __future__ import annotations
@@ -49,7 +36,7 @@ from raggedfsdp._torch_patches import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
-from raggedfsdp.fsdp._reduce import launch_reduce
+from raggedfsdp.fsdp._grads import GradPath
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import plan_layout
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
@@ -72,7 +59,7 @@ def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
 register_optimizer_step_post_hook(_mark_units_stepped)
 
 
-class FSDPParamGroup:
+class FSDPParamGroup(GradPath):
     """All parameters of one ``fully_shard`` call, laid out in one flat buffer per role.
 
     Args:
@@ -279,16 +266,14 @@ class FSDPParamGroup:
         fp.extra["hooked"] = True
 
     def _on_grad(self, fp: FSDPParam) -> None:
-        """A gradient is about to be accumulated into ``fp``: mark it used and, while the unit takes
-        gradients (pre-backward ran), point ``.grad`` at its view of the grad buffer, allocating the
-        buffer (zeroed) at the unit's first gradient; autograd then adds into the view. ``.grad`` stays
-        ``None`` until then (as in FSDP2), never a view of freed storage. Local."""
+        """A gradient is about to be accumulated into ``fp``: mark it used. While the unit's grad buffer
+        is allocated (a no-sync window holds it, views pre-set by ``prepare_grads``) point a ``.grad``
+        that is ``None`` at its view, so autograd adds into it in place; otherwise autograd keeps the
+        gradient as its own tensor until ``post_backward`` folds it in (Note [grad fold]). Local."""
         fp.got_grad = True
+        self.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
         if (fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-                and not self.bufs.compact_grads):  # compacted grads: autograd keeps them (Note [frozen parameters])
-            if not self.bufs.grads.is_allocated:
-                with labelled(f"raggedfsdp::begin_grads ({self.unit_name})"):
-                    self.bufs.begin_grads()
+                and not self.bufs.compact_grads and self.bufs.grads.is_allocated):
             fp.unsharded.grad = fp.grad_view
 
     def reset_sharded_storage(self) -> None:
@@ -414,118 +399,6 @@ class FSDPParamGroup:
             self.bufs.free_params()
             self._gathered_version = -1
 
-    # ---- backward ------------------------------------------------------------------------
-    def prepare_grads(self) -> None:
-        """Open the unit for gradients (pre-backward). The flat grad buffer is allocated (zeroed) at the
-        unit's first gradient by ``_on_grad``, which also sets each ``.grad`` to its view; here only if
-        a ``.grad`` set by the user must be folded in, or views are pre-set when the buffer is already
-        allocated (no-sync accumulation). Until then the unit holds no gradient memory, as in FSDP2,
-        whose per-parameter grads appear as autograd computes them. Local (may wait this unit's
-        previous reduce-scatter: a module whose backward runs twice)."""
-        if not self.any_trainable:
-            return
-        if self.grad_state is GradState.REDUCING:
-            self.comm.reduces.complete_group(self)
-        check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
-        self._sync_grad_members()
-        if self.bufs.compact_grads:  # autograd owns the unsharded grads until post_backward folds them
-            if self.grad_state is GradState.NONE:
-                self.grad_state = GradState.ACCUMULATING
-            return
-        if self.grad_state is GradState.NONE:
-            self.grad_state = GradState.ACCUMULATING
-        for fp in self.trainable:
-            g = fp.unsharded.grad
-            if g is not None and g is not fp.grad_view:  # e.g. user set it; fold it in
-                self.bufs.begin_grads()
-                fp.grad_view.add_(g)
-                fp.unsharded.grad = fp.grad_view
-            elif g is None and self.bufs.grads.is_allocated:
-                fp.unsharded.grad = fp.grad_view
-
-    def _sync_grad_members(self) -> None:
-        """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
-        accumulation window (grads held), params that hold grads keep their slots. Local."""
-        held = self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
-        have = {id(fp) for fp in self.grad_fps}
-        want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
-        if {id(fp) for fp in want} == have:
-            return
-        if self.grad_state is GradState.REDUCING:
-            self.comm.reduces.complete_group(self)
-        keep = {id(fp) for fp in want}
-        for fp in self.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
-            if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
-                fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
-        kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
-        old = self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in want) if want else None)
-        if old is not None and self._partial_reduce is not None:  # HSDP deferred all-reduce
-            self._partial_reduce = self.bufs.relayout_sharded(self._partial_reduce, old)
-        for fp in self.fsdp_params:
-            fp.sharded_grad = None
-        for fp in kept:
-            fp.sharded_grad = DTensor(self.bufs.sharded_grad_buffer().local_view(self._index[id(fp)]), fp.spec,
-                                      requires_grad=False)
-            fp.sharded.grad = fp.sharded_grad
-        self.grad_fps = want
-
-    def _collect_stray_grads(self) -> bool:
-        """Fold grads autograd did not accumulate into our views (it steals when ``.grad`` is None; with
-        compacted grads it owns them all). True if the unit has grads to reduce (a unit whose pre-backward
-        ran counts even if no gradient reached it on this rank, its buffer allocated lazily or compacted:
-        every rank that ran the unit's backward must take part in its reduce-scatter)."""
-        compact = self.bufs.compact_grads
-        any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
-        for fp in self.grad_fps:
-            g = fp.unsharded.grad
-            if g is None:
-                continue
-            if g is not fp.grad_view or compact:
-                if self.grad_state is GradState.REDUCING:
-                    self.comm.reduces.complete_group(self)
-                self.bufs.begin_grads()
-                if self.grad_state is GradState.NONE:
-                    self.grad_state = GradState.ACCUMULATING
-                with torch.no_grad():
-                    self.bufs.add_tensor_grad(self._index[id(fp)], g)
-                fp.unsharded.grad = None if compact else fp.grad_view
-                fp.got_grad = True
-            any_grad = True
-        if any_grad and compact and not self.bufs.has_grads():
-            self.bufs.begin_grads()  # this rank ran the backward without grads: it still reduces (zeros)
-        return any_grad
-
-    def post_backward(self) -> None:
-        """Reduce-scatter (and HSDP all-reduce) the unit's grads if sync is on; reshard. Collective."""
-        if self.any_trainable and self.bufs.compact_grads:
-            self.reshard(free=self.reshard_after_backward)  # free the params before the grads are allocated
-            any_grad = self._collect_stray_grads()
-        else:
-            any_grad = self._collect_stray_grads() if self.any_trainable else False
-            self.reshard(free=self.reshard_after_backward)
-        if self.grad_state is GradState.REDUCING:
-            return  # already launched (e.g. the final callback after the post-backward hook)
-        if not any_grad:
-            self._drop_unsharded_grads()
-            return
-        if not self.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
-            if self.reduce_dtype != self.param_dtype and self.bufs.grads.is_allocated:
-                self.bufs.hold_grads()
-            for fp in self.grad_fps:
-                fp.unsharded.grad = None
-            self.grad_state = GradState.HELD
-            return
-        if not self.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
-            self.bufs.begin_grads()
-        launch_reduce(self, self.comm.reduces)
-
-    def _drop_unsharded_grads(self) -> None:
-        for fp in self.grad_fps:
-            fp.unsharded.grad = None
-        if self.grad_state is GradState.ACCUMULATING:
-            self.bufs.free_grads()
-            self.grad_state = GradState.NONE
-
     def agree_on_collective(self, what: str, numel: int) -> None:
         """Debug mode: check that every rank of the shard group issues this collective for the same unit
         (id and size), so collectives of different units never pair up silently (e.g. data-dependent
@@ -548,70 +421,6 @@ class FSDPParamGroup:
                 "e.g. MoE experts as separate units) must be run on every rank (with an empty input) or merged "
                 "into a unit that every rank runs"
             )
-
-    def take_used_flags(self) -> tuple[bool, ...]:
-        """This rank's used bits of the trainable params since the last reduce (and reset them)."""
-        flags = tuple(fp.got_grad for fp in self.grad_fps)
-        for fp in self.grad_fps:
-            fp.got_grad = False
-        if self._partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
-            flags = tuple(f or self._partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
-            self._partial_flags = None
-        return flags
-
-    def divide_factor(self) -> float:
-        return self.gradient_divide_factor or float(self.shard_world * self.replicate_world)
-
-    def release_unused_sharded_grads(self) -> None:
-        """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
-        iteration wrote it (called by the root before forward). Local."""
-        if self._sg_pending or any(fp.sharded.grad is not None for fp in self.fsdp_params):
-            return
-        self.bufs.release_sharded_grads()
-
-    def sharded_grads_fresh(self) -> bool:
-        """True if no trainable sharded param holds a grad (``zero_grad(set_to_none=True)``) and no
-        reduction of this backward wrote the buffer yet.
-
-        Grads the user replaced with other tensors are copied into the buffer first; slices of params
-        without a grad are zeroed so that accumulation adds onto zero for them.
-        """
-        if self._sg_pending:
-            return False
-        fresh = True
-        for fp in self.grad_fps:
-            if fp.sharded.grad is None:
-                continue
-            fresh = False
-            if fp.sharded_grad is None or fp.sharded.grad is not fp.sharded_grad:
-                self._adopt_foreign_grad(fp)
-        if not fresh:
-            buf = self.bufs.sharded_grad_buffer()
-            for fp in self.grad_fps:
-                if fp.sharded.grad is None:
-                    buf.local_view(self._index[id(fp)]).zero_()
-        return fresh
-
-    def _adopt_foreign_grad(self, fp: FSDPParam) -> None:
-        # the user replaced .grad with another tensor: move its values into our buffer view
-        buf = self.bufs.sharded_grad_buffer()
-        i = self._index[id(fp)]
-        g = fp.sharded.grad
-        local = g._local_tensor if isinstance(g, DTensor) else g
-        buf.local_view(i).copy_(local.reshape(-1))
-        fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
-        fp.sharded.grad = fp.sharded_grad
-
-    def attach_sharded_grads(self, used: list[tuple[FSDPParam, bool]]) -> None:
-        """Set ``.grad`` of every reduced sharded param used on some rank (or already holding one)."""
-        buf = self.bufs.sharded_grad_buffer()
-        for fp, u in used:
-            if not u and fp.sharded.grad is None:
-                continue
-            view = buf.local_view(self._index[id(fp)])
-            if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
-                fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
-            fp.sharded.grad = fp.sharded_grad
 
     def reset(self) -> None:
         """reset_iter_state for this unit (after the root queue was reset): wait the all-gather, reshard,

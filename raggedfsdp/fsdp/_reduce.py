@@ -17,7 +17,21 @@ Note [bounded gradient memory]
       sharded grad buffer (for CPU offload: a non-blocking D2H copy into pinned memory with an event).
     * lazy -- :meth:`ReduceQueue.finish_backward` (root's final callback): wait what is left, exchange the
       used-parameter flags of every unit in **one** small all-reduce per mesh, check that every rank ran
-      the same units (Note [unit agreement]), and set the sharded params' ``.grad``.
+      the same units (Note [early free]
+    K bounds the reduce-scatter inputs alive when communication is slow. When it keeps up, an input
+    need not live until the next unit's post-backward (where FSDP2 releases it): every gradient that
+    reaches a unit (the tensor pre-hook in ``FSDPParamGroup._on_grad``) calls :meth:`ReduceQueue.poll`,
+    which completes, oldest first, the in-flight reduce-scatters whose work already reports
+    ``is_completed()`` (a non-blocking query; on CUDA an event query, no host sync) and frees their
+    inputs then. So while unit i's gradients are computed, unit i+1's reduce-scatter input is alive
+    only until that collective has finished; at the backward peak (all of unit i's gradients alive)
+    it is usually gone, one unit-sized buffer less than FSDP2. The order of collectives is unchanged:
+    a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
+    ``make_room`` / ``drain``, which run at the same points on every rank. ``EARLY_FREE = False``
+    turns polling off (the worst case: what a network slower than the backward gives). torch's fake
+    process group never reports completion, so the fake-PG memory tests measure that worst case.
+
+Note [unit agreement]), and set the sharded params' ``.grad``.
 
 Note [unit agreement]
     Collectives pair up by issue order, so a unit that only some ranks run (data-dependent routing)
@@ -59,6 +73,9 @@ from raggedfsdp.fsdp._common import CollectiveMismatchError, GradState, check, l
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
+
+
+EARLY_FREE = True  # Note [early free]
 
 
 class ReduceStage(enum.Enum):
@@ -241,6 +258,17 @@ class ReduceQueue:
         self.seq_hash, self.seq_len = 0, 0
         self.seq.clear()
         self.counts.clear()
+
+    def poll(self) -> None:
+        """Complete, oldest first, the in-flight reductions that have already finished and issue no
+        collective on completion, freeing their unsharded inputs now (Note [early free]). Local,
+        non-blocking."""
+        while EARLY_FREE and self.inflight:
+            rec = self.inflight[0]
+            g = rec.group
+            if (g.is_hsdp and g.replicate_world > 1 and g.all_reduce_grads) or not rec.rs.is_done():
+                return
+            self._complete_oldest()
 
     def make_room(self) -> None:
         """Complete the oldest reductions until fewer than ``max_inflight`` reduce-scatters are in flight."""

@@ -208,6 +208,7 @@ class FSDPState:
         self._pre_backward_done = True
         self._post_backward_done = False
         if self.group is not None:
+            self.group.comm.reduces.poll()  # free finished reduce-scatter inputs first (Note [early free])
             if self.unshard_in_backward:
                 self.group.unshard()
                 self.group.wait_for_unshard()

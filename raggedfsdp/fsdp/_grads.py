@@ -1,0 +1,228 @@
+"""The gradient side of one FSDP unit: open for gradients, fold, reduce, install, ``.grad`` (a mixin of
+:class:`~raggedfsdp.fsdp._param_group.FSDPParamGroup`, which holds the state these methods use; the
+buffer transitions are :class:`raggedfsdp.buffer.UnitBuffers`, the in-flight records ``_reduce.py``).
+
+Note [grad fold]
+    During backward autograd keeps each parameter's gradient as its own tensor, as in FSDP2; the unit's
+    flat ``(m*S,)`` grad buffer (the reduce-scatter input) is allocated only in ``post_backward``, after
+    (1) the oldest in-flight reduce-scatters are completed down to K - 1 (Note [bounded gradient
+    memory] in ``_reduce.py``) and (2) the unit's unsharded params are freed. The gradients are then
+    copied into it (a ``reduce_dtype`` buffer directly when it differs from ``param_dtype``: one cast
+    while copying) and each is freed as soon as it is copied. So at any moment of backward at most K
+    reduce-scatter inputs, one unit's params and one unit's per-parameter grads are alive (plus the
+    prefetched unit's params), the same four unit-sized buffers as FSDP2. Pre-setting ``.grad`` to views
+    of a flat buffer allocated at the unit's first gradient (this project until 2026-12) costs more:
+    the whole buffer exists from the first gradient on, *and* autograd still computes every weight
+    gradient into a fresh tensor that it then adds into the view, so the largest weight's gradient is
+    alive on top of the whole buffer (measured: 1.00-1.03x FSDP2's fwd+bwd peak on the toy model of
+    ``tests/dist/test_fsdp_memory.py``, 1.10x on the MoE bench; now 1.00x and below). The fold is
+    also less memory traffic: zero-fill + copy (1 write + 1 read + 1 write per element) against
+    zero-fill + in-place add (1 write + 2 reads + 1 write). The one place views still pay off is a
+    no-sync window whose unsharded grads are held in ``param_dtype`` (``reduce_dtype`` unset or equal):
+    ``prepare_grads`` pre-sets ``.grad`` to views of the held buffer, so each micro-batch adds into
+    it in place and only one weight gradient is alive beyond it (FSDP2 holds the per-parameter grads
+    of the unit on top of its accumulated ones).
+
+Note [frozen parameters]
+    While every parameter of a unit requires grad, the grad roles use the parameter layout (each
+    tensor's gradient lands at its parameter's offset). When some are frozen (LoRA: a frozen base with
+    small adapters), the grad roles use a :class:`~raggedfsdp.planner.GradLayout` of the *grad members*
+    instead -- the trainable params when grads begin (plus, within one accumulation window, any that
+    held grads) -- cached per member set: ``(m*Sg,)`` unsharded, ``(Sg,)`` sharded, ``Sg`` ~ the largest
+    rank's trainable pieces, so frozen params hold no gradient storage. The fold (Note [grad fold])
+    writes each member's grad into its rank segments (one slice per rank it spans); a no-sync window
+    adds autograd's tensors into the held compacted buffer at each post-backward (no views).
+    Each sharded ``.grad`` stays a view with its param's own RaggedShard spec. A change of the member
+    set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
+    left the set keeps its ``.grad`` as its own tensor).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.fsdp._common import FSDPParam, GradState, check, labelled
+from raggedfsdp.fsdp._reduce import launch_reduce
+
+
+class GradPath:
+    """Gradient-side methods of :class:`~raggedfsdp.fsdp._param_group.FSDPParamGroup` (see the module notes)."""
+
+    def prepare_grads(self) -> None:
+        """Open the unit for gradients (pre-backward). Autograd keeps each gradient as its own tensor and
+        ``post_backward`` folds them into the flat buffer (Note [grad fold]); views are pre-set here only
+        when the buffer is already allocated (a no-sync window holding ``param_dtype`` grads), and a
+        ``.grad`` the user set is folded in first. Local (may wait this unit's previous
+        reduce-scatter: a module whose backward runs twice)."""
+        if not self.any_trainable:
+            return
+        if self.grad_state is GradState.REDUCING:
+            self.comm.reduces.complete_group(self)
+        check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
+        self._sync_grad_members()
+        if self.bufs.compact_grads:  # autograd owns the unsharded grads until post_backward folds them
+            if self.grad_state is GradState.NONE:
+                self.grad_state = GradState.ACCUMULATING
+            return
+        if self.grad_state is GradState.NONE:
+            self.grad_state = GradState.ACCUMULATING
+        for fp in self.trainable:
+            g = fp.unsharded.grad
+            if g is not None and g is not fp.grad_view:  # e.g. user set it; fold it in
+                self.bufs.begin_grads()
+                fp.grad_view.add_(g)
+                fp.unsharded.grad = fp.grad_view
+            elif g is None and self.bufs.grads.is_allocated:
+                fp.unsharded.grad = fp.grad_view
+
+    def _sync_grad_members(self) -> None:
+        """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
+        accumulation window (grads held), params that hold grads keep their slots. Local."""
+        held = self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
+        have = {id(fp) for fp in self.grad_fps}
+        want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
+        if {id(fp) for fp in want} == have:
+            return
+        if self.grad_state is GradState.REDUCING:
+            self.comm.reduces.complete_group(self)
+        keep = {id(fp) for fp in want}
+        for fp in self.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
+            if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
+                fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
+        kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
+        old = self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in want) if want else None)
+        if old is not None and self._partial_reduce is not None:  # HSDP deferred all-reduce
+            self._partial_reduce = self.bufs.relayout_sharded(self._partial_reduce, old)
+        for fp in self.fsdp_params:
+            fp.sharded_grad = None
+        for fp in kept:
+            fp.sharded_grad = DTensor(self.bufs.sharded_grad_buffer().local_view(self._index[id(fp)]), fp.spec,
+                                      requires_grad=False)
+            fp.sharded.grad = fp.sharded_grad
+        self.grad_fps = want
+
+    def _collect_stray_grads(self) -> bool:
+        """Fold the grads autograd kept as its own tensors into the flat buffer, freeing each once folded
+        (Note [grad fold]). True if the unit has grads to reduce (a unit whose pre-backward ran counts
+        even if no gradient reached it on this rank: every rank that ran the unit's backward must take
+        part in its reduce-scatter)."""
+        any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
+        compact = self.bufs.compact_grads
+        stray = [fp for fp in self.grad_fps
+                 if fp.unsharded.grad is not None and (compact or fp.unsharded.grad is not fp.grad_view)]
+        if stray:
+            if self.grad_state is GradState.REDUCING:  # a second backward through this unit
+                self.comm.reduces.complete_group(self)
+            if self.grad_state is GradState.NONE:
+                self.grad_state = GradState.ACCUMULATING
+
+            folded = []
+            for fp in stray:
+                folded.append((self._index[id(fp)], fp.unsharded.grad))
+                fp.unsharded.grad = None
+                fp.got_grad = True
+            with labelled(f"raggedfsdp::fold_grads ({self.unit_name})"):
+                self.bufs.fold_grads(folded)
+            del folded  # autograd's tensors are freed here
+            any_grad = True
+        if any_grad and compact and not self.bufs.has_grads():
+            self.bufs.begin_grads()  # this rank ran the backward without grads: it still reduces (zeros)
+        return any_grad
+
+    def post_backward(self) -> None:
+        """Reduce-scatter (and HSDP all-reduce) the unit's grads if sync is on; reshard. Collective.
+
+        Order (Note [grad fold]): complete the oldest reduce-scatters down to K - 1 in flight and free
+        the unsharded params *before* the flat grad buffer is allocated, so that at most K reduce-scatter
+        inputs, one unit's params and one unit's per-parameter grads (the prefetched unit's params aside)
+        are alive at any time of backward, as in FSDP2."""
+        if self.reduce_grads and self.any_trainable and self.grad_state is not GradState.REDUCING:
+            self.comm.reduces.make_room()
+        self.reshard(free=self.reshard_after_backward)
+        any_grad = self._collect_stray_grads() if self.any_trainable else False
+        if self.grad_state is GradState.REDUCING:
+            return  # already launched (e.g. the final callback after the post-backward hook)
+        if not any_grad:
+            self._drop_unsharded_grads()
+            return
+        if not self.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
+            if self.reduce_dtype != self.param_dtype and self.bufs.grads.is_allocated:
+                self.bufs.hold_grads()
+            for fp in self.grad_fps:
+                fp.unsharded.grad = None
+            self.grad_state = GradState.HELD
+            return
+        if not self.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
+            self.bufs.begin_grads()
+        launch_reduce(self, self.comm.reduces)
+
+    def _drop_unsharded_grads(self) -> None:
+        for fp in self.grad_fps:
+            fp.unsharded.grad = None
+        if self.grad_state is GradState.ACCUMULATING:
+            self.bufs.free_grads()
+            self.grad_state = GradState.NONE
+
+    def take_used_flags(self) -> tuple[bool, ...]:
+        """This rank's used bits of the trainable params since the last reduce (and reset them)."""
+        flags = tuple(fp.got_grad for fp in self.grad_fps)
+        for fp in self.grad_fps:
+            fp.got_grad = False
+        if self._partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
+            flags = tuple(f or self._partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
+            self._partial_flags = None
+        return flags
+
+    def divide_factor(self) -> float:
+        return self.gradient_divide_factor or float(self.shard_world * self.replicate_world)
+
+    def release_unused_sharded_grads(self) -> None:
+        """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
+        iteration wrote it (called by the root before forward). Local."""
+        if self._sg_pending or any(fp.sharded.grad is not None for fp in self.fsdp_params):
+            return
+        self.bufs.release_sharded_grads()
+
+    def sharded_grads_fresh(self) -> bool:
+        """True if no trainable sharded param holds a grad (``zero_grad(set_to_none=True)``) and no
+        reduction of this backward wrote the buffer yet.
+
+        Grads the user replaced with other tensors are copied into the buffer first; slices of params
+        without a grad are zeroed so that accumulation adds onto zero for them.
+        """
+        if self._sg_pending:
+            return False
+        fresh = True
+        for fp in self.grad_fps:
+            if fp.sharded.grad is None:
+                continue
+            fresh = False
+            if fp.sharded_grad is None or fp.sharded.grad is not fp.sharded_grad:
+                self._adopt_foreign_grad(fp)
+        if not fresh:
+            buf = self.bufs.sharded_grad_buffer()
+            for fp in self.grad_fps:
+                if fp.sharded.grad is None:
+                    buf.local_view(self._index[id(fp)]).zero_()
+        return fresh
+
+    def _adopt_foreign_grad(self, fp: FSDPParam) -> None:
+        # the user replaced .grad with another tensor: move its values into our buffer view
+        buf = self.bufs.sharded_grad_buffer()
+        i = self._index[id(fp)]
+        g = fp.sharded.grad
+        local = g._local_tensor if isinstance(g, DTensor) else g
+        buf.local_view(i).copy_(local.reshape(-1))
+        fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
+        fp.sharded.grad = fp.sharded_grad
+
+    def attach_sharded_grads(self, used: list[tuple[FSDPParam, bool]]) -> None:
+        """Set ``.grad`` of every reduced sharded param used on some rank (or already holding one)."""
+        buf = self.bufs.sharded_grad_buffer()
+        for fp, u in used:
+            if not u and fp.sharded.grad is None:
+                continue
+            view = buf.local_view(self._index[id(fp)])
+            if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
+                fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
+            fp.sharded.grad = fp.sharded_grad
