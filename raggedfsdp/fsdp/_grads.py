@@ -142,6 +142,8 @@ class GradPath:
         any_grad = self._collect_stray_grads() if self.any_trainable else False
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
+        if not any_grad and self.holds_unreduced_grads():  # HSDP: a deferred partial sum awaits its all-reduce
+            self.grad_state, any_grad = GradState.ACCUMULATING, True  # (it rides on a reduce-scatter of zeros)
         if not any_grad:
             self._drop_unsharded_grads()
             return
@@ -155,6 +157,16 @@ class GradPath:
         if not self.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
             self.bufs.begin_grads()
         launch_reduce(self, self.comm.reduces)
+
+    def holds_unreduced_grads(self) -> bool:
+        """True if this unit holds grads of earlier micro-batches that a synced backward must reduce even
+        though the unit did not run in it (as FSDP2, whose final callback runs every group's
+        post-backward): no-sync grads (``HELD``), or HSDP's partial sum whose all-reduce was deferred by
+        ``set_requires_all_reduce(False)``. Local; the same on every rank that ran the same units."""
+        if not self.reduce_grads:
+            return False
+        return self.grad_state is GradState.HELD or (
+            self.grad_state is GradState.NONE and self._partial_reduce is not None and self.all_reduce_grads)
 
     def _drop_unsharded_grads(self) -> None:
         for fp in self.grad_fps:

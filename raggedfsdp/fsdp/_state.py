@@ -252,8 +252,10 @@ class FSDPState:
                 continue
             if g.grad_state is GradState.ACCUMULATING or (
                 not st._post_backward_done and g.param_state is not ParamState.SHARDED
-            ):
-                g.post_backward()  # inputs needed no grad (root), or grads began again after the hook
+            ) or g.holds_unreduced_grads():
+                # inputs needed no grad (root), grads began again after the hook, or a unit that did
+                # not run in this synced backward holds grads of earlier micro-batches
+                g.post_backward()
             elif g.param_state is not ParamState.SHARDED:  # e.g. prefetched, never used in backward
                 g.reshard(free=g.reshard_after_backward)
         try:
