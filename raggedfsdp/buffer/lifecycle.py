@@ -158,7 +158,7 @@ class UnitBuffers:
             into, fresh = self.grads, self.begin_grads()
         dsts, srcs = [], []
         for i, g in grads:
-            flat = g.reshape(-1)
+            flat = (g if g.layout is torch.strided else g.to_dense()).reshape(-1)  # sparse: nn.Embedding(sparse=True)
             if not self.compact_grads:
                 dsts.append(into.data.narrow(0, self.layout.offsets[i], flat.numel()))
                 srcs.append(flat)

@@ -21,7 +21,9 @@ Note [grad fold]
     no-sync window whose unsharded grads are held in ``param_dtype`` (``reduce_dtype`` unset or equal):
     ``prepare_grads`` pre-sets ``.grad`` to views of the held buffer, so each micro-batch adds into
     it in place and only one weight gradient is alive beyond it (FSDP2 holds the per-parameter grads
-    of the unit on top of its accumulated ones).
+    of the unit on top of its accumulated ones). Not under ``backward(create_graph=True)``: autograd
+    then sets ``.grad = .grad + new`` out of place, and the fold would add the view's sum a second time.
+    Sparse gradients (``nn.Embedding(sparse=True)``) are densified by the fold.
 
 Note [frozen parameters]
     While every parameter of a unit requires grad, the grad roles use the parameter layout (each
@@ -39,6 +41,7 @@ Note [frozen parameters]
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._common import FSDPParam, GradState, check, labelled
@@ -66,13 +69,14 @@ class GradPath:
             return
         if self.grad_state is GradState.NONE:
             self.grad_state = GradState.ACCUMULATING
+        views = not torch.is_grad_enabled()  # create_graph=True: autograd replaces .grad, never adds into it
         for fp in self.trainable:
             g = fp.unsharded.grad
             if g is not None and g is not fp.grad_view:  # e.g. user set it; fold it in
                 self.bufs.begin_grads()
                 fp.grad_view.add_(g)
-                fp.unsharded.grad = fp.grad_view
-            elif g is None and self.bufs.grads.is_allocated:
+                fp.unsharded.grad = fp.grad_view if views else None
+            elif g is None and views and self.bufs.grads.is_allocated:
                 fp.unsharded.grad = fp.grad_view
 
     def _sync_grad_members(self) -> None:

@@ -273,7 +273,7 @@ class FSDPParamGroup(GradPath):
         fp.got_grad = True
         self.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
         if (fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-                and not self.bufs.compact_grads and self.bufs.grads.is_allocated):
+                and not self.bufs.compact_grads and self.bufs.grads.is_allocated and not torch.is_grad_enabled()):
             fp.unsharded.grad = fp.grad_view
 
     def reset_sharded_storage(self) -> None:

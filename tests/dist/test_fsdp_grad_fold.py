@@ -112,7 +112,7 @@ def _oracle(ref, rank, ws):
         if used.item() == 0:
             out[n] = None
             continue
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        g = p.grad.detach().to_dense().clone() if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(g)
         out[n] = g / ws
     return out
@@ -433,12 +433,36 @@ def _multi_module_shard(model, mesh, fs, **kw):
     return model
 
 
+def _create_graph_run(model, step, sync, rank):
+    """A no-sync window (param_dtype grads held, views pre-set) with one backward(create_graph=True):
+    autograd then sets .grad out of place, so a pre-set view was counted twice."""
+    ws = dist.get_world_size()
+    tok, tgt = _local(step, rank, ws, n=2, micro=3)
+    for i in range(3):
+        sync(i == 2)
+        (_loss(model(tok[2 * i : 2 * i + 2]), tgt[2 * i : 2 * i + 2]) / 3).backward(create_graph=i == 1)
+
+
+def _sparse_build():
+    m = Net()
+    m.emb.sparse = True  # sparse grads: folded densified (the fold's reshape failed on them)
+    return m
+
+
+def _std_run(model, step, sync, rank):
+    tok, tgt = _local(step, rank, dist.get_world_size())
+    _loss(model(tok), tgt).backward()
+
+
 def _cases_misc(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp
 
     mesh = init_device_mesh("cpu", (ws,))
+    _scenario("create_graph in a no-sync window", rank, ws, mesh, Net, _create_graph_run, k=(1,), steps=1,
+              modes=("off", "random"))
+    _scenario("sparse embedding grads", rank, ws, mesh, _sparse_build, _accum_run(), k=(1,), modes=("off",))
     _scenario("reset-after-exception", rank, ws, mesh, Net, _reset_run, k=(1,))
     _scenario("user-set-grad", rank, ws, mesh, Net, _user_grad_run, k=(1,))
     _scenario("frozen-and-toggled", rank, ws, mesh, _frozen_build, _frozen_run, steps=3)
