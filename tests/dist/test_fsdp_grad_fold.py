@@ -8,17 +8,15 @@ from __future__ import annotations
 import copy
 import random
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
 from _dist import run_distributed
 from _toy_models import DIM, VOCAB, Block
+from torch.utils.checkpoint import checkpoint
 
-MODES = ("off", "on", "always", "random")
+MODES = ("off", "always", "random")  # Note [early free] off; is_done() always True; random per rank
 
 
 class Pair(nn.Module):
@@ -104,17 +102,17 @@ def _set_mode(mode, rank, seed):
 
 
 def _oracle(ref, rank, ws):
-    """The grads ``ref`` got from this rank's data, averaged over all ranks; None where unused everywhere."""
-    out = {}
-    for n, p in ref.named_parameters():
-        used = torch.tensor([0.0 if p.grad is None else 1.0])
-        dist.all_reduce(used)
-        if used.item() == 0:
-            out[n] = None
-            continue
-        g = p.grad.detach().to_dense().clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g)
-        out[n] = g / ws
+    """The grads ``ref`` got from this rank's data, averaged over all ranks; None where unused everywhere
+    (one all-reduce of every grad and a used flag each)."""
+    params = list(ref.named_parameters())
+    flat = torch.cat([torch.cat([(p.grad.detach().to_dense() if p.grad is not None else torch.zeros_like(p)).reshape(-1),
+                                 torch.tensor([float(p.grad is not None)])]) for _, p in params])
+    dist.all_reduce(flat)
+    out, off = {}, 0
+    for n, p in params:
+        g, used = flat[off : off + p.numel()], flat[off + p.numel()].item()
+        off += p.numel() + 1
+        out[n] = None if used == 0 else (g / ws).view(p.shape)
     return out
 
 
@@ -135,7 +133,7 @@ def _compare(case, got, exp, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(g, e, rtol=rtol, atol=atol, msg=lambda m: f"{case} {n}: {m}")
 
 
-def _scenario(case, rank, ws, mesh, build, run, *, steps=2, shard_kw=None, k=(1, 2), modes=MODES,
+def _scenario(case, rank, ws, mesh, build, run, *, steps=2, shard_kw=None, k=(1,), modes=("off", "random"),
               oracle=True, step_opt=True, rtol=1e-5, atol=1e-6, shard_fn=None, post_shard=None):
     """build() -> unsharded model; run(model, step, sync, rank) does the step's forward/backward(s).
     Compares with the DDP oracle after every step (optimizer steps in between), and every mode bitwise."""
@@ -216,7 +214,7 @@ def _cases_1d(rank, ws):
 
         _loss(model(tok, body), tgt).backward()
 
-    _scenario("called-twice", rank, ws, mesh, Net, twice)
+    _scenario("called-twice", rank, ws, mesh, Net, twice, k=(2,), modes=MODES)
 
     def ac(model, step, sync, rank):
         tok, tgt = _local(step, rank, ws)
@@ -290,20 +288,20 @@ def _cases_accum(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     _scenario("no-sync", rank, ws, mesh, Net, _accum_run())
     _scenario("no-sync-freeze-mid-window", rank, ws, mesh, Net, _accum_run(freeze_at=1))
-    _scenario("no-sync-unused-on-one-rank", rank, ws, mesh, Net, _accum_run(skip_rank=(0, 1)))
+    _scenario("no-sync-unused-on-one-rank", rank, ws, mesh, Net, _accum_run(skip_rank=(0, 1)), k=(2,), modes=MODES)
     skipped_last = ((False, True), (False, False), (True, True))
-    _scenario("no-sync-unit-skipped-in-synced-micro", rank, ws, mesh, Net, _accum_run(skip_plan=skipped_last))
-    # the unit skipped in the synced micro-batch is not prefetched either: its held grads were never
-    # reduced (missing from .grad, then added into the next step's)
+    # the unit skipped in the synced micro-batch is not prefetched: its held grads were never reduced
+    # (missing from .grad, then added into the next step's); a prefetched one was reduced by chance
     _scenario("no-sync-unit-skipped-in-synced-micro, no prefetch", rank, ws, mesh, Net,
-              _accum_run(skip_plan=skipped_last), k=(1,), modes=("off", "random"), post_shard=_no_prefetch)
+              _accum_run(skip_plan=skipped_last), post_shard=_no_prefetch)
 
 
-def _vs_torch(case, rank, ws, mesh, build, run, mp, *, steps=2, modes=MODES, rtol=1e-4, atol=1e-6):
+def _vs_torch(case, rank, ws, mesh, build, run, mp, *, steps=2, modes=("off", "random"), rtol=1e-4, atol=1e-6):
     """Mixed precision: the same steps under torch's fully_shard with the same policy are the reference."""
-    import raggedfsdp
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import raggedfsdp
 
     torch.manual_seed(0)
     base = build()
@@ -345,17 +343,14 @@ def _cases_mp(rank, ws):
     _vs_torch("bf16/fp32 no-sync", rank, ws, mesh, Net, _accum_run(skip_plan=plan, skip_rank=(1, 0)),
               (bf, torch.float32))
     _vs_torch("bf16/bf16 no-sync", rank, ws, mesh, Net, _accum_run(skip_plan=plan, skip_rank=(1, 0)), (bf, bf),
-              rtol=2e-2, atol=1e-3)
+              rtol=2e-2, atol=1e-3, modes=("off",))
     import raggedfsdp
 
     for red in (torch.float32, bf):  # units skipped in micro-batches (synced one included): fp32 oracle
         _scenario(f"bf16/{red} no-sync, unit skipped in synced micro", rank, ws, mesh, Net,
-                  _accum_run(skip_plan=((True, True), (False, False), (True, True))), k=(1,),
-                  shard_kw=dict(mp_policy=raggedfsdp.MixedPrecisionPolicy(bf, red)), rtol=5e-2, atol=2e-3)
-
-
-def test_grad_fold_mixed_precision_vs_torch_ws3():
-    run_distributed(_cases_mp, 3)
+                  _accum_run(skip_plan=((True, True), (False, False), (True, True))), modes=("off",),
+                  shard_kw=dict(mp_policy=raggedfsdp.MixedPrecisionPolicy(bf, red)), rtol=5e-2, atol=2e-3,
+                  post_shard=_no_prefetch)
 
 
 class _Boom(torch.autograd.Function):
@@ -421,7 +416,7 @@ def _frozen_build():
 
 def _frozen_run(model, step, sync, rank):
     # step 1: unfreeze one of unit 1's frozen params and freeze a param of unit 2 (layout changes)
-    model.blocks[1].a.up.weight.requires_grad_(step == 0 and False or step != 1)
+    model.blocks[1].a.up.weight.requires_grad_(step != 1)
     model.blocks[2].down.weight.requires_grad_(step != 1)
     _accum_run(freeze_at=1, skip_rank=(1, 2))(model, step, sync, rank)
 
@@ -462,20 +457,16 @@ def _cases_misc(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     _scenario("create_graph in a no-sync window", rank, ws, mesh, Net, _create_graph_run, k=(1,), steps=1,
               modes=("off", "random"))
-    _scenario("sparse embedding grads", rank, ws, mesh, _sparse_build, _accum_run(), k=(1,), modes=("off",))
+    _scenario("sparse embedding grads", rank, ws, mesh, _sparse_build, _accum_run(), modes=("off",))
     _scenario("reset-after-exception", rank, ws, mesh, Net, _reset_run, k=(1,))
     _scenario("user-set-grad", rank, ws, mesh, Net, _user_grad_run, k=(1,))
-    _scenario("frozen-and-toggled", rank, ws, mesh, _frozen_build, _frozen_run, steps=3)
+    _scenario("frozen-and-toggled", rank, ws, mesh, _frozen_build, _frozen_run, steps=3, modes=MODES)
     _scenario("cpu-offload no-sync", rank, ws, mesh, Net, _accum_run(skip_rank=(2, 1)), k=(2,),
               shard_kw=dict(offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=False)))
     _scenario("reshard_after_backward=False no-sync", rank, ws, mesh, Net, _accum_run(), k=(2,),
               post_shard=lambda m: m.set_reshard_after_backward(False))
     _scenario("multi-module unit", rank, ws, mesh, Net, _accum_run(skip_plan=((False, True), (False, False),
               (False, True))), k=(1,), shard_fn=_multi_module_shard)
-
-
-def test_grad_fold_misc_ws3():
-    run_distributed(_cases_misc, 3)
 
 
 def _hsdp_run(model, step, sync, rank):
@@ -507,22 +498,18 @@ def _cases_hsdp(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    _scenario("hsdp deferred all-reduce", rank, ws, mesh, Net, _hsdp_run)
-    _scenario("hsdp frozen", rank, ws, mesh, _frozen_build, _hsdp_run, k=(1,))
+    _scenario("hsdp deferred all-reduce", rank, ws, mesh, Net, _hsdp_run, k=(2,), modes=MODES)
+    _scenario("hsdp frozen", rank, ws, mesh, _frozen_build, _hsdp_run, modes=("random",))
     # a unit whose all-reduce was deferred does not run in the synced micro-batch: its partial sum was
     # never all-reduced (missing from .grad, then added into the next step's)
-    _scenario("hsdp deferred, unit skipped in synced micro", rank, ws, mesh, Net, _hsdp_skip_run, k=(1,),
-              modes=("off", "random"), post_shard=_no_prefetch)
+    _scenario("hsdp deferred, unit skipped in synced micro", rank, ws, mesh, Net, _hsdp_skip_run,
+              post_shard=_no_prefetch)
     _scenario("hsdp deferred, unit skipped in synced micro, prefetch", rank, ws, mesh, Net, _hsdp_skip_run,
               k=(1,), modes=("off",))
 
 
 def test_grad_fold_hsdp_2x2():
     run_distributed(_cases_hsdp, 4)
-
-
-def test_grad_fold_no_sync_ws3():
-    run_distributed(_cases_accum, 3)
 
 
 def _accum_body(skip_unit2, use_extra):
@@ -558,5 +545,14 @@ def _accum_run(micro=3, skip_plan=((True, True), (False, False), (False, True)),
     return run
 
 
-def test_grad_fold_1d_ws3():
-    run_distributed(_cases_1d, 3)
+def _cases_ws3(rank, ws):
+    for cases in (_cases_1d, _cases_accum, _cases_mp, _cases_misc):
+        cases(rank, ws)
+
+
+def test_grad_fold_ws3():
+    """Tied weights, a unit called twice, activation checkpointing, params unused on some ranks,
+    retain_graph, no-sync windows (unit skipped in the synced micro-batch, requires_grad toggled,
+    frozen params, bf16/fp32 and bf16/bf16 vs torch's fully_shard), create_graph, sparse grads,
+    reset_iter_state after an exception, a hand-set .grad, CPU offload, one unit of two modules."""
+    run_distributed(_cases_ws3, 3)
