@@ -116,23 +116,6 @@ class UnitBuffers:
         _move_pieces(old, self.grad_layout, t, out, sharded=True, rank=self.rank)
         return out
 
-    def add_tensor_grad(self, i: int, grad: torch.Tensor, *, into: DBuffer | None = None,
-                        copy: bool = False) -> None:
-        """Add tensor ``i``'s full unsharded gradient ``grad`` (its global shape) into its pieces of the
-        allocated unsharded grads (or of ``into``, e.g. the ``reduce_dtype`` accumulator; cast on the
-        fly): one view if they are contiguous, else one slice per rank it spans. ``copy``: the pieces are
-        known to be zero (a buffer zero-filled since), so write instead of add (1 read + 1 write per
-        element instead of 2 + 1). Local."""
-        flat = grad.reshape(-1)
-        data = (into or self.grads).data
-        if not self.compact_grads:
-            dst = data.narrow(0, self.layout.offsets[i], flat.numel())
-            dst.copy_(flat) if copy else dst.add_(flat)
-            return
-        for a, b, off in self.grad_layout.segments(i):
-            dst = data.narrow(0, off, b - a)
-            dst.copy_(flat[a:b]) if copy else dst.add_(flat[a:b])
-
     def fold_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Fold autograd's unsharded gradients into the unit's flat grads (Note [grad fold] in
         ``raggedfsdp/fsdp/_grads.py``). ``grads``: ``(tensor index, grad)`` pairs, each grad in

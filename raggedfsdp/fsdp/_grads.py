@@ -7,8 +7,8 @@ Note [grad fold]
     flat ``(m*S,)`` grad buffer (the reduce-scatter input) is allocated only in ``post_backward``, after
     (1) the oldest in-flight reduce-scatters are completed down to K - 1 (Note [bounded gradient
     memory] in ``_reduce.py``) and (2) the unit's unsharded params are freed. The gradients are then
-    copied into it (a ``reduce_dtype`` buffer directly when it differs from ``param_dtype``: one cast
-    while copying) and each is freed as soon as it is copied. So at any moment of backward at most K
+    copied into it with one multi-tensor copy (a ``reduce_dtype`` buffer directly when it differs from
+    ``param_dtype``: one cast while copying) and dropped right after. So at any moment of backward at most K
     reduce-scatter inputs, one unit's params and one unit's per-parameter grads are alive (plus the
     prefetched unit's params), the same four unit-sized buffers as FSDP2. Pre-setting ``.grad`` to views
     of a flat buffer allocated at the unit's first gradient (this project until 2026-12) costs more:
@@ -106,8 +106,8 @@ class GradPath:
         self.grad_fps = want
 
     def _collect_stray_grads(self) -> bool:
-        """Fold the grads autograd kept as its own tensors into the flat buffer, freeing each once folded
-        (Note [grad fold]). True if the unit has grads to reduce (a unit whose pre-backward ran counts
+        """Fold the grads autograd kept as its own tensors into the flat buffer and drop them (Note [grad
+        fold]). True if the unit has grads to reduce (a unit whose pre-backward ran counts
         even if no gradient reached it on this rank: every rank that ran the unit's backward must take
         part in its reduce-scatter)."""
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
