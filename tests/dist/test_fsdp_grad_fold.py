@@ -1,7 +1,8 @@
 """Adversarial cases for Note [grad fold] and Note [early free] (``raggedfsdp/fsdp/_grads.py``,
 ``_reduce.py``): each scenario's sharded gradients are compared with a DDP oracle (the unsharded
-model run on every rank's own data, gradients averaged over ranks), and the gradients of every early
-free mode -- off, on, ``is_done()`` always True, ``is_done()`` random per rank -- must be bitwise equal."""
+model run on every rank's own data, gradients averaged over ranks; torch's ``fully_shard`` for mixed
+precision), and the gradients of the early free modes -- off, ``is_done()`` always True, ``is_done()``
+random per rank -- must be bitwise equal (collective order must not depend on completion timing)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
 from _dist import run_distributed
 from _toy_models import DIM, VOCAB, Block
-from torch.utils.checkpoint import checkpoint
 
 MODES = ("off", "always", "random")  # Note [early free] off; is_done() always True; random per rank
 
