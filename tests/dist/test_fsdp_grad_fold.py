@@ -496,12 +496,30 @@ def _hsdp_skip_run(model, step, sync, rank):
         (_loss(model(tok[2 * i : 2 * i + 2], body), tgt[2 * i : 2 * i + 2]) / 3).backward()
 
 
+def _hsdp_unfreeze_run(model, step, sync, rank):
+    """Params unfrozen inside an HSDP window after a held and a deferred micro-batch (the compacted grad
+    layout changes while the held grads and the partial sum exist)."""
+    ws = dist.get_world_size()
+    tok, tgt = _local(step, rank, ws, n=2, micro=4)
+    for p in (model.blocks[1].a.up.weight, model.blocks[0].up.weight):
+        p.requires_grad_(False)
+    for i in range(4):
+        if i == 2:
+            for p in (model.blocks[1].a.up.weight, model.blocks[0].up.weight):
+                p.requires_grad_(True)
+        if hasattr(model, "set_requires_all_reduce"):
+            model.set_requires_gradient_sync(i != 0)
+            model.set_requires_all_reduce(i == 3)
+        (_loss(model(tok[2 * i : 2 * i + 2], _accum_body(False, True)), tgt[2 * i : 2 * i + 2]) / 4).backward()
+
+
 def _cases_hsdp(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     _scenario("hsdp deferred all-reduce", rank, ws, mesh, Net, _hsdp_run, k=(2,), modes=MODES)
     _scenario("hsdp frozen", rank, ws, mesh, _frozen_build, _hsdp_run, modes=("random",))
+    _scenario("hsdp unfreeze mid-window", rank, ws, mesh, _frozen_build, _hsdp_unfreeze_run, steps=1)
     # a unit whose all-reduce was deferred does not run in the synced micro-batch: its partial sum was
     # never all-reduced (missing from .grad, then added into the next step's)
     _scenario("hsdp deferred, unit skipped in synced micro", rank, ws, mesh, Net, _hsdp_skip_run,
