@@ -118,9 +118,10 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--top", type=int, default=12, help="op chains to print per system")
-    ap.add_argument("--comm", default="backend", choices=["backend", "done"],
-                    help="'done': every raggedfsdp collective reports completion at once (communication that "
-                         "keeps up; Note [early free]); 'backend': as the backend reports (the fake PG: never)")
+    ap.add_argument("--comm", default=None, choices=["never", "done", "backend"],
+                    help="what raggedfsdp's collectives report to its early-free poll (Note [early free]): 'never' "
+                         "(the worst case; default with the fake backend), 'done' (communication that keeps up), "
+                         "'backend' (what the backend reports; default on gloo)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -136,11 +137,13 @@ def main(argv=None) -> dict | None:
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (ws,))
-    if args.comm == "done":  # every raggedfsdp collective reports completion at once (Note [early free])
+    if args.comm is None:
+        args.comm = "never" if args.backend == "fake" else "backend"
+    if args.comm != "backend":  # fix what our collectives report to the early-free poll (Note [early free])
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from _memory import comm_done_at_once
+        from _memory import comm_completion
 
-        with comm_done_at_once():
+        with comm_completion(args.comm):
             res = {"ragged": measure(args, "ragged", mesh, rank)}
     else:
         res = {"ragged": measure(args, "ragged", mesh, rank)}
@@ -153,7 +156,7 @@ def main(argv=None) -> dict | None:
         print(json.dumps(res))
         return res
     print(f"# {args.model} ({args.param_dtype}), {args.backend} backend"
-          f"{' (comm done at once)' if args.comm == 'done' else ''}, ws {ws}, rank {rank}; "
+          f" (comm: {args.comm}), ws {ws}, rank {rank}; "
           f"largest unit {res['ragged']['unit_bytes'] / MiB:.2f} MiB fp32")
     for b in ("ragged", "torch"):
         r = res[b]

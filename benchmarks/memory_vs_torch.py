@@ -8,7 +8,7 @@ the model is built, at the start of the measured step (``state``), and the peak 
 backward and during ``optimizer.step()``; ratios are ragged / torch (< 1: raggedfsdp uses less).
 
 Backends:
-    python benchmarks/memory_vs_torch.py --nproc 2                 # CPU, fake process group (exact, default)
+    python benchmarks/memory_vs_torch.py --nproc 2                 # CPU, fake process group (exact, default; worst case)
     python benchmarks/memory_vs_torch.py --nproc 3 --rank 2        # another simulated rank
     python benchmarks/memory_vs_torch.py --nproc 2 --comm done     # fake PG, communication that keeps up
     python benchmarks/memory_vs_torch.py --nproc 2 --backend gloo  # CPU, real gloo ranks (adds gloo scratch)
@@ -65,7 +65,7 @@ def measure(rank: int, ws: int, args) -> dict:
     """Every (dtype, backend) measurement on this rank (a process group must be initialised)."""
     import contextlib
 
-    from _memory import MemNet, builder, comm_done_at_once, loss_fn
+    from _memory import MemNet, builder, comm_completion, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
 
     from raggedfsdp.fsdp.memory import measure_train_step
@@ -81,7 +81,7 @@ def measure(rank: int, ws: int, args) -> dict:
         row = {}
         for b in ("ragged", "torch"):
             build = builder(b, init, mesh, pdt, d=args.dim, n=args.blocks)
-            with comm_done_at_once() if args.comm == "done" else contextlib.nullcontext():
+            with comm_completion(args.comm) if args.comm != "backend" else contextlib.nullcontext():
                 r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup,
                                        breakdown=args.breakdown)._asdict()
             owners = r.pop("fwd_bwd_peak_owners")
@@ -102,7 +102,7 @@ def _print(res: dict, args, ws: int, rank: int) -> None:
     unit = 2 * (args.dim**2 + args.dim) * 4
     print(f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit {unit / MiB:.2f} MiB "
           f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}"
-          f"{' (comm done at once)' if args.comm == 'done' else ''}; device {args.device}; ws {ws}; rank {rank}")
+          f" (comm: {args.comm}); device {args.device}; ws {ws}; rank {rank}")
     print(f"{'dtype':5s} {'backend':7s} {'state MiB':>10s} {'fwd+bwd peak':>13s} {'optim peak':>11s}"
           + (f" {'step transient':>15s} {'RSS step growth':>15s}" if args.rss else ""))
     for dt, row in res.items():
@@ -189,10 +189,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--backend", default=None, choices=["fake", "gloo", "nccl"],
                     help="default: fake on CPU, nccl with --device cuda")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--comm", default="backend", choices=["backend", "done"],
-                    help="fake backend: 'backend' = its works never report completion (the slow-network worst "
-                         "case); 'done' = every raggedfsdp collective reports completion at once (communication "
-                         "that keeps up; Note [early free]). torch's FSDP2 does not poll, so it is unaffected")
+    ap.add_argument("--comm", default=None, choices=["never", "done", "backend"],
+                    help="what raggedfsdp's collectives report to its early-free poll (Note [early free]): 'never' "
+                         "(the worst case: a network slower than the backward; default with the fake backend), "
+                         "'done' (communication that keeps up), 'backend' (what the backend reports; default on "
+                         "gloo / nccl). torch's FSDP2 does not poll, so it is unaffected")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16, help="rows per rank")
@@ -206,6 +207,8 @@ def main(argv=None) -> dict:
         args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
     if args.backend is None:
         args.backend = "nccl" if args.device == "cuda" else "fake"
+    if args.comm is None:
+        args.comm = "never" if args.backend == "fake" else "backend"
     if (args.backend == "nccl") != (args.device == "cuda"):
         ap.error(f"--backend {args.backend} does not fit --device {args.device} (nccl <-> cuda, fake/gloo <-> cpu)")
     if not 0 <= args.rank < args.nproc:

@@ -70,19 +70,25 @@ def builder(backend: str, init: dict, mesh, param_dtype=None, *, d: int = D, n: 
     return build
 
 
-def comm_done_at_once():
-    """Context manager: every raggedfsdp collective reports itself finished at once (``CommHandle.is_done``
-    -> True), modelling communication that keeps up with compute; torch's fake process group's works
-    otherwise never report completion (the slow-network worst case). Only raggedfsdp polls completion
-    (Note [early free] in ``raggedfsdp/fsdp/_reduce.py``); torch's FSDP2 frees at fixed points."""
+def comm_completion(mode: str):
+    """Context manager fixing what raggedfsdp's collectives report to its early-free poll
+    (``CommHandle.is_done``; Note [early free] in ``raggedfsdp/fsdp/_reduce.py``): ``"never"`` -- no
+    collective reports completion before it is waited (a network slower than the backward: the worst
+    case), ``"done"`` -- every collective reports completion at once (communication that keeps up).
+    Only raggedfsdp polls completion; torch's FSDP2 frees at fixed points, so it is unaffected. (Do not
+    rely on the fake process group's own works: their ``is_completed()`` is False on torch 2.11-2.14 and
+    True on 2.15.)"""
     import contextlib
 
     from raggedfsdp.buffer.streams import CommHandle
 
+    if mode not in ("never", "done"):
+        raise ValueError(f"comm_completion(mode={mode!r}): use 'never' or 'done'")
+
     @contextlib.contextmanager
     def cm():
         orig = CommHandle.is_done
-        CommHandle.is_done = lambda self: True
+        CommHandle.is_done = (lambda self: True) if mode == "done" else (lambda self: False)
         try:
             yield
         finally:

@@ -38,10 +38,12 @@ from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
 from raggedfsdp.fsdp._grads import GradPath
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import plan_layout
+from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
+PADDING_WARN_EXCESS = 0.03  # warn when a unit pads this fraction of its elements more than FSDP2 would
+_padding_warned: set = set()
 
 def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
     """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
@@ -136,6 +138,7 @@ class FSDPParamGroup(GradPath):
             order="best",
             shapes=[tuple(fp.shape) for fp in self.fsdp_params],
         )
+        self._warn_padding()
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
         self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
         self._index = {id(fp): i for i, fp in enumerate(self.fsdp_params)}
@@ -164,6 +167,35 @@ class FSDPParamGroup(GradPath):
         self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self._partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
         self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
+
+    def _warn_padding(self) -> None:
+        """Warn once per unit (on global rank 0) when its layout pads ``PADDING_WARN_EXCESS`` of its
+        elements more than torch's ``fully_shard`` would (its dim-0 padding): blocks never cut by a rank
+        boundary (default: whole rows) cost memory at large world sizes that element-wise optimizers do
+        not need. Local."""
+        import warnings
+
+        import torch.distributed as dist
+
+        ours, ref = padding_vs_fsdp2(self.layout)
+        key = tuple(fp.fqn for fp in self.fsdp_params)
+        if ours - ref <= PADDING_WARN_EXCESS or key in _padding_warned:
+            return
+        _padding_warned.add(key)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        coarse = sorted(self.fsdp_params, key=lambda fp: -fp.granularity)[:3]
+        blocks = ", ".join(f"{fp.fqn!r} {tuple(fp.shape)} ({fp.granularity} elements)" for fp in coarse)
+        names = ", ".join(key[:4]) + (f", ... ({len(key)} params)" if len(key) > 4 else "")
+        warnings.warn(
+            f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its {self.layout.total_numel} "
+            f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank boundary "
+            f"may cut a block; its largest blocks: {blocks}. Only structure-aware optimizers need blocks "
+            "(raggedfsdp.optim.Muon works on any layout; AdamW8bit needs its shard_placement_fn, 'tile:32x32'); "
+            "for AdamW / SGD pass shard_placement_fn=lambda p: 'element' to fully_shard, or shard over fewer "
+            "ranks (HSDP: a 2-D mesh)",
+            stacklevel=4,
+        )
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
         return UnitBuffers(self.layout, rank=self.shard_rank, shapes=[fp.shape for fp in self.fsdp_params],

@@ -28,8 +28,9 @@ Note [bounded gradient memory]
     it is usually gone, one unit-sized buffer less than FSDP2. The order of collectives is unchanged:
     a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
     ``make_room`` / ``drain``, which run at the same points on every rank. ``EARLY_FREE = False``
-    turns polling off (the worst case: what a network slower than the backward gives). torch's fake
-    process group never reports completion, so the fake-PG memory tests measure that worst case.
+    turns polling off (the worst case: what a network slower than the backward gives). The memory
+    tests fix what collectives report (``tests/_memory.py: comm_completion``) rather than trust the fake
+    process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
 
 Note [unit agreement]), and set the sharded params' ``.grad``.
 

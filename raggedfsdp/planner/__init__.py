@@ -12,7 +12,7 @@ Pure Python + stdlib (``torch`` only to recognise tensors); no process group any
 """
 
 from raggedfsdp.planner.grad_layout import GradLayout, plan_grad_layout
-from raggedfsdp.planner.layout import Layout, validate_layout
+from raggedfsdp.planner.layout import Layout, dim0_shard_padding, padding_vs_fsdp2, validate_layout
 from raggedfsdp.planner.planner import plan_layout
 from raggedfsdp.planner.policy import (
     BlockSpec,
@@ -31,8 +31,10 @@ __all__ = [
     "Layout",
     "ParamBlock",
     "Policy",
+    "dim0_shard_padding",
     "granularity_for",
     "make_policy",
+    "padding_vs_fsdp2",
     "plan_grad_layout",
     "plan_layout",
     "plan_params",

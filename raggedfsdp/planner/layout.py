@@ -150,6 +150,32 @@ class Layout:
         )
 
 
+def dim0_shard_padding(shapes, world_size: int) -> int:
+    """Padding, in elements, of torch's ``fully_shard`` (FSDP2) for tensors of ``shapes`` on ``world_size``
+    ranks: each tensor is ``Shard(0)`` with dim 0 padded up to a multiple of ``world_size``
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``, the padded ``_sharded_param_data``). The
+    reference that :func:`padding_vs_fsdp2` compares a raggedfsdp layout with."""
+    out = 0
+    for shape in shapes:
+        shape = tuple(int(d) for d in shape)
+        if not shape or shape[0] == 0:
+            continue
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        out += (-shape[0] % world_size) * rest
+    return out
+
+
+def padding_vs_fsdp2(layout: Layout) -> tuple[float, float]:
+    """``(ours, fsdp2)``: the layout's padding and FSDP2's for the same tensors, each as a fraction of
+    the real elements (needs ``layout.shapes``). Pure."""
+    if layout.shapes is None:
+        raise ValueError("padding_vs_fsdp2: the layout has no shapes; plan it with shapes=")
+    n = max(layout.total_numel, 1)
+    return layout.padding / n, dim0_shard_padding(layout.shapes, layout.world_size) / n
+
+
 def validate_layout(layout: Layout) -> None:
     """Check a layout's invariants from its numbers alone; raise ``ValueError`` naming the violation.
 

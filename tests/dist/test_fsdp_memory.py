@@ -2,11 +2,11 @@
 
 Method: ``raggedfsdp.fsdp.memory.measure_train_step`` (CPU allocator events, docs/memory.md) on
 torch's fake process group (single-threaded: collectives are no-ops, every FSDP buffer is allocated
-and freed exactly as on a real backend, minus backend scratch; deterministic). Its works never
-report completion, so this is the *worst case* for raggedfsdp's early free (Note [early free] in
-``raggedfsdp/fsdp/_reduce.py``); ``_memory.comm_done_at_once()`` gives the other end, communication
-that keeps up (every collective reports completion at once; torch's FSDP2 does not poll, so only our
-side is re-measured). Model: 8 blocks of two ``Linear(512, 512)`` (one unit each, 2.0 MiB fp32) + a
+and freed exactly as on a real backend, minus backend scratch; deterministic). What our collectives
+report to raggedfsdp's early-free poll (Note [early free] in ``raggedfsdp/fsdp/_reduce.py``) is fixed
+with ``_memory.comm_completion``: ``"never"`` is the *worst case* (a network slower than the
+backward), ``"done"`` communication that keeps up (torch's FSDP2 does not poll, so only our side is
+re-measured). Model: 8 blocks of two ``Linear(512, 512)`` (one unit each, 2.0 MiB fp32) + a
 root ``Linear(512, 512)``, foreach AdamW (the CUDA default), a local batch of 16; every rank of ws 2
 and 3, ``param_dtype`` fp32 and bf16 (reduce fp32).
 
@@ -91,7 +91,7 @@ def _layout_excess(mesh, init) -> int:
 
 
 def _step_case(rank, ws):
-    from _memory import comm_done_at_once
+    from _memory import comm_completion
     from torch.distributed.device_mesh import init_device_mesh
 
     from raggedfsdp.fsdp.memory import measure_train_step
@@ -116,9 +116,10 @@ def _step_case(rank, ws):
             "grads": K_RS_BUFFERS * unit_numel * rsize + unit_numel * psize + (D * D + D) * psize,
             "adamw_tmp": int(1.01 * 2 * n_params * 4 / ws),
         }
-        res = {b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x), breakdown=8)
-               for b in ("ragged", "torch")}
-        with comm_done_at_once():  # Note [early free]: communication that keeps up (torch's FSDP2 does not poll)
+        with comm_completion("never"):  # the worst case (torch's FSDP2 does not poll: unaffected)
+            res = {b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x), breakdown=8)
+                   for b in ("ragged", "torch")}
+        with comm_completion("done"):  # Note [early free]: communication that keeps up
             done = measure_train_step(builder("ragged", init, mesh, param_dtype), loss_fn(x))
         out[dt_name] = {"bound": bound, **{b: r._asdict() for b, r in res.items()}, "ragged_done": done._asdict(),
                         "rs_input_bytes": unit_numel * rsize}
@@ -130,7 +131,8 @@ def _step_case(rank, ws):
         model.set_reduce_scatter_max_input_buffers(2)
         return model, opt
 
-    out["fp32 K=2"] = measure_train_step(build_k2, loss_fn(x))._asdict()
+    with comm_completion("never"):
+        out["fp32 K=2"] = measure_train_step(build_k2, loss_fn(x))._asdict()
     out["unit_grad_bytes"] = unit_numel * 4
     return out
 

@@ -1,0 +1,66 @@
+"""The padding warning of ``fully_shard`` (issue 9 item 6, in part) and its FSDP2 reference.
+
+A unit whose layout pads more than ``PADDING_WARN_EXCESS`` (3 %) of its elements beyond what torch's
+``fully_shard`` would pad gets one warning naming its coarsest blocks and the fix. Reference for
+FSDP2's padding: torch's own ``fully_shard`` on the same meta model, read through the public DTensor
+API (rank 0's local dim 0 is the padded chunk size).
+"""
+
+from __future__ import annotations
+
+import torch
+from _memory import run_fake_rank
+from torch import nn
+
+
+class _QwenLikeLayer(nn.Module):
+    """The parameter shapes of one Qwen3-4B decoder layer (hidden 2560, 32 q / 8 kv heads of 128, MLP 9728)."""
+
+    def __init__(self):
+        super().__init__()
+        lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+        self.q, self.k, self.v, self.o = lin(2560, 4096), lin(2560, 1024), lin(2560, 1024), lin(4096, 2560)
+        self.gate, self.up, self.down = lin(2560, 9728), lin(2560, 9728), lin(9728, 2560)
+        self.n1, self.n2, self.qn, self.kn = nn.RMSNorm(2560), nn.RMSNorm(2560), nn.RMSNorm(128), nn.RMSNorm(128)
+
+
+def _case(rank, ws):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import raggedfsdp
+    from raggedfsdp.planner import dim0_shard_padding
+
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for name, kw in (("default", {}), ("element", {"shard_placement_fn": lambda p: "element"})):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(3):  # three layers with the same relative names: one warning in all
+                with torch.device("meta"):
+                    layer = _QwenLikeLayer()
+                raggedfsdp.fully_shard(layer, mesh=mesh, **kw)
+        out[name] = [str(x.message) for x in w if "pads" in str(x.message)]
+    with torch.device("meta"):
+        ref = _QwenLikeLayer()
+    shapes = [tuple(p.shape) for p in ref.parameters()]
+    torch_fully_shard(ref, mesh=mesh)
+    out["torch_padding"] = sum((p.to_local().shape[0] * ws - p.shape[0]) * (p.numel() // p.shape[0])
+                               for p in ref.parameters())
+    out["ours_fsdp2_padding"] = dim0_shard_padding(shapes, ws)
+    out["odd_shapes"] = dim0_shard_padding([(513, 4), (3,), (0, 7), (31, 2, 2)], 4)
+    return out
+
+
+def test_padding_warning_once_and_fsdp2_reference():
+    r = run_fake_rank(_case, 32, 0)
+    assert len(r["default"]) == 1, r["default"]  # warned once for the three identical units
+    msg = r["default"][0]
+    assert "'down.weight' (2560, 9728) (9728 elements)" in msg and "shard_placement_fn=lambda p: 'element'" in msg, msg
+    assert "(torch's fully_shard: 0.0%)" in msg, msg
+    assert r["element"] == [], r["element"]  # element blocks pad no more than FSDP2
+    # our FSDP2 padding formula equals torch's actual sharding, and brute force on odd shapes
+    assert r["ours_fsdp2_padding"] == r["torch_padding"], r
+    assert r["odd_shapes"] == 3 * 4 + 1 * 1 + 0 + 1 * 4, r
