@@ -233,7 +233,11 @@ class GradPath:
         fp.sharded.grad = fp.sharded_grad
 
     def attach_sharded_grads(self, used: list[tuple[FSDPParam, bool]]) -> None:
-        """Set ``.grad`` of every reduced sharded param used on some rank (or already holding one)."""
+        """Set ``.grad`` of every reduced sharded param used on some rank (or already holding one), then
+        run the sharded param's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``, e.g.
+        an optimizer step in backward), as FSDP2 does after its reduce
+        (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); here at the end of backward,
+        where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
         buf = self.bufs.sharded_grad_buffer()
         for fp, u in used:
             if not u and fp.sharded.grad is None:
@@ -242,3 +246,5 @@ class GradPath:
             if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
                 fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
             fp.sharded.grad = fp.sharded_grad
+            for hook in (getattr(fp.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(fp.sharded)
