@@ -67,3 +67,19 @@ def full_params(model) -> dict[str, torch.Tensor]:
     for n, p in model.named_parameters():
         out[n] = p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()
     return out
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises while ``Boom.armed`` (a failure injected mid-backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("injected failure in backward")
+        return g

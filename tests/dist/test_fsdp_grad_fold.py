@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from _dist import run_distributed
-from _toy_models import DIM, VOCAB, Block
+from _toy_models import DIM, VOCAB, Block, Boom
 
 MODES = ("off", "always", "random")  # Note [early free] off; is_done() always True; random per rank
 
@@ -355,23 +355,9 @@ def _cases_mp(rank, ws):
                   post_shard=_no_prefetch)
 
 
-class _Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("injected failure in backward")
-        return g
-
-
 def _boom_body(m, tok):
     x = m.blocks[1](m.blocks[0](m.emb(tok)))
-    return m.head(m.norm(m.blocks[2](_Boom.apply(x))))
+    return m.head(m.norm(m.blocks[2](Boom.apply(x))))
 
 
 def _reset_run(model, step, sync, rank):
@@ -383,7 +369,7 @@ def _reset_run(model, step, sync, rank):
     i = 0
     while i < 4:
         sync(i == 3)
-        _Boom.armed = (i == 0 or (i == 3 and not failed)) and step == 0
+        Boom.armed = (i == 0 or (i == 3 and not failed)) and step == 0
         try:
             (_loss(model(tok[2 * i : 2 * i + 2], _boom_body), tgt[2 * i : 2 * i + 2]) / 4).backward()
         except RuntimeError as e:
@@ -395,7 +381,7 @@ def _reset_run(model, step, sync, rank):
             i = 1 if i == 3 else i + 1  # a failed synced micro-batch restarts the window after micro 0
             continue
         finally:
-            _Boom.armed = False
+            Boom.armed = False
         i += 1
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from _dist import run_distributed
-from _toy_models import ToyLM, batches, full_params, lm_loss, shard_model
+from _toy_models import Boom, ToyLM, batches, full_params, lm_loss, shard_model
 
 GRAD_NAMES = ("unsharded grads", "reduce-scatter input", "reduce_dtype accumulated grads")
 
@@ -196,27 +196,13 @@ def _forward_prefetch(rank, ws, mesh):
     assert layers[0]._raggedfsdp_state.forward_prefetch == [] and st.forward_prefetch is None
 
 
-class _Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("injected failure in backward")
-        return g
-
-
 class BoomLM(ToyLM):
     def forward(self, tokens):
         x = self.emb(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i == 1:
-                x = _Boom.apply(x)
+                x = Boom.apply(x)
         return self.head(self.norm(x))
 
 
@@ -227,10 +213,10 @@ def _reset_after_exception(rank, ws, mesh):
     ref = BoomLM(4)
     model = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh)
     tok, tgt = _slice(*batches(1, 2 * ws)[0], rank, ws)
-    _Boom.armed = True
+    Boom.armed = True
     with pytest.raises(RuntimeError, match="injected failure"):
         lm_loss(model, tok, tgt).backward()
-    _Boom.armed = False
+    Boom.armed = False
     model.reset_iter_state()
     model.zero_grad(set_to_none=True)
     for st in model._raggedfsdp_state.all_states:
