@@ -17,10 +17,12 @@ Note [bounded gradient memory]
       sharded grad buffer (for CPU offload: a non-blocking D2H copy into pinned memory with an event).
     * lazy -- :meth:`ReduceQueue.finish_backward` (root's final callback): wait what is left, exchange the
       used-parameter flags of every unit in **one** small all-reduce per mesh, check that every rank ran
-      the same units (Note [early free]
+      the same units (Note [unit agreement]), and set the sharded params' ``.grad``.
+
+Note [early free]
     K bounds the reduce-scatter inputs alive when communication is slow. When it keeps up, an input
     need not live until the next unit's post-backward (where FSDP2 releases it): every gradient that
-    reaches a unit (the tensor pre-hook in ``FSDPParamGroup._on_grad``) calls :meth:`ReduceQueue.poll`,
+    reaches a unit (the tensor pre-hook in ``FSDPParamGroup._on_grad``) and every pre-backward call :meth:`ReduceQueue.poll`,
     which completes, oldest first, the in-flight reduce-scatters whose work already reports
     ``is_completed()`` (a non-blocking query; on CUDA an event query, no host sync) and frees their
     inputs then. So while unit i's gradients are computed, unit i+1's reduce-scatter input is alive
@@ -31,8 +33,6 @@ Note [bounded gradient memory]
     turns polling off (the worst case: what a network slower than the backward gives). The memory
     tests fix what collectives report (``tests/_memory.py: comm_completion``) rather than trust the fake
     process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
-
-Note [unit agreement]), and set the sharded params' ``.grad``.
 
 Note [unit agreement]
     Collectives pair up by issue order, so a unit that only some ranks run (data-dependent routing)

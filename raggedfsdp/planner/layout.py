@@ -11,6 +11,7 @@ tensors, aligned shard size) from the stored numbers alone, independently of how
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,21 +156,16 @@ def dim0_shard_padding(shapes, world_size: int) -> int:
     ranks: each tensor is ``Shard(0)`` with dim 0 padded up to a multiple of ``world_size``
     (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``, the padded ``_sharded_param_data``). The
     reference that :func:`padding_vs_fsdp2` compares a raggedfsdp layout with."""
-    out = 0
-    for shape in shapes:
-        shape = tuple(int(d) for d in shape)
-        if not shape or shape[0] == 0:
-            continue
-        rest = 1
-        for d in shape[1:]:
-            rest *= d
-        out += (-shape[0] % world_size) * rest
-    return out
+    return sum((-int(s[0]) % world_size) * math.prod(int(d) for d in s[1:]) for s in shapes if len(s))
 
 
 def padding_vs_fsdp2(layout: Layout) -> tuple[float, float]:
     """``(ours, fsdp2)``: the layout's padding and FSDP2's for the same tensors, each as a fraction of
-    the real elements (needs ``layout.shapes``). Pure."""
+    the real elements. Pure.
+
+    Raises:
+        ValueError: the layout carries no ``shapes`` (plan it with ``plan_layout(..., shapes=...)``).
+    """
     if layout.shapes is None:
         raise ValueError("padding_vs_fsdp2: the layout has no shapes; plan it with shapes=")
     n = max(layout.total_numel, 1)
