@@ -86,7 +86,7 @@ class FSDPParam:
 
     fqn: str  # relative to the fully_shard'ed module
     owners: list[tuple[nn.Module, str]]  # every (module, attr) that holds this parameter
-    shape: torch.Size  # the planned shape: global, or the TP-local shape of a DTensor param (Note [FSDP x TP])
+    shape: torch.Size  # planned shape: global, or a TP DTensor's local shape (Note [FSDP x TP])
     dtype: torch.dtype  # original
     requires_grad: bool
     granularity: int  # elements per block (never cut by a rank boundary)
@@ -98,7 +98,7 @@ class FSDPParam:
     spec: DTensorSpec | None = None
     got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
     extra: dict = field(default_factory=dict)
-    tp_spec: DTensorSpec | None = None  # the param's own DTensor spec (TP/EP mesh) before fully_shard, else None
+    tp_spec: DTensorSpec | None = None  # the param's own DTensor spec (TP/EP mesh) before fully_shard
 
     @property
     def global_shape(self) -> torch.Size:

@@ -56,11 +56,12 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
         return None
     spec = p._spec
     tp_mesh = spec.mesh
-    where = f"fully_shard: parameter {fqn!r} is a DTensor with placements {tuple(spec.placements)} on {tp_mesh}"
+    where = f"fully_shard: parameter {fqn!r} is a DTensor with placements {tuple(spec.placements)} " \
+            f"on {tp_mesh}"
     if _root(tp_mesh) is not _root(dp_mesh) and _root(tp_mesh) != _root(dp_mesh):
         raise ValueError(
-            f"{where}, which is not derived from the same root mesh as the FSDP mesh {dp_mesh}; build both from "
-            "one init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh=root['dp'] to fully_shard"
+            f"{where}, which is not derived from the same root mesh as the FSDP mesh {dp_mesh}; build both "
+            "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh=root['dp'] to fully_shard"
         )
     dp_names = set(dp_mesh.mesh_dim_names or ())
     tp_names = set(tp_mesh.mesh_dim_names or ())
@@ -76,17 +77,18 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
             d = pl.dim % len(spec.shape)
             if spec.shape[d] % tp_mesh.size(j):
                 raise ValueError(
-                    f"{where}: {pl} splits dim {d} of size {spec.shape[d]} unevenly over {tp_mesh.size(j)} ranks; "
+                    f"{where}: {pl} splits dim {d} of size {spec.shape[d]} unevenly over {tp_mesh.size(j)} "
+                    "ranks; "
                     "FSDP x TP needs one TP-local shape on every rank (make the dim divisible, e.g. pad it)"
                 )
             continue
         if pl.is_partial():
-            raise ValueError(f"{where}: a Partial parameter cannot be sharded; redistribute it to Replicate() first")
+            raise ValueError(f"{where}: a Partial parameter cannot be sharded; redistribute it to Replicate()")
         if isinstance(pl, RaggedShard):
-            raise ValueError(f"{where}: it is already sharded by fully_shard (a parameter tied across units?)")
-        raise NotImplementedError(f"{where}: placement {pl} is not supported with fully_shard (use Shard or Replicate)")
+            raise ValueError(f"{where}: it is already sharded by fully_shard (tied across units?)")  # noqa: TRY004
+        raise NotImplementedError(f"{where}: placement {pl} is not supported by fully_shard (use Shard/Replicate)")
     if not p._local_tensor.is_contiguous():
-        raise ValueError(f"{where}: its local tensor is not contiguous; call .contiguous() on the TP-local data")
+        raise ValueError(f"{where}: its local tensor is not contiguous; make the TP-local data .contiguous()")
     return spec
 
 

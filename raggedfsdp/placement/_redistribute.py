@@ -108,10 +108,10 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
             if not 0 <= d < ndim or base[d] % mesh.size(j):
                 raise ValueError(
                     f"placements={placements}: {p} on mesh dim {j} cuts tensor dim {d} of shape "
-                    f"{tuple(global_shape)} (size {base[d] if 0 <= d < ndim else '?'}), which lies inside the ragged "
-                    f"rows of {rs} (dims={rs.dims}), into {mesh.size(j)} uneven parts; RaggedShard is applied to "
-                    f"the local tensor the other placements produce, which must then have the same shape on every "
-                    f"rank: make dim {d} divisible by {mesh.size(j)} (pad it), or Shard a dim >= {k}"
+                    f"{tuple(global_shape)} (size {base[d] if 0 <= d < ndim else '?'}), which lies inside the "
+                    f"ragged rows of {rs} (dims={rs.dims}), into {mesh.size(j)} uneven parts; RaggedShard is "
+                    "applied to the local tensor the other placements produce, which must then have the same "
+                    f"shape on every rank: make dim {d} divisible by {mesh.size(j)} (pad it), or Shard a dim >= {k}"
                 )
             base[d] //= mesh.size(j)
             continue

@@ -233,7 +233,7 @@ def granularity_for_local(
     lshape = _shape_of(local_shape)
     who = f"parameter {name!r}" if name else f"tensor of shape {gshape}"
     if len(gshape) != len(lshape):
-        raise ValueError(f"granularity_for_local: {who}: local shape {lshape} and global shape {gshape} differ in ndim")
+        raise ValueError(f"granularity_for_local: {who}: local shape {lshape} and global shape {gshape} differ")
     if block is None:
         return granularity_for(lshape, None, name=name)
     spec = BlockSpec.parse(block)
@@ -245,9 +245,9 @@ def granularity_for_local(
 
     def cut(d: int, why: str) -> ValueError:
         return ValueError(
-            f"fully_shard: block {spec} of {who} (global shape {gshape}) is cut by the tensor-parallel split of "
-            f"dim {d} into parts of {lshape[d]} (local shape {lshape}): {why}. No TP or FSDP boundary may cut a "
-            "block: choose a block that fits inside the TP-local tensor (e.g. 'row', 'element', a smaller "
+            f"fully_shard: block {spec} of {who} (global shape {gshape}) is cut by the tensor-parallel split "
+            f"of dim {d} into parts of {lshape[d]} (local shape {lshape}): {why}. No TP or FSDP boundary may "
+            "cut a block: choose a block that fits inside the TP-local tensor (e.g. 'row', 'element', a smaller "
             "tile), or shard that dim so its parts are a multiple of the block"
         )
 

@@ -1,5 +1,5 @@
-"""FSDP x TP (Note [FSDP x TP] in raggedfsdp/fsdp/_tp.py): ``fully_shard`` over ``mesh["dp"]`` of a Llama whose
-blocks are tensor-parallel over ``mesh["tp"]`` (``raggedfsdp.models.apply_tp``: colwise/rowwise linears, a
+"""FSDP x TP (Note [FSDP x TP] in raggedfsdp/fsdp/_tp.py): ``fully_shard`` over ``mesh["dp"]`` of a Llama
+whose blocks are tensor-parallel over ``mesh["tp"]`` (``raggedfsdp.models.apply_tp``: colwise/rowwise linears, a
 Shard(0) embedding, a Replicate norm), on 4 real gloo ranks (dp2 x tp2), against two independent references in
 the same spawn: torch's own ``fully_shard`` with the same TP plan, and the single-process model on the global
 batch. Checks the 2-D DTensors (placements in mesh-dim order, ``full_tensor``, ``redistribute``, state dicts),
