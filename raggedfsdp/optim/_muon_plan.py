@@ -26,7 +26,7 @@ class Matrix:
     """One Newton-Schulz problem: rows ``[start, start + numel)`` of a parameter's flat tensor.
 
     ``parts``: ``(rank, lo, hi)`` for every rank holding a non-empty part, flat element range in
-    the parameter (rank order, so the parts concatenate to the matrix).
+    the parameter, sorted by ``lo`` (so the parts concatenate to the matrix).
     """
 
     item: int
@@ -52,9 +52,10 @@ def split_matrices(item: int, mats: list[tuple[int, int, int, int]], ranges) -> 
     for s, n, r, c in mats:
         if n == 0:
             continue
-        parts = tuple(
-            (q, max(s, a), min(s + n, b)) for q, (a, b) in enumerate(ranges) if max(s, a) < min(s + n, b)
-        )
+        parts = tuple(sorted(  # in matrix order (rank order unless the ranges are TP-major, _shards.py)
+            ((q, max(s, a), min(s + n, b)) for q, (a, b) in enumerate(ranges) if max(s, a) < min(s + n, b)),
+            key=lambda t: t[1],
+        ))
         out.append(Matrix(item, s, n, r, c, parts))
     return out
 

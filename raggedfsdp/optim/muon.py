@@ -38,7 +38,7 @@ from raggedfsdp.optim._newton_schulz import (
     newton_schulz,
     ns_flops,
 )
-from raggedfsdp.optim._shards import ShardInfo, local_flat, shard_info
+from raggedfsdp.optim._shards import ShardInfo, local_flat, matrix_to_tp_major, shard_info, tp_major_to_matrix
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -143,7 +143,7 @@ class Muon(Optimizer):
     def _info(self, p: Tensor) -> ShardInfo:
         info = self._infos.get(id(p))
         if info is None or info.local.data_ptr() != local_flat(p).data_ptr():
-            info = self._infos[id(p)] = shard_info(p, f"#{self._index.get(id(p))}")
+            info = self._infos[id(p)] = shard_info(p, f"#{self._index.get(id(p))}", tp="global")
         return info
 
     # -- step --------------------------------------------------------------------------------
@@ -218,22 +218,22 @@ class Muon(Optimizer):
                     for j, lo, hi in lst]
             recv = self._all_to_all(send, [sum(h - l for _, l, h in lst) for lst in to_owner],
                                     [sum(h - l for _, l, h in lst) for lst in from_rank], info0, stats)
-            chunks: dict[int, list[Tensor]] = defaultdict(list)
             off = 0
-            for lst in from_rank:
+            for lst in from_rank:  # each part at its place in the matrix (parts may arrive out of rank order)
                 for j, lo, hi in lst:
-                    chunks[j].append(recv[off:off + hi - lo])
+                    if j not in full:
+                        full[j] = recv.new_empty(mats[j].numel)
+                    full[j][lo - mats[j].start:hi - mats[j].start].copy_(recv[off:off + hi - lo])
                     off += hi - lo
-            full = {j: torch.cat(c) for j, c in chunks.items()}
         ortho: dict[int, Tensor] = {}
         for j, m in enumerate(mats):
             if owners[j] != me:
                 continue
-            p, _, group, update = items[m.item]
+            p, pinfo, group, update = items[m.item]
             src = full[j] if j in full else update[m.start - starts[j]:m.start + m.numel - starts[j]]
-            o = newton_schulz(src.view(m.rows, m.cols), group["ns_coefficients"], group["ns_steps"],
-                              group["eps"], dt)
-            ortho[j] = o.reshape(-1)
+            o = newton_schulz(tp_major_to_matrix(src, m.rows, m.cols, pinfo.tp_cols), group["ns_coefficients"],
+                              group["ns_steps"], group["eps"], dt)
+            ortho[j] = matrix_to_tp_major(o, pinfo.tp_cols)
             stats["ns_calls"] += 1
             stats["ns_flops"] += ns_flops(m.rows, m.cols, group["ns_steps"])
             stats["ns_matrices"].append((self._index[id(p)], m.start // m.numel))
