@@ -235,3 +235,23 @@ def test_world_plan_runs_each_newton_schulz_once_balanced(reps, shards):
     # whole matrices mostly stay where they lie (no gather), on one of the piece's holders
     whole = [j for j, m in enumerate(mats) if m.whole_on is not None]
     assert sum(owners[j] in mats[j].whole_on for j in whole) >= 0.5 * len(whole)
+
+
+@pytest.mark.slow  # torch.compile (inductor, C++ build): ~30 s idle, minutes on a loaded 2-core box
+def test_compiled_newton_schulz_matches_eager_closely():
+    """Muon(compile_ns=True) runs Newton-Schulz through torch.compile: same maths, last-bit differences
+    only (fp32: 1e-5; the default bf16: within 4 bf16 ulps of the ~1-magnitude entries)."""
+    from raggedfsdp.optim._newton_schulz import compiled_newton_schulz, newton_schulz
+
+    torch.manual_seed(4)
+    g = torch.randn(24, 40)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 0.032)):
+        a, b = compiled_newton_schulz()(g, dtype=dtype), newton_schulz(g, dtype=dtype)
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=0)
+    p = torch.nn.Parameter(torch.randn(24, 40))
+    p.grad = g
+    opt = Muon([p], lr=0.05, compile_ns=True)
+    assert opt._ns is compiled_newton_schulz()
+    opt.step()
+    assert opt.last_step_stats["ns_calls"] == 1
