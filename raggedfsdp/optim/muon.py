@@ -1,20 +1,25 @@
-"""Distributed Muon on RaggedShard parameters: one Newton-Schulz per matrix per step, on one owner rank.
+"""Distributed Muon on RaggedShard parameters: one Newton-Schulz per matrix per step, in the whole world.
 
-Per step, for every process group (the ragged mesh dim of the parameters; one per FSDP/HSDP mesh):
+Per step, for every mesh (the parameters' FSDP ``(S,)`` or HSDP ``(R, S)`` mesh; its *world* is all
+its ``R * S`` ranks):
 
 1. momentum (EMA, torch.optim.Muon's rule) and weight decay, element-wise on each rank's own piece;
-2. ONE ``all_to_all_single`` sends every piece of a matrix that is split over ranks to that matrix's
-   owner (in ``ns_dtype``, bfloat16: exactly the values torch's Newton-Schulz starts from);
-3. each owner runs Newton-Schulz on its matrices (whole-on-one-rank matrices in place, no comms);
-4. ONE ``all_to_all_single`` sends each rank the rows of the orthogonalised update it holds;
+2. every matrix has ONE owner among all world ranks (``_muon_plan``: LPT on Newton-Schulz FLOPs,
+   whole matrices kept on a holder when balance allows); the owner receives the parts it does not
+   hold (``ns_dtype``, bfloat16: exactly the values torch's Newton-Schulz starts from) from the
+   holder in its own replica;
+3. the owner runs Newton-Schulz (so under HSDP no replica group repeats it);
+4. the owner sends the orthogonalised rows of each part to **every** holder (all replicas);
 5. each rank adds its slice of the update with the matrix's adjusted learning rate.
 
-So a step costs 0 collectives (every matrix whole on one rank) or 2, whatever the number of
-tensors; uneven splits (including zeros, for ranks with empty pieces) are fine on gloo and NCCL.
-Every rank derives owners and splits from global metadata, so a rank holding nothing still joins
-the same two collectives and nothing hangs. Under HSDP (``(Replicate(), RaggedShard)``) each
-replica group runs the same plan over its shard group only: nothing is gathered over the replicate
-dim. Single-device reference: :func:`raggedfsdp.optim.reference.muon_reference_step`.
+Steps 2-4 are pipelined: each owner's matrices are cut into ``pipeline_chunks`` chunks of about
+equal cost, and chunk ``c + 1`` is gathered and chunk ``c - 1`` scattered (asynchronous
+``all_to_all_single`` over the world group, uneven splits, zeros allowed) while chunk ``c`` is
+orthogonalised. So a step costs 0 collectives (every matrix whole on one rank, no replicas) or at
+most 2 per chunk, whatever the number of tensors. Every rank derives owners, chunks and splits from
+global metadata, so a rank holding nothing still joins the same collectives and nothing hangs.
+Single-device reference: :func:`raggedfsdp.optim.reference.muon_reference_step`. Source: Canzona
+(arXiv 2602.06079) for owner decoupling and micro-group pipelining; peers-2026-12.md section 5.
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ class Muon(Optimizer):
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or ``"match_rms_adamw"``.
         ns_dtype: keyword-only, dtype of Newton-Schulz and of the exchanged pieces (torch: bfloat16).
         balance_slack: keyword-only. A matrix whole on one rank is orthogonalised there with no
-            communication unless that puts its rank above ``(1 + balance_slack)`` times the mean
+            gather unless that puts its rank above ``(1 + balance_slack)`` times the mean
             Newton-Schulz load (``_muon_plan.assign_owners``); ``None``: never move whole matrices.
+        pipeline_chunks: keyword-only int >= 1, chunks of the gather / Newton-Schulz / scatter
+            pipeline (default 4; 1: one gather and one scatter per step, no overlap).
+        compile_ns: keyword-only, run Newton-Schulz through ``torch.compile`` (default off: inductor
+            may change the last bits, so the bitwise parity with ``torch.optim.Muon`` is for eager).
         betas: keyword-only, default AdamW betas of ``algorithm="adamw"`` groups.
 
     Parameters: plain 2-D/3-D tensors, or DTensors with placements ``(RaggedShard,)`` or
@@ -70,14 +79,18 @@ class Muon(Optimizer):
     ``state_dict()`` and DCP (``get_optimizer_state_dict``) work before the first step and reshard
     on load. Owners are not state: they are recomputed from the layout.
 
-    Which ranks: ``step()`` is collective over each parameter's shard group; all ranks must call it,
-    with ``p.grad`` set (or ``None``) consistently across ranks.
-    After each step ``last_step_stats`` holds ``collectives``, ``ns_calls``, ``ns_flops``,
-    ``ns_matrices`` (``(param_index, matrix_index)`` orthogonalised on this rank), ``sent_elements``.
+    Which ranks: ``step()`` is collective over every rank of each parameter's mesh (replicas
+    included); all of them must call it, with ``p.grad`` set (or ``None``) consistently across ranks.
+    A mesh that is not the whole default group gets its own group (``dist.new_group`` with
+    ``use_local_synchronization=True``, created on first use).
+    After each step ``last_step_stats`` holds ``collectives``, ``chunks``, ``ns_calls``, ``ns_flops``,
+    ``ns_matrices`` (``(param_index, matrix_index)`` orthogonalised on this rank), ``sent_elements``,
+    ``ns_s`` and ``wait_s`` (seconds in Newton-Schulz / blocked waiting for the exchange).
 
     Raises:
         ValueError: negative lr/momentum/weight_decay, unknown ``adjust_lr_fn`` or ``algorithm``, a Muon
-            parameter that is not 2-D or 3-D (naming it and pointing to ``muon_param_groups``).
+            parameter that is not 2-D or 3-D (naming it and pointing to ``muon_param_groups``),
+            ``pipeline_chunks`` not an int >= 1.
         NotImplementedError: tensor-parallel (``Shard``) placements.
     """
 
