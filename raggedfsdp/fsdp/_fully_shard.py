@@ -29,6 +29,11 @@ from raggedfsdp.fsdp._state import FSDPState
 
 _cls_cache: dict[type, type] = {}
 
+
+def _after_load(group: FSDPParamGroup) -> None:
+    group.adopt_registered_params()  # load_state_dict(assign=True) replaced the sharded params
+    group.mark_master_changed()
+
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
 
@@ -182,7 +187,7 @@ def fully_shard(
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))
             m.register_load_state_dict_pre_hook(_make_load_pre_hook(m, group))
-            m.register_load_state_dict_post_hook(lambda mod, keys, g=group: g.mark_master_changed())
+            m.register_load_state_dict_post_hook(lambda mod, keys, g=group: _after_load(g))
         cls = type(m)
         if cls not in _cls_cache:
             _cls_cache[cls] = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), {})
