@@ -116,6 +116,13 @@ class FSDPParamGroup(GradPath):
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp needs "
                     "at least one dim: store it with shape (1,)"
                 )
+            if not p.is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
+                raise NotImplementedError(
+                    f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
+                    f"{tuple(p.stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
+                    "fully_shard, so it would come back contiguous: make it contiguous first (e.g. "
+                    "module.to(memory_format=torch.contiguous_format)) and use channels_last activations"
+                )
             g = granularity_fn(p, fqn) if granularity_fn is not None else None
             g = granularity_for(p.shape, None, name=fqn)[0] if g is None else int(g)
             if p.numel() == 0:
@@ -367,6 +374,15 @@ class FSDPParamGroup(GradPath):
             self.param_dtype = self.reduce_dtype = dtype
         for fp in self.fsdp_params:
             fp.dtype = dtype
+
+    def set_root_fqns(self, module_names: dict[int, str]) -> None:
+        """At the root's lazy init: name each param by its FQN under the root (``0.in_proj.weight``), as
+        torch's ``_init_fqns`` does, so later errors name what ``root.named_parameters()`` shows. Local."""
+        for fp in self.fsdp_params:
+            mod, attr = fp.owners[0]
+            base = module_names.get(id(mod))
+            if base is not None:
+                fp.fqn = f"{base}.{attr}" if base else attr
 
     def adopt_registered_params(self) -> None:
         """``load_state_dict(..., assign=True)`` registered new DTensors in place of the sharded params:
