@@ -219,7 +219,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
         for st in self._fsdp_states(True):
             if st.group is not None:
                 st.group.reshard()
-        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        ret = super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]  # skip torch's
         for st in self._fsdp_states(True):
             if st.group is not None:
                 st.group.reset_sharded_storage()
@@ -241,8 +241,8 @@ def _unsupported(what: str, why: str) -> None:
 
 def _check_fsdp_modules(modules, name: str) -> None:
     for m in modules:
-        if not isinstance(m, FSDPModule):  # ValueError, as torch's _assert_all_fsdp_modules
-            raise ValueError(
+        if not isinstance(m, FSDPModule):  # also ValueError, as torch's _assert_all_fsdp_modules
+            raise FSDPTypeError(
                 f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call raggedfsdp.fully_shard on it "
                 "first"
             )
