@@ -47,7 +47,7 @@ def _run(impl: str, tests: Path, files: list[str], ranks: int, site: str | None,
                f"--junitxml={xml}", "-o", "junit_family=xunit1"] + (["-k", kexpr] if kexpr else [])
         t0 = time.monotonic()
         try:
-            subprocess.run(cmd, env=env, cwd=str(tests), timeout=timeout, capture_output=True, text=True)
+            subprocess.run(cmd, env=env, cwd=str(tests), timeout=timeout, capture_output=True, text=True, check=False)
         except subprocess.TimeoutExpired:
             out[f"{f}::<file>"] = "timeout"
             continue
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| test | torch | raggedfsdp | class |\n|---|---|---|---|")
     for k in keys:
         t, o = res.get("torch", {}).get(k, "-"), res.get("ours", {}).get(k, "-")
-        cls = "" if t.split(":")[0] == o.split(":")[0] else "%s: %s" % CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
+        kind, why = CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
+        cls = "" if t.split(":")[0] == o.split(":")[0] else f"{kind}: {why}"
         print(f"| `{k}` | {t} | {o} | {cls} |")
     for impl, r in res.items():
         n = {s: sum(v.split(":")[0] == s for v in r.values()) for s in ("pass", "fail", "skip")}

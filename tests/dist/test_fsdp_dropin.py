@@ -17,9 +17,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from _dist import run_distributed
+from torch import nn
 
 
 class MLP(nn.Module):
