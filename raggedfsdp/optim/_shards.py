@@ -23,12 +23,18 @@ class ShardInfo:
     """Layout of one parameter over the process group of its RaggedShard mesh dim.
 
     Attributes:
-        shape: global shape (for ``tp="local"``: the TP-local shape the ranges refer to).
+        shape: global shape.
         local: this rank's flat 1-D local tensor (a view: writes land in the parameter).
         group: process group of the ragged mesh dim (``None``: not sharded).
         rank: this rank's index in ``group`` (0 if ``None``).
         ranges: flat element range ``[a, b)`` of every rank of ``group``, in rank order.
         group_key: hashable identity of ``group`` (its global ranks) used to batch collectives.
+        world: sorted global ranks of the whole mesh (every replica and shard rank); ``()`` if not
+            sharded. World index ``w`` is the rank ``world[w]`` (= its rank in a group of ``world``).
+        me: this rank's world index.
+        holders: for every piece ``s`` (``ranges[s]``), the world indices holding a copy of it,
+            ordered by replica index (HSDP ``(R, S)``: ``R`` holders per piece; FSDP: one).
+        replica: the replica index of every world index (its position in its piece's holders).
     """
 
     shape: tuple[int, ...]
@@ -37,7 +43,11 @@ class ShardInfo:
     rank: int
     ranges: tuple[tuple[int, int], ...]
     group_key: tuple[int, ...]
-    tp_cols: int = 0  # > 0: ranges are in TP-major order of this many column blocks (2-D Shard(1), tp="global")
+    world: tuple[int, ...] = ()
+    me: int = 0
+    holders: tuple[tuple[int, ...], ...] = ((0,),)
+    replica: tuple[int, ...] = (0,)
+    tp_cols: int = 0  # > 0: TP-major order of this many column blocks (2-D Shard(1), shard_info tp="global")
 
     @property
     def world_size(self) -> int:
@@ -53,24 +63,23 @@ def local_flat(t: Tensor) -> Tensor:
 
 
 def shard_info(p: Tensor, name: str = "", *, tp: str = "reject") -> ShardInfo:
-    """:class:`ShardInfo` of ``p`` (plain tensor or DTensor). Not collective, except that ``tp="global"``
-    creates (once per mesh, cached) the process group over the ragged and TP dims: call it on every rank.
+    """:class:`ShardInfo` of ``p`` (plain tensor or DTensor). Not collective.
 
     ``tp`` says what to do with tensor-parallel ``Shard`` placements next to the RaggedShard (FSDP x TP,
     Note [FSDP x TP] in ``raggedfsdp/fsdp/_tp.py``; RaggedShard is applied to the TP-local tensor):
 
     * ``"reject"``: raise (an optimizer that would see partial matrices);
-    * ``"local"``: the layout of this rank's TP-local tensor over the ragged dim's group (``shape`` is
-      the TP-local shape): for element- or tile-wise optimizers whose blocks the TP split keeps whole;
-    * ``"global"``: the whole logical tensor over the group of the ragged dim x the TP ``Shard`` dim:
-      ``ranges`` are intervals of the *TP-major* flat order (TP-local tensor ``t`` at offset
-      ``t * local_numel``), which is the row-major order for ``Shard(0)``; for a 2-D ``Shard(1)``
-      weight ``tp_cols`` is the TP size (see :func:`tp_major_to_matrix`). For Muon: Newton-Schulz on the
-      full logical matrix, owners over the whole dp x tp group.
+    * ``"local"``: the layout of this rank's TP-local tensor over the ragged dim (``shape`` is the
+      TP-local shape): for element- or tile-wise optimizers whose blocks the TP split keeps whole;
+    * ``"global"``: the whole logical tensor: one piece per (TP coordinate, ragged coordinate), in
+      *TP-major* flat order (TP-local tensor ``t`` at offset ``t * local_numel``, which is the
+      row-major order for ``Shard(0)``), held by the ranks at those coordinates (other dims replicate);
+      for a 2-D ``Shard(1)`` weight ``tp_cols`` is the TP size (:func:`tp_major_to_matrix`). For Muon:
+      Newton-Schulz on the full logical matrix, owners over the whole dp x tp world.
 
     Raises:
-        NotImplementedError: ``Partial`` placements; ``tp="reject"`` with a ``Shard``; ``tp="global"`` with
-            more than one ``Shard`` mesh dim or a ``Shard(d)`` other than ``Shard(0)`` / a 2-D ``Shard(1)``.
+        NotImplementedError: ``Partial`` placements; ``tp="reject"`` with a ``Shard``; ``tp="global"``
+            with more than one ``Shard`` mesh dim or a ``Shard(d)`` other than ``Shard(0)`` / 2-D ``Shard(1)``.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -86,75 +95,49 @@ def shard_info(p: Tensor, name: str = "", *, tp: str = "reject") -> ShardInfo:
         elif not isinstance(pl, Replicate):
             raise NotImplementedError(
                 f"raggedfsdp.optim: parameter {name or tuple(shape)} has placements {p.placements}; only "
-                "RaggedShard with Replicate (FSDP / HSDP) or tensor-parallel Shard companions and plain tensors "
-                "are supported here"
+                "RaggedShard with Replicate (FSDP / HSDP) or tensor-parallel Shard companions and plain "
+                "tensors are supported here"
             )
-    mesh = p.device_mesh
-    import torch.distributed as dist
-
     if rs_dim is None:
         if tp_dims:
             raise NotImplementedError(
-                f"raggedfsdp.optim: parameter {name or tuple(shape)} is tensor-parallel {p.placements} but not "
-                "sharded by fully_shard; shard it with raggedfsdp.fully_shard over the dp mesh"
+                f"raggedfsdp.optim: parameter {name or tuple(shape)} is tensor-parallel {p.placements} but "
+                "not sharded by fully_shard; shard it with raggedfsdp.fully_shard over the dp mesh"
             )
         return ShardInfo(shape, local_flat(p), None, 0, ((0, p.numel()),), ())
+    mesh = p.device_mesh
     rs: RaggedShard = p.placements[rs_dim]
-    local_shape = _tp_local_shape(shape, mesh, p.placements, tp_dims)
+    group = mesh.get_group(rs_dim)
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    local_shape = list(shape)
+    for j in tp_dims:
+        local_shape[p.placements[j].dim % len(shape)] //= mesh.size(j)
+    local_shape = tuple(local_shape)
     if not tp_dims or tp == "local":
-        group = mesh.get_group(rs_dim)
-        ranks = tuple(dist.get_process_group_ranks(group))
+        world, me, holders, replica = _world_layout(mesh, rs_dim)
         return ShardInfo(local_shape, local_flat(p), group, mesh.get_local_rank(rs_dim),
-                         tuple(rs.flat_ranges(local_shape)), ranks)
+                         tuple(rs.flat_ranges(local_shape)), ranks, world, me, holders, replica)
     if len(tp_dims) > 1:
         raise NotImplementedError(
-            f"raggedfsdp.optim: parameter {name or tuple(shape)} has placements {p.placements}: more than one "
-            "Shard mesh dim (e.g. EP x TP) is not supported by this optimizer"
+            f"raggedfsdp.optim: parameter {name or tuple(shape)} has placements {p.placements}: more than "
+            "one Shard mesh dim (e.g. EP x TP) is not supported by this optimizer"
         )
     j = tp_dims[0]
     d = p.placements[j].dim % len(shape)
     if not (d == 0 or (d == 1 and len(shape) == 2)):
         raise NotImplementedError(
-            f"raggedfsdp.optim: parameter {name or tuple(shape)}: {p.placements[j]} of a {len(shape)}-D tensor; "
-            "only Shard(0) (any rank) and Shard(1) of a 2-D matrix are supported"
+            f"raggedfsdp.optim: parameter {name or tuple(shape)}: {p.placements[j]} of a {len(shape)}-D "
+            "tensor; only Shard(0) (any rank) and Shard(1) of a 2-D matrix are supported"
         )
-    group, order = _group_over(mesh, (rs_dim, j))
+    world, me, holders, replica = _world_layout(mesh, rs_dim, j)
     n_local = math.prod(local_shape)
-    ranges = tuple((c[j] * n_local + a, c[j] * n_local + b)
-                   for c in order for a, b in [rs.flat_range(local_shape, c[rs_dim])])
-    me = dist.get_rank(group)
-    return ShardInfo(shape, local_flat(p), group, me, ranges, tuple(dist.get_process_group_ranks(group)),
+    ranges = tuple((t * n_local + a, t * n_local + b)
+                   for t in range(mesh.size(j)) for a, b in rs.flat_ranges(local_shape))
+    piece = mesh.get_local_rank(j) * mesh.size(rs_dim) + mesh.get_local_rank(rs_dim)
+    return ShardInfo(shape, local_flat(p), group, piece, ranges, ranks, world, me, holders, replica,
                      tp_cols=mesh.size(j) if d == 1 else 0)
-
-
-def _tp_local_shape(shape, mesh, placements, tp_dims) -> tuple[int, ...]:
-    out = list(shape)
-    for j in tp_dims:
-        d = placements[j].dim % len(shape)
-        out[d] //= mesh.size(j)
-    return tuple(out)
-
-
-_GROUPS: dict = {}
-
-
-def _group_over(mesh, dims: tuple[int, int]):
-    """The process group over mesh dims ``dims`` (this rank's slice of the other dims) and every group
-    rank's mesh coordinates, in group-rank order. Collective the first time per (mesh, dims): every rank
-    must call it in the same order (cached afterwards)."""
-    import torch.distributed as dist
-
-    names = tuple(mesh.mesh_dim_names[i] for i in sorted(dims))
-    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), names)
-    if key not in _GROUPS:
-        sub = mesh[names]
-        _GROUPS[key] = sub._flatten("_".join(names) + "_raggedfsdp_optim").get_group()
-    group = _GROUPS[key]
-    coords = []
-    for r in dist.get_process_group_ranks(group):
-        c = (mesh.mesh == r).nonzero()
-        coords.append(tuple(int(x) for x in c[0].tolist()))
-    return group, coords
 
 
 def tp_major_to_matrix(x: Tensor, rows: int, cols: int, tp_cols: int) -> Tensor:
@@ -171,6 +154,38 @@ def matrix_to_tp_major(x: Tensor, tp_cols: int) -> Tensor:
         return x.reshape(-1)
     rows, cols = x.shape
     return x.view(rows, tp_cols, cols // tp_cols).permute(1, 0, 2).reshape(-1)
+
+
+def _world_layout(mesh, rs_dim: int, tp_dim: int | None = None):
+    """``(world, me, holders, replica)`` of :class:`ShardInfo` for a mesh whose dim ``rs_dim`` is ragged
+    (and, with ``tp_dim``, whose pieces are also split over that TP dim: pieces ``t * n_rs + i``).
+
+    Every other mesh dim is a replicate dim: the replica index of a rank is its row-major coordinate
+    over those dims. Pure metadata (``mesh.mesh``), cached per mesh.
+    """
+    import torch.distributed as dist
+
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), rs_dim, tp_dim)
+    hit = _WORLD_CACHE.get(key)
+    if hit is None:
+        grid = mesh.mesh
+        world = tuple(sorted(grid.flatten().tolist()))
+        index = {g: w for w, g in enumerate(world)}
+        if tp_dim is None:
+            moved = grid.movedim(rs_dim, -1).reshape(-1, grid.shape[rs_dim])  # (replicas, pieces)
+        else:  # (replicas, tp, rs) -> pieces t-major
+            moved = grid.movedim((tp_dim, rs_dim), (-2, -1)).reshape(-1, grid.shape[tp_dim] * grid.shape[rs_dim])
+        holders = tuple(tuple(index[int(g)] for g in moved[:, s].tolist()) for s in range(moved.shape[1]))
+        replica = [0] * len(world)
+        for hs in holders:
+            for k, w in enumerate(hs):
+                replica[w] = k
+        hit = _WORLD_CACHE[key] = (world, holders, tuple(replica))
+    world, holders, replica = hit
+    return world, world.index(dist.get_rank()), holders, replica
+
+
+_WORLD_CACHE: dict = {}
 
 
 def like_param(p: Tensor, local: Tensor) -> Tensor:
