@@ -198,7 +198,8 @@ class Muon(Optimizer):
                 buf.lerp_(g, 1 - mu)
                 update = g.lerp(buf, mu) if group["nesterov"] else buf
                 info.local.mul_(1 - lr * wd)
-                key = info.world if info.group is not None else ("local", id(p))
+                # one plan per layout of the world (FSDP x TP pieces differ from the replicated ones)
+                key = (info.world, info.holders) if info.group is not None else ("local", id(p))
                 buckets[key].append((p, info, group, update))
         for key in sorted(buckets, key=str):
             self._orthogonalize(buckets[key], stats)

@@ -70,12 +70,11 @@ def _run(rank, ws):
         for r, b, gr in zip(refs, bufs, grads):
             if r.ndim == 3:
                 muon_reference_step(r.data, gr, b, lr=LR, weight_decay=WD)
-        # every matrix orthogonalised exactly once over the dp x tp group (Replicate: once per tp rank)
+        # every matrix orthogonalised exactly once in the dp x tp world (the Replicate one too)
         seen = [None] * ws
         dist.all_gather_object(seen, opt.last_step_stats["ns_matrices"])
         ns = sorted(m for lst in seen for m in lst)
-        want = sorted([(i, e) for i, f in enumerate(fulls) if i != 3 for e in range(f.shape[0] if f.ndim == 3 else 1)]
-                      + [(3, 0)] * 2)
+        want = sorted((i, e) for i, f in enumerate(fulls) for e in range(f.shape[0] if f.ndim == 3 else 1))
         assert ns == want, (ns, want)
         owners = {r for r, lst in enumerate(seen) for m in lst if m[0] != 3}
         assert len(owners) >= 3, owners  # balanced over dp x tp, not just the dp group
