@@ -57,7 +57,7 @@ def _train(model, opt, batches, rows, dp_group=None, dp=1):
     return losses
 
 
-def _sharded(mesh, backend, ac=False):
+def _sharded(mesh, backend, ac=False, spf=None):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from raggedfsdp.models import apply_fsdp, apply_tp
@@ -66,7 +66,7 @@ def _sharded(mesh, backend, ac=False):
     if ac:
         for i, blk in enumerate(m.layers):
             m.layers[i] = checkpoint_wrapper(blk)
-    return apply_fsdp(m, mesh["dp"], backend=backend)
+    return apply_fsdp(m, mesh["dp"], backend=backend, shard_placement_fn=spf)
 
 
 def _full(p):
@@ -153,6 +153,23 @@ def _run(rank, ws):
     ac = _sharded(mesh, "ragged", ac=True)
     a_losses = _train(ac, torch.optim.AdamW(ac.parameters(), lr=1e-2), batches, rows, dp_group, 2)
     torch.testing.assert_close(a_losses, o_losses, rtol=1e-6, atol=0)
+
+    # Muon (Newton-Schulz on the full logical matrices, owners over dp x tp) and AdamW8bit (global 32x32
+    # tiles kept whole by TP and FSDP boundaries): losses of the same optimizer on the single-process model
+    from raggedfsdp.optim import AdamW8bit, Muon, muon_param_groups
+
+    def muon(m):
+        return Muon(muon_param_groups(m, lr=0.02, adamw_lr=1e-2), ns_dtype=torch.float32)
+
+    for make_opt, spf in ((muon, None), (lambda m: AdamW8bit(m.parameters(), lr=1e-2), AdamW8bit.shard_placement_fn)):
+        single = _model()
+        r_l = _train(single, make_opt(single), batches, slice(None))
+        m = _sharded(mesh, "ragged", spf=spf)
+        opt = make_opt(m)
+        o_l = _train(m, opt, batches, rows, dp_group, 2)
+        if rank == 0:
+            print(type(opt).__name__, "single", r_l, "ours", o_l)
+        torch.testing.assert_close(o_l, r_l, rtol=2e-5, atol=0)
     dist.barrier()
 
 
