@@ -5,13 +5,6 @@ A managed parameter is an ``nn.Parameter(DTensor)`` with placements ``(RaggedSha
 ``RaggedShard.flat_range(shape, rank)`` of the row-major flattened tensor. A plain tensor, or a
 DTensor that is ``Replicate()`` on every mesh dim, is "whole on every rank" and is treated as a
 single-rank layout (no communication; each rank updates its own copy).
-
-Expert parallel: an expert stack ``(E, d, h)`` sharded by FSDP beside EP has placements
-``(RaggedShard, Shard(0))`` on a ``(dp, ep)`` mesh (``models.apply_ep`` + ``apply_fsdp(experts_mesh=)``).
-A ``Shard`` on a *stack* dim (any dim but the last two) splits whole matrices between ranks, so the
-optimizer sees this rank's EP-local stack ``(E/ep, d, h)`` as the parameter, laid out by the RaggedShard
-over the remaining mesh dims (``ShardInfo.shape`` is then the local shape): every expert matrix stays
-whole for Muon and 8-bit tiles stay global tiles. A ``Shard`` on a matrix dim (tensor parallel) still raises.
 """
 
 from __future__ import annotations
@@ -69,52 +62,25 @@ def shard_info(p: Tensor, name: str = "") -> ShardInfo:
     shape = tuple(int(s) for s in p.shape)
     if not isinstance(p, DTensor):
         return ShardInfo(shape, local_flat(p), None, 0, ((0, p.numel()),), ())
-    shape, mesh, placements = stack_local_view(p)
     rs_dim = None
-    for i, pl in enumerate(placements):
+    for i, pl in enumerate(p.placements):
         if isinstance(pl, RaggedShard):
             rs_dim = i
         elif not isinstance(pl, Replicate):
             raise NotImplementedError(
                 f"raggedfsdp.optim: parameter {name or tuple(shape)} has placements {p.placements}; only "
-                "RaggedShard with Replicate companions (FSDP / HSDP), Shard on an expert-stack dim (EP) and "
-                "plain tensors are supported (tensor-parallel Shard placements would give the optimizer "
-                "partial matrices)"
+                "RaggedShard with Replicate companions (FSDP / HSDP) and plain tensors are supported "
+                "(tensor-parallel Shard placements would give the optimizer partial matrices)"
             )
     if rs_dim is None:
-        return ShardInfo(shape, local_flat(p), None, 0, ((0, local_flat(p).numel()),), ())
-    rs: RaggedShard = placements[rs_dim]
+        return ShardInfo(shape, local_flat(p), None, 0, ((0, p.numel()),), ())
+    mesh = p.device_mesh
+    rs: RaggedShard = p.placements[rs_dim]
     group = mesh.get_group(rs_dim)
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group))
     return ShardInfo(shape, local_flat(p), group, mesh.get_local_rank(rs_dim), tuple(rs.flat_ranges(shape)), ranks)
-
-
-def stack_local_view(p) -> tuple[tuple[int, ...], object, tuple]:
-    """``(shape, mesh, placements)`` of DTensor ``p`` once its ``Shard`` placements on stack dims (EP) are
-    taken as local: the shape divided along them, the mesh without their mesh dims. Not collective.
-
-    A parameter without such placements is returned as is (global shape, its mesh and placements).
-    """
-    from torch.distributed.tensor import Shard
-
-    shape = [int(s) for s in p.shape]
-    mesh, pls = p.device_mesh, tuple(p.placements)
-    stack = [j for j, pl in enumerate(pls) if type(pl) is Shard and pl.dim % len(shape) < len(shape) - 2]
-    if not stack:
-        return tuple(shape), mesh, pls
-    for j in stack:
-        d = pls[j].dim % len(shape)
-        shape[d] //= mesh.size(j)  # even: FSDP x EP requires it (fsdp/_tp.py)
-    keep = [j for j in range(mesh.ndim) if j not in stack]
-    if not keep:
-        return tuple(shape), None, ()
-    names = mesh.mesh_dim_names
-    if names is None:
-        raise ValueError(f"raggedfsdp.optim: an expert-parallel parameter needs named mesh dims, got {mesh}")
-    sub = mesh[tuple(names[j] for j in keep)] if len(keep) > 1 else mesh[names[keep[0]]]
-    return tuple(shape), sub, tuple(pls[j] for j in keep)
 
 
 def like_param(p: Tensor, local: Tensor) -> Tensor:

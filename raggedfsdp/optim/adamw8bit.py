@@ -15,12 +15,10 @@ Memory per parameter element (eligible tensors): 2 bytes of codes + ``8 / (R*C)`
 
 from __future__ import annotations
 
-import math
 from itertools import chain
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 
 from raggedfsdp.optim._quant import (
@@ -133,11 +131,6 @@ class AdamW8bit(Optimizer):
             for pl in p.placements
         )
         shape = tuple(shape)
-        if units is not None:  # expert parallel: Shard(0) of an (E, d, h) stack splits the tile rows evenly
-            stack = [j for j, pl in enumerate(p.placements) if type(pl) is Shard]
-            if any(p.placements[j].dim != 0 for j in stack):
-                raise NotImplementedError(f"AdamW8bit: placements {p.placements}: only Shard(0) stacks (EP)")
-            shape = (shape[0] * math.prod(p.device_mesh.size(j) for j in stack), *shape[1:])
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
