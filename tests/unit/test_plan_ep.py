@@ -89,3 +89,25 @@ def test_gpt_oss_120b_at_256_fsdp2_doubles_the_all_gather_ours_does_not(ep):
     assert fsdp2 > 1.75 * ours
     assert plan.experts_group == 256 // ep
     assert plan.num_params == sum(u.numel for u in units)
+
+
+def test_plan_cli_ep(capsys):
+    import json
+
+    from raggedfsdp.cli import main as top_main
+
+    assert top_main(["plan", "--model", "gpt-oss-120b", "--world-size", "256", "--ep", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    plan = plan_model_ep(model_units("gpt-oss-120b"), 256, 8, align=8)
+    assert d["experts_group"] == 32 and d["shard_numel"] == plan.shard_numel
+    assert d["experts"]["world_size"] == 32 and d["dense"]["world_size"] == 256
+    assert top_main(["plan", "--model", "gpt-oss-120b", "--world-size", "256", "--ep", "8"]) == 0
+    out = capsys.readouterr().out
+    ours, f2 = plan.layer_all_gather("layers.0")
+    assert f"ours {ours:,} elements" in out and f"FSDP2 Shard(0) {f2:,}" in out and "FSDP groups of 32" in out
+    for argv, match in ((["-m", "96", "--ep", "3"], "128 experts, not divisible by 3"),
+                        (["-m", "256", "--ep", "7"], "must divide --world-size 256"),
+                        (["-m", "256", "--ep", "0"], "int >= 1")):
+        assert top_main(["plan", "--model", "gpt-oss-120b", *argv]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("raggedfsdp plan: error: --ep") and match in err[0], err
