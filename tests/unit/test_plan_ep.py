@@ -111,3 +111,23 @@ def test_plan_cli_ep(capsys):
         assert top_main(["plan", "--model", "gpt-oss-120b", *argv]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("raggedfsdp plan: error: --ep") and match in err[0], err
+
+
+def test_estimate_memory_ep_matches_the_ep_plan(capsys):
+    from raggedfsdp.cli import main as top_main
+    from raggedfsdp.planner.memory_estimate import estimate_memory
+
+    units = model_units("gpt-oss-120b")
+    plan = plan_model_ep(units, 256, 8, align=8, order="best")
+    est = estimate_memory(units=units, world_size=256, ep=8)
+    assert est.shard_numel == plan.shard_numel and est.num_params == plan.num_params
+    assert est.stage(3).params == 2 * plan.shard_numel  # bf16 shards, over 256 and 32 ranks
+    local = plan.dense.numel + plan.experts.numel  # one rank's EP-local replica
+    assert est.stage(0).params == 2 * local < 2 * est.num_params / 4
+    assert est.padding_numel == 256 * plan.shard_numel - est.num_params
+    assert top_main(["estimate-memory", "--model", "gpt-oss-120b", "-m", "256", "--ep", "8"]) == 0
+    assert "EP 8 (routed experts sharded over 32 ranks, the rest over 256)" in capsys.readouterr().out
+    for argv, match in ((["--params", "1e9"], "needs units"), (["--model", "llama3-8b"], "no routed experts")):
+        assert top_main(["estimate-memory", *argv, "-m", "256", "--ep", "8"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("raggedfsdp estimate-memory: error: --ep 8") and match in err[0]
