@@ -135,13 +135,13 @@ def _ep_fsdp(rank, ws):
             tag = f"{opt_name}/{backend}"
             model, losses, ns, grads = _sharded(rank, backend, opt_name, world)
             for k, v in want_g.items():  # first-step gradients: the EP sum and the FSDP average are right
-                torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{tag} grad {k}: {m}")
+                torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-7, msg=lambda m, k=k, tag=tag: f"{tag} grad {k}: {m}")
             for i, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{tag}: step {i} loss {a} != single process {b}"
             got = full_params(model)
             atol = 5e-4 if opt_name == "adamw8bit" else 1e-4  # an 8-bit code flipped by fp noise
             for k, v in want.items():
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{tag} {k}: {m}")
+                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=atol, msg=lambda m, k=k, tag=tag: f"{tag} {k}: {m}")
             if opt_name == "muon":
                 _check_muon_once_per_expert(model, ns, world)
 
