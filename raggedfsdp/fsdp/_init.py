@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.placement._redistribute import has_ragged, local_piece_of_full
 
@@ -23,6 +24,11 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's fully_shard refuses it too (AssertionError)
+        raise FSDPValueError(
+            f"fully_shard: the 2-D (HSDP) mesh {mesh.mesh.tolist()} has no dim names; build it with "
+            "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
+        )
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ValueError(
             f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that calls "
@@ -224,7 +230,7 @@ def _granularity_fn(shard_placement_fn):
         if r is None:
             return granularity_for(p.shape, None, name=fqn)[0]
         if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
-            raise TypeError(
+            raise FSDPTypeError(
                 f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int block "
                 "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', 'matrix'"
             )
