@@ -172,7 +172,7 @@ def main() -> None:
                f"(ratio {t_8 / t_adamw:.2f}x), 0 collectives")
     if rank == 0:
         print("\n".join(out), flush=True)
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
 
     shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
 

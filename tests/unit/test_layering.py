@@ -12,9 +12,12 @@ LAYER = {
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,
-    "optim": 4, "checkpoint": 4,
+    "optim": 4,
     "models": 5,
-    "train": 6, "cli": 6, "__main__": 6, "bench": 6,
+    "checkpoint": 6,
+    "train": 7, "launch": 7,
+    "bench": 8,
+    "commands": 9, "cli": 9,
 }
 
 
