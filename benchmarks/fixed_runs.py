@@ -8,7 +8,7 @@ Each run writes into its own folder under ``--out``; ``OUT/hashes.json`` holds o
 hex digits) per run. Runs (CPU, gloo, 2 ranks where a launcher is involved):
 
 - ``train-default``: ``raggedfsdp train`` with its defaults (llama tiny, 600 steps, 2 ranks);
-- ``train-moe`` / ``train-hybrid`` / ``train-muon`` / ``train-adamw8bit``: 40-step trains;
+- ``train-moe`` / ``train-hybrid`` / ``train-muon`` / ``train-adamw8bit``: 40-step trains, every step logged;
 - ``bench``: ``raggedfsdp bench --json`` (moe, 2 ranks, 4 steps);
 - ``plan-*``: ``raggedfsdp plan --json``; ``estimate-*``: ``raggedfsdp estimate-memory --json``.
 
@@ -34,10 +34,10 @@ from pathlib import Path
 TRAIN_LEN = 40
 RUNS: dict[str, tuple[str, list[str]]] = {
     "train-default": ("train", ["train"]),
-    "train-moe": ("train", ["train", "--model.name", "moe", "--steps", str(TRAIN_LEN)]),
-    "train-hybrid": ("train", ["train", "--config", "hybrid-tiny", "--steps", str(TRAIN_LEN)]),
-    "train-muon": ("train", ["train", "--optim", "muon", "--steps", str(TRAIN_LEN)]),
-    "train-adamw8bit": ("train", ["train", "--optim", "adamw8bit", "--steps", str(TRAIN_LEN)]),
+    "train-moe": ("train", ["train", "--model.name", "moe", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
+    "train-hybrid": ("train", ["train", "--config", "hybrid-tiny", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
+    "train-muon": ("train", ["train", "--optim", "muon", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
+    "train-adamw8bit": ("train", ["train", "--optim", "adamw8bit", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
     "bench": ("json", ["bench", "--model", "moe", "--nproc", "2", "--steps", "4", "--json", "--quiet"]),
     "plan-llama3-70b": ("json", ["plan", "--model", "llama3-70b", "--world-size", "1024", "--json"]),
     "plan-auto": ("json", ["plan", "--model", "llama3-70b", "--world-size", "512", "--unit", "auto", "--json"]),

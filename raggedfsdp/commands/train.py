@@ -104,10 +104,10 @@ def run_train(args: argparse.Namespace) -> int:
         # A bad config or --data fails here, not after the launch on every rank; so does a missing or
         # corrupt --resume path (verified here, once for the whole job), or a taken --out.
         reproduce = getattr(args, "reproduce_batch", None)
-        run = run_dir.prepare(cfg, args.nproc, check_out=not reproduce)
+        prepared = run_dir.prepare(cfg, args.nproc, check_out=not reproduce)
         if reproduce:
             return _reproduce(cfg, reproduce, args.nproc)
-        run_dir.hand_to_workers(cfg, run)  # the ranks neither re-lock OUT nor re-hash --resume
+        run_dir.hand_to_workers(cfg, prepared)  # the ranks neither re-lock OUT nor re-hash --resume
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
         return 2
@@ -156,8 +156,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(last_line, file=sys.stderr, flush=True)
         return 2 if "CheckpointError: cannot load" in last_line else 1
     finally:
-        if run.lock is not None:
-            run.lock.release()
+        if prepared.lock is not None:
+            prepared.lock.release()
     return 0
 
 

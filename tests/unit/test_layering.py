@@ -1,5 +1,6 @@
-"""Imports inside the package go one way: placement -> planner -> buffer -> fsdp -> optim/checkpoint
--> models -> train/cli. A module may import its own layer or lower layers only (checked with ast)."""
+"""Imports inside the package go one way: placement -> planner -> buffer -> fsdp -> optim -> models ->
+checkpoint -> train/launch -> bench -> commands/cli. A module may import its own layer or lower layers
+only (checked with ast)."""
 
 from __future__ import annotations
 
