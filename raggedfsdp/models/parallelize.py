@@ -142,3 +142,56 @@ def apply_fsdp(
         fully_shard(target, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, **kw)
     return model
+
+
+def apply_ep(model: nn.Module, mesh: Any) -> nn.Module:
+    """Split the routed experts of every MoE layer of ``model`` over the 1-D EP ``mesh``, in place.
+
+    Each EP rank ``r`` of ``mesh`` (size ``ep``) keeps experts ``[r*X/ep, (r+1)*X/ep)`` whole: the fused
+    stacks ``w1``, ``w3`` (X, D, F) and ``w2`` (X, F, D) become ``Shard(0)`` DTensors on ``mesh`` with
+    local (X/ep, D, F) / (X/ep, F, D) pieces, sliced from this rank's own (identically initialised, or
+    meta) tensors without communication. Forward then dispatches each token row to its expert's rank
+    with ``all_to_all_single`` and combines the results back (``models/_ep.py``; torchtitan's
+    ``ExpertParallel`` layout); router, shared expert, attention and embeddings are unchanged
+    (replicated over EP: shard them with FSDP over the whole dp x ep group). Call it before
+    ``fully_shard``/``init_weights`` (``init_weights`` fills DTensor shards). Every rank of ``mesh``
+    must call it, and then run the same MoE layers in every forward/backward.
+
+    Raises:
+        TypeError: ``mesh`` is not a 1-D ``DeviceMesh``.
+        ValueError: ``model`` has no MoE layer, a layer's experts are not ``experts="fused"``, or its
+            ``n_experts`` is not divisible by the EP size.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from raggedfsdp.models.moe import FusedExperts, MoEFeedForward
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise TypeError(f"apply_ep: mesh must be a 1-D DeviceMesh (e.g. mesh['ep']), got {mesh!r}")
+    ep, r = mesh.size(), mesh.get_local_rank()
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not layers:
+        raise ValueError(f"apply_ep: {type(model).__name__} has no MoE layer (MoEFeedForward) to split")
+    for ff in layers:
+        ex = ff.experts
+        if not isinstance(ex, FusedExperts):
+            raise ValueError(  # noqa: TRY004 - a config value (experts=), not an argument type
+                f"apply_ep: expert parallelism needs fused expert stacks, got {type(ex).__name__}; "
+                "build the model with experts='fused' (--model.experts fused)"
+            )
+        if ff.n_experts % ep:
+            raise ValueError(
+                f"apply_ep: n_experts={ff.n_experts} is not divisible by the EP size {ep}; choose an EP size "
+                f"that divides it"
+            )
+        if ex.ep_mesh is not None:
+            raise ValueError("apply_ep: the experts are already expert-parallel (apply_ep called twice)")
+        n = ff.n_experts // ep
+        for name in ("w1", "w3", "w2"):
+            p = getattr(ex, name)
+            local = p.detach()[r * n : (r + 1) * n].clone()
+            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            setattr(ex, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        ex.ep_mesh = mesh
+    return model
