@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ def _digest(obj) -> str:
 def run_one(name: str, out: Path) -> dict:
     kind, argv = RUNS[name]
     folder = out / name
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # a fresh run each time (train refuses a used --out)
+    folder.mkdir(parents=True)
     if kind == "train":
         argv = argv + ["--out", str(folder / "run")]
     cmd = [sys.executable, "-m", "raggedfsdp.cli", *argv]
