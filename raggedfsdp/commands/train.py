@@ -95,16 +95,13 @@ def run_train(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
         cfg = load_config(args.config, overrides, validate=False)
-        if not cfg.job.out:  # a fresh folder per run, chosen once for every rank
-            from raggedfsdp.launch.env import default_out
-
-            cfg.job.out = overrides["job.out"] = default_out()
         from raggedfsdp.train import run_dir
 
         # A bad config or --data fails here, not after the launch on every rank; so does a missing or
         # corrupt --resume path (verified here, once for the whole job), or a taken --out.
         reproduce = getattr(args, "reproduce_batch", None)
         prepared = run_dir.prepare(cfg, args.nproc, check_out=not reproduce)
+        overrides["job.out"] = cfg.job.out  # the default --out (a fresh folder) is chosen once, here
         if reproduce:
             return _reproduce(cfg, reproduce, args.nproc)
         run_dir.hand_to_workers(cfg, prepared)  # the ranks neither re-lock OUT nor re-hash --resume

@@ -1,11 +1,10 @@
-"""The process environment of a launched rank: cores per rank and the default ``--out`` folder."""
+"""The process environment of a launched rank: cores per rank."""
 
 from __future__ import annotations
 
 import os
-import time
 
-__all__ = ["available_cpus", "default_out", "set_threads"]
+__all__ = ["available_cpus", "set_threads"]
 
 
 def available_cpus() -> int:
@@ -23,17 +22,3 @@ def set_threads(local_world_size: int) -> int:
     n = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, available_cpus() // local_world_size)
     torch.set_num_threads(n)
     return n
-
-
-def default_out() -> str:
-    """A fresh ``outputs/run-...`` folder: a timestamp (launcher, single process) or, under a bare
-    torchrun, its run id (the same on every rank)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return os.path.join("outputs", f"run-torchrun-{run[:12]}")
-    base = os.path.join("outputs", time.strftime("run-%Y%m%d-%H%M%S"))
-    out, n = base, 1
-    while os.path.exists(out):
-        n += 1
-        out = f"{base}-{n}"
-    return out

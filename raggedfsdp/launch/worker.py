@@ -32,7 +32,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from raggedfsdp.launch.env import default_out, set_threads
+from raggedfsdp.launch.env import set_threads
 from raggedfsdp.launch.failures import ONE_LINE, PEER_FAILURE_HINTS
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
@@ -57,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, overrides_from_args(args), validate=False)
-        if not cfg.job.out:
-            cfg.job.out = default_out()
         run = run_dir.prepare(cfg, world_size, rank=rank)  # the config validated once per process
     except (ValueError, OSError) as e:  # a config error (or an unwritable --out): one line, no usage text
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ __all__ = [
     "OutLock",
     "PreparedRun",
     "check_out_dir",
+    "default_out",
     "new_run_id",
     "prepare",
     "read_run_id",
@@ -66,6 +67,20 @@ def write_run_file(out: Path, run_id: str, **extra: Any) -> None:
     tmp = out / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps({"run_id": run_id, "created": time.time(), **extra}, indent=1))
     os.replace(tmp, out / RUN_FILE)
+
+
+def default_out() -> str:
+    """A fresh ``outputs/run-...`` folder: a timestamp (launcher, single process) or, under a bare
+    torchrun, its run id (the same on every rank)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return os.path.join("outputs", f"run-torchrun-{run[:12]}")
+    base = os.path.join("outputs", time.strftime("run-%Y%m%d-%H%M%S"))
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
 
 
 def check_out_dir(out: str, ckpt_folder: str, *, resume: str, overwrite: bool) -> None:
@@ -148,8 +163,9 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
     """Every check of a run before it starts, once per process; raises ``ValueError`` (one line: the
     option, the value, the fix) or ``OSError`` (``--out`` not writable).
 
-    All ranks: ``cfg.validate(world_size)`` (unless ``validate=False``) and ``cfg.check_data()``
-    (unless ``check_data=False``). Rank 0 with ``check_out``: the ``--out`` policy
+    All ranks: ``cfg.validate(world_size)`` (unless ``validate=False``), then an empty ``--out``
+    becomes :func:`default_out` (set in ``cfg.job.out``), and ``cfg.check_data()`` (unless
+    ``check_data=False``). Rank 0 with ``check_out``: the ``--out`` policy
     (:func:`check_out_dir`), an explicit ``--resume PATH`` resolved and verified against its manifest
     (``checkpoint.dcp.resolve_resume``; taken without re-hashing from :data:`RESUME_VERIFIED_ENV`
     when the launcher already did it for the same ``--out`` and ``--resume``), and ``OUT/.lock``
@@ -158,6 +174,8 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
     """
     if validate:
         cfg.validate(world_size=world_size)
+    if not cfg.job.out:  # a fresh folder per run (validate refused --resume auto without --out)
+        cfg.job.out = default_out()
     if check_data:
         cfg.check_data()
     c = cfg.checkpoint

@@ -80,6 +80,7 @@ class Trainer:
             run = self._on_rank0(
                 lambda: run_dir.prepare(cfg, self.world_size, validate=False, check_data=False)
             )
+            cfg.job.out = str(run.out)  # rank 0's choice when --out was empty
         self.run = run
         self._lock = run.lock if self.rank == 0 else None
         self.out_dir = Path(cfg.job.out)
