@@ -87,7 +87,15 @@ def run(args: argparse.Namespace) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp  # noqa: F401  (installs the RaggedShard patches)
-    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, replay_collectives, state_bytes
+    from raggedfsdp.bench.measure import (
+        StepCounter,
+        host_all_gather,
+        host_all_reduce,
+        padding_bytes,
+        peak_memory,
+        replay_collectives,
+        state_bytes,
+    )
     from raggedfsdp.bench.registry import get_bench_model
     from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
@@ -133,15 +141,13 @@ def run(args: argparse.Namespace) -> dict | None:
         else:
             _progress(args, rank, f"warm-up {i + 1}/{args.warmup}")
     # slowest rank per step
-    t = torch.tensor([times[n] for n in tnames], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    c = torch.tensor([cpu[n] for n in tnames], dtype=torch.float64)
-    dist.all_reduce(c)
+    # (small host numbers are reduced on the process group's device: NCCL has no CPU backend)
+    t = host_all_reduce(torch.tensor([times[n] for n in tnames], dtype=torch.float64), device, dist.ReduceOp.MAX)
+    c = host_all_reduce(torch.tensor([cpu[n] for n in tnames], dtype=torch.float64), device)
     c /= ws  # mean over ranks
     timed.pop("local", None)  # frees the floor replica before the memory phase
     names = list(systems)
-    final = torch.stack([losses[n][-1].float() for n in names]).cpu()
-    dist.all_reduce(final)
+    final = host_all_reduce(torch.stack([losses[n][-1].float() for n in names]).cpu(), device)
     final /= ws
 
     counts, traces = {}, {}
@@ -187,9 +193,7 @@ def run(args: argparse.Namespace) -> dict | None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         mem.append([base, base + pm.peak_bytes, pf.peak_bytes, pb.peak_bytes])
-    mem_t = torch.tensor(mem, dtype=torch.float64)
-    gathered = [torch.zeros_like(mem_t) for _ in range(ws)]
-    dist.all_gather(gathered, mem_t)
+    gathered = host_all_gather(torch.tensor(mem, dtype=torch.float64), device)
     if args.profile:
         _profile(args, systems, batches[k + 2:], device, rank)
 

@@ -265,7 +265,7 @@ class MoEFeedForward(nn.Module):
         token = order // self.top_k  # (N*k,) source token of each sorted assignment
         ys = self.experts(xf.index_select(0, token), counts.tolist())  # (N*k, D), host sync
         ys = ys * weights.flatten().index_select(0, order).unsqueeze(-1).to(ys.dtype)
-        out = torch.zeros_like(xf).index_add_(0, token, ys)  # scatter-add back to token order
+        out = torch.zeros_like(xf).index_add_(0, token, ys.to(xf.dtype))  # back to token order (ys: bf16 under autocast)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xf)
         return out.view(B, T, D)

@@ -106,6 +106,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     shard_placement_fn: Any = None,
     unit: str = "layer",
+    experts_mesh: Any = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``backend``'s ``fully_shard``: each of ``model.layers``, then the root.
 
@@ -121,6 +122,13 @@ def apply_fsdp(
             ``None`` is the default layout. Raises ``ValueError`` with the ``"torch"`` backend.
         unit: ``"layer"`` (one unit per block) or ``"superblock"`` (hybrid models: one unit per
             super-block), see :func:`fsdp_unit_modules`.
+        experts_mesh: expert parallel (after :func:`apply_ep`): the 1-D mesh of the data-parallel ranks
+            that hold the same experts (torchtitan's ``dp_shard_mod_ep``, e.g. ``world["dp"]`` of a
+            ``("dp", "ep")`` mesh, while ``mesh`` is the whole ``dp x ep`` group, e.g.
+            ``world["dp", "ep"]._flatten()``). Each block's expert stacks then get their own FSDP unit
+            over ``experts_mesh`` (sharded again along the dp dim, ``Shard(0)`` on ``ep`` kept), with
+            the gradient divided by ``mesh.size()``: the backward all-to-all already summed the expert
+            gradients over the EP group. Every other parameter is sharded over ``mesh``.
 
     Returns:
         ``model`` (now an FSDP module; its parameters are DTensors).
@@ -138,10 +146,30 @@ def apply_fsdp(
         kw["shard_placement_fn"] = shard_placement_fn
     *units, _root = fsdp_unit_modules(model, unit)
     for _, modules in units:
+        if experts_mesh is not None:
+            _shard_experts(modules, experts_mesh, mesh.size(), backend, fully_shard,
+                           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
         target = modules[0] if len(modules) == 1 else modules
         fully_shard(target, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, **kw)
     return model
+
+
+def _shard_experts(modules, experts_mesh, world: int, backend: str, fully_shard, **kw) -> None:
+    """One ``fully_shard`` per expert-parallel ``FusedExperts`` in ``modules``, over ``experts_mesh``."""
+    from raggedfsdp.models.moe import FusedExperts
+
+    experts = [m for mod in modules for m in mod.modules() if isinstance(m, FusedExperts)]
+    for ex in experts:
+        if ex.ep_mesh is None:
+            raise ValueError(
+                "apply_fsdp: experts_mesh is given but the experts are not expert-parallel; call "
+                "apply_ep(model, mesh['ep']) first, or drop experts_mesh"
+            )
+        fully_shard(ex, mesh=experts_mesh, **kw)
+        ex.set_gradient_divide_factor(float(world))  # grads are already summed over EP by the all-to-all
+        if backend == "torch":
+            ex.set_force_sum_reduction_for_comms(True)  # SUM, then divide: no PREMUL_SUM (gloo lacks it)
 
 
 def apply_ep(model: nn.Module, mesh: Any) -> nn.Module:
@@ -194,4 +222,74 @@ def apply_ep(model: nn.Module, mesh: Any) -> nn.Module:
             dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             setattr(ex, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         ex.ep_mesh = mesh
+    return model
+
+
+def tp_plan_errors(cfg: Any, tp: int) -> list[str]:
+    """Why ``cfg`` cannot be split over ``tp`` tensor-parallel ranks (empty: it can). Pure, for checks
+    before launch: query and key/value heads, the SwiGLU width and the vocabulary must divide by ``tp``."""
+    errs = []
+    if tp < 1:
+        return [f"tp={tp} must be >= 1"]
+    for name in ("n_heads", "n_kv_heads", "hidden_dim", "vocab_size", "dim"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v % tp:
+            errs.append(f"{name}={v} is not divisible by tp={tp}")
+    return errs
+
+
+def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
+    """Tensor-parallel plan for ``raggedfsdp.models.Llama`` over the 1-D TP ``mesh``, in place (Megatron's
+    column/row split, as torchtitan's ``parallelize_llama`` without sequence parallel or loss parallel).
+
+    Per block: ``wq``/``wk``/``wv`` and the SwiGLU ``w1``/``w3`` are column-wise (``ColwiseParallel``:
+    weight ``Shard(0)``, each rank computes its heads / hidden units), ``wo`` and ``w2`` row-wise
+    (``RowwiseParallel``: weight ``Shard(1)``, one all-reduce of the block output); the attention then runs
+    on ``n_heads / tp`` local heads (``n_kv_heads / tp`` key/value heads). The embedding is row-wise over
+    the vocabulary (``Shard(0)``), the output projection column-wise with replicated logits, the final
+    norm a ``Replicate()`` DTensor; the block norms stay plain tensors. Call it before ``fully_shard``
+    (over the dp mesh: ``apply_fsdp(model, root["dp"])``) and before ``init_weights`` (which fills
+    DTensor shards with the single-device values). Every rank of ``mesh`` must call it.
+
+    Raises:
+        TypeError: ``mesh`` is not a 1-D ``DeviceMesh``.
+        ValueError: not a ``Llama`` (no ``layers`` of attention + feed-forward blocks), or heads, hidden
+            width or vocabulary not divisible by the TP size (see :func:`tp_plan_errors`).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise TypeError(f"apply_tp: mesh must be a 1-D DeviceMesh (e.g. root['tp']), got {mesh!r}")
+    cfg = getattr(model, "cfg", None)
+    layers = getattr(model, "layers", None)
+    if cfg is None or layers is None or not all(hasattr(b, "attention") and hasattr(b, "feed_forward")
+                                                for b in layers):
+        raise ValueError(f"apply_tp: {type(model).__name__} is not a raggedfsdp Llama (layers of attention + "
+                         "feed_forward blocks); write a parallelize_module plan for it")
+    tp = mesh.size()
+    errs = tp_plan_errors(cfg, tp)
+    if errs:
+        raise ValueError(f"apply_tp: cannot split {type(model).__name__} over tp={tp}: " + "; ".join(errs))
+    if tp == 1:
+        return model
+    for block in layers:
+        parallelize_module(block, mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh, plan)
+
+    def to_replicate(_mod, inputs, m):
+        return tuple(DTensor.from_local(x, m, [Replicate()], run_check=False) for x in inputs)
+
+    distribute_module(model.norm, mesh, input_fn=to_replicate, output_fn=lambda _mod, out, _m: out.to_local())
     return model
