@@ -28,8 +28,7 @@ from raggedfsdp.optim._quant import (
     tile_eligible,
     zero_code,
 )
-from raggedfsdp.optim._shards import local_flat, shard_info
-from raggedfsdp.placement.ragged_shard import RaggedShard
+from raggedfsdp.optim._shards import local_flat, shard_info, wrap_like
 
 _QUANT_KEYS = ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
 
@@ -116,23 +115,8 @@ class AdamW8bit(Optimizer):
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             codes = torch.full((n_local,), zero_code(signed), dtype=torch.uint8, device=info.local.device)
             scale = torch.zeros(units[info.rank] * ncb, dtype=torch.float32, device=info.local.device)
-            st[key + "_codes"] = self._wrap(p, codes, shape, None)
-            st[key + "_scale"] = self._wrap(p, scale, (sum(units), ncb), units)
-
-    @staticmethod
-    def _wrap(p: Tensor, local: Tensor, shape, units) -> Tensor:
-        """``local`` as a DTensor like ``p`` (``units``: a ``RaggedShard((0,), units)`` scale tensor)."""
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(p, DTensor):
-            return local.view(shape)
-        placements = tuple(
-            (RaggedShard((0,), units) if units is not None else pl) if isinstance(pl, RaggedShard) else pl
-            for pl in p.placements
-        )
-        shape = tuple(shape)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+            st[key + "_codes"] = wrap_like(p, codes, shape, None)
+            st[key + "_scale"] = wrap_like(p, scale, (sum(units), ncb), units)
 
     @torch.no_grad()
     def step(self, closure=None):
