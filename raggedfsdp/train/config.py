@@ -119,7 +119,8 @@ class OptimizerConfig:
     name: str = _f(
         "adamw",
         "adamw (torch.optim.AdamW) | muon (raggedfsdp.optim.Muon + AdamW for embeddings/head/norms) | "
-        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout); also picks the layout",
+        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout) | shampoo (raggedfsdp.optim.Shampoo, "
+        "128-row-band layout); also picks the layout",
         flag="--optim",
     )
     lr: float = _f(3e-3, "peak learning rate", flag="--lr")
@@ -258,7 +259,7 @@ class TrainConfig:
         if not 0.0 <= o.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         choices = {
-            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit")),
+            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit", "shampoo")),
             "optimizer.schedule": (o.schedule, ("cosine", "constant")),
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
