@@ -119,7 +119,8 @@ class OptimizerConfig:
     name: str = _f(
         "adamw",
         "adamw (torch.optim.AdamW) | muon (raggedfsdp.optim.Muon + AdamW for embeddings/head/norms) | "
-        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout); also picks the layout",
+        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout) | shampoo (raggedfsdp.optim.Shampoo, "
+        "128-row-band layout); also picks the layout",
         flag="--optim",
     )
     lr: float = _f(3e-3, "peak learning rate", flag="--lr")
@@ -245,7 +246,7 @@ class TrainConfig:
         if not 0.0 <= o.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         choices = {
-            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit")),
+            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit", "shampoo")),
             "optimizer.schedule": (o.schedule, ("cosine", "constant")),
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
@@ -330,8 +331,7 @@ class TrainConfig:
         too small for the held-out split; see :func:`raggedfsdp.train.data.check_data`). Returns the
         corpus size in bytes. Cheap: file sizes only (no tokenization).
         """
-        from raggedfsdp.train.data import check_data
-        from raggedfsdp.train.tokens import is_token_bin, token_bin_info
+        from raggedfsdp.train.data import check_data, is_token_bin, token_bin_info
 
         d = self.data
         if is_token_bin(d.path):
@@ -463,10 +463,12 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
 
 
 def load_config(
-    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
+    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None, *, validate: bool = True
 ) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` or the preset of that name (if any; see
-    :mod:`raggedfsdp.train.presets`), then ``overrides``; validated (no world size)."""
+    :mod:`raggedfsdp.train.presets`), then ``overrides``; validated (no world size) unless
+    ``validate=False`` (the launcher and the worker validate once, for the world size, in
+    ``train.run_dir.prepare``)."""
     if path:
         from raggedfsdp.train.presets import PRESETS, trainable_config
 
@@ -487,7 +489,8 @@ def load_config(
     else:
         cfg = TrainConfig()
     apply_overrides(cfg, overrides or {})
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg
 
 
