@@ -149,6 +149,15 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    ep: int = _f(
+        1,
+        "expert-parallel size (moe): each MoE layer's routed experts split over this many ranks, tokens "
+        "exchanged by all-to-all, experts FSDP-sharded over world/ep ranks; implies --model.experts fused",
+    )
+
+
+@dataclass(kw_only=True)
 class MetricsConfig:
     log_every: int = _f(
         25, "print and record metrics every N steps (and at the last step)", flag="--log-every"
@@ -201,6 +210,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -212,7 +222,10 @@ class TrainConfig:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
                 "experts", "n_experts", "top_k", "aux_loss_coef", "vocab_size")
-        return {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+        out = {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+        if self.parallel.ep > 1 and self.model.experts is None:
+            out["experts"] = "fused"  # expert parallelism splits fused (X, D, F) stacks (same numbers)
+        return out
 
     def validate(self, world_size: int | None = None) -> None:
         """Cross-field checks; with ``world_size`` also the batch split. Raises ``ValueError``."""
@@ -310,6 +323,34 @@ class TrainConfig:
                 f"model.name={self.model.name!r} has plain layers: use --fsdp.unit layer or "
                 "--model.name hybrid"
             )
+        ep = self.parallel.ep
+        if ep < 1:
+            raise ValueError(f"parallel.ep must be >= 1, got {ep}")
+        if ep > 1:
+            if self.model.name != "moe":
+                raise ValueError(
+                    f"parallel.ep={ep} needs a MoE model (--model.name moe), got {self.model.name!r}"
+                )
+            if mcfg.experts != "fused":
+                raise ValueError(
+                    f"parallel.ep={ep} splits fused expert stacks; drop --model.experts {mcfg.experts} "
+                    "(or give --model.experts fused)"
+                )
+            if mcfg.n_experts % ep:
+                raise ValueError(
+                    f"parallel.ep={ep} must divide the {mcfg.n_experts} experts per layer "
+                    f"(--model.n_experts); use one of "
+                    f"{[d for d in range(1, mcfg.n_experts + 1) if mcfg.n_experts % d == 0]}"
+                )
+            if world_size is not None and world_size % ep:
+                raise ValueError(
+                    f"parallel.ep={ep} must divide the number of ranks ({world_size}, --nproc): the world is "
+                    f"(nproc/ep) x ep; use --nproc {ep * max(1, world_size // ep)}"
+                )
+            if self.model.init_device == "meta":
+                raise ValueError(
+                    f"parallel.ep={ep}: use --model.init_device cpu (meta init with EP is not supported yet)"
+                )
         if t.seq_len > mcfg.max_seq_len:
             raise ValueError(
                 f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={mcfg.max_seq_len} "

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
+from raggedfsdp.models import apply_ep, apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
@@ -46,9 +46,9 @@ from raggedfsdp.train.guard import (
     signal_name,
 )
 from raggedfsdp.train.lr_schedule import lr_at
-from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
+from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,16 @@ class Trainer:
 
         # Model + FSDP.
         self.model_cfg = build_model_config(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
-        mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",))
+        ep = cfg.parallel.ep
+        ep_kw: dict[str, Any] = {}
+        if ep > 1:  # (dp, ep): experts over "ep", their FSDP over "dp", everything else over both
+            world_mesh = init_device_mesh(
+                device.type, (self.world_size // ep, ep), mesh_dim_names=("dp", "ep")
+            )
+            mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
+            ep_kw["experts_mesh"] = world_mesh["dp"]
+        else:
+            mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",))
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -133,6 +142,7 @@ class Trainer:
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
             unit=cfg.fsdp.unit,
+            **ep_kw,
         )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
@@ -144,6 +154,8 @@ class Trainer:
             model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             model.init_weights(cfg.job.seed)
             model.to(device)
+            if ep > 1:
+                apply_ep(model, world_mesh["ep"])
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.checkpoint.hf import load_hf_weights
