@@ -52,9 +52,9 @@ from raggedfsdp.train.guard import (
     signal_name,
 )
 from raggedfsdp.train.lr_schedule import lr_at
-from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
+from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -404,8 +404,8 @@ class Trainer:
                 group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dev = self.device
-        return torch.tensor(stats.loss, device=dev), torch.tensor(stats.grad_norm, device=dev), lr
+        dev = self.device  # fill kernels, not host-to-device copies: the host need not wait for the step
+        return torch.full((), stats.loss, device=dev), torch.full((), stats.grad_norm, device=dev), lr
 
     @torch.no_grad()
     def evaluate(self) -> float:
