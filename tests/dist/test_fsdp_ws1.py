@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 
 import torch
-
 from _memory import MemNet, backends, builder, loss_fn, run_fake_rank
 
 D, N = 64, 3
