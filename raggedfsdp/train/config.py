@@ -150,12 +150,19 @@ class FSDPConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel degree: attention heads and SwiGLU split column/row-wise (llama only)")
+    dp_replicate: int = _f(
+        1, "HSDP replicas: the dp ranks are dp_replicate x dp_shard (dp_shard = nproc / (dp_replicate * tp))"
+    )
+
+    def dp_shard(self, world_size: int) -> int:
+        return world_size // (self.tp * self.dp_replicate)
+
     ep: int = _f(
         1,
         "expert-parallel size (moe): each MoE layer's routed experts split over this many ranks, tokens "
         "exchanged by all-to-all, experts FSDP-sharded over world/ep ranks; implies --model.experts fused",
     )
-
 
 @dataclass(kw_only=True)
 class MetricsConfig:
@@ -356,7 +363,30 @@ class TrainConfig:
                 f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={mcfg.max_seq_len} "
                 f"(flavor {self.model.flavor!r})"
             )
+        par = self.parallel
+        if par.tp < 1 or par.dp_replicate < 1:
+            raise ValueError(f"parallel.tp={par.tp} and parallel.dp_replicate={par.dp_replicate} must be >= 1")
+        if par.ep > 1 and (par.tp > 1 or par.dp_replicate > 1):
+            raise ValueError(
+                f"parallel.ep={par.ep} with parallel.tp={par.tp} / parallel.dp_replicate={par.dp_replicate}: "
+                "combining expert parallel with TP or HSDP in the job is not supported yet; use one of them"
+            )
+        if world_size is not None and world_size % (par.tp * par.dp_replicate):
+            raise ValueError(
+                f"parallel.dp_replicate * parallel.tp = {par.dp_replicate} * {par.tp} does not divide "
+                f"--nproc {world_size}: the mesh is dp_replicate x dp_shard x tp = nproc ranks"
+            )
+        if par.tp > 1:
+            from raggedfsdp.models.parallelize import tp_plan_errors
+
+            if self.model.name != "llama":
+                raise ValueError(f"parallel.tp={par.tp} has a TP plan for model.name='llama' only, "
+                                 f"got {self.model.name!r}; use --parallel.tp 1")
+            errs = tp_plan_errors(mcfg, par.tp)
+            if errs:
+                raise ValueError(f"parallel.tp={par.tp}: " + "; ".join(errs) + " (pick a tp that divides them)")
         if world_size is not None:
+            world_size //= par.tp  # data-parallel ranks: the tp ranks of a group share one batch
             denom = world_size * t.grad_accum
             if t.global_batch_size % denom != 0:
                 raise ValueError(
