@@ -3,7 +3,8 @@
 * :class:`Muon` -- distributed Muon: one Newton-Schulz per matrix per step on one owner rank.
 * :class:`AdamW8bit` -- block-wise 8-bit AdamW with per-tile scales local to each rank.
 * :func:`muon_param_groups` -- matrices to Muon, the rest to AdamW.
-* :mod:`raggedfsdp.optim.reference` -- single-device reference implementations (test oracles).
+* :mod:`raggedfsdp.optim.reference` -- single-device reference implementations (test oracles);
+  the kernels they share with the distributed optimizers live in ``_newton_schulz`` and ``_quant``.
 """
 
 from raggedfsdp.optim.adamw8bit import AdamW8bit, tile_placement_fn

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raggedfsdp.optim.reference import ns_cost
+from raggedfsdp.optim._newton_schulz import ns_cost
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from raggedfsdp.optim._muon_plan import Matrix, assign_owners, split_matrices
-from raggedfsdp.optim._shards import ShardInfo, local_flat, shard_info
-from raggedfsdp.optim.reference import (
+from raggedfsdp.optim._newton_schulz import (
     ADJUST_LR_FNS,
     NS_COEFFICIENTS,
     NS_EPS,
@@ -39,6 +38,7 @@ from raggedfsdp.optim.reference import (
     newton_schulz,
     ns_flops,
 )
+from raggedfsdp.optim._shards import ShardInfo, local_flat, shard_info
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -53,7 +53,7 @@ class Muon(Optimizer):
         lr: learning rate (float), adjusted per matrix by ``adjust_lr_fn``.
         weight_decay: decoupled, ``p *= 1 - lr * weight_decay`` (unadjusted lr, as torch).
         momentum, nesterov: ``buf.lerp_(g, 1 - momentum)``; update ``g.lerp(buf, momentum)`` if nesterov.
-        ns_coefficients, eps, ns_steps: the quintic Newton-Schulz (``reference.newton_schulz``).
+        ns_coefficients, eps, ns_steps: the quintic Newton-Schulz (``_newton_schulz.newton_schulz``).
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or ``"match_rms_adamw"``.
         ns_dtype: keyword-only, dtype of Newton-Schulz and of the exchanged pieces (torch: bfloat16).
         balance_slack: keyword-only. A matrix whole on one rank is orthogonalised there with no

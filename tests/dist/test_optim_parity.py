@@ -87,7 +87,8 @@ def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
 
     from raggedfsdp import RaggedShard
     from raggedfsdp.optim import AdamW8bit
-    from raggedfsdp.optim.reference import adamw8bit_reference_step, tile_eligible
+    from raggedfsdp.optim._quant import tile_eligible
+    from raggedfsdp.optim.reference import adamw8bit_reference_step
 
     nshard = mesh.size(mesh.ndim - 1)
     g = torch.Generator().manual_seed(seed)
