@@ -8,6 +8,7 @@ import torch
 
 from raggedfsdp.fsdp._agreement import Agreement
 from raggedfsdp.fsdp._common import RuntimeOptions
+from raggedfsdp.buffer.streams import new_stream
 from raggedfsdp.fsdp._reduce import ReduceQueue
 
 
@@ -33,10 +34,10 @@ class CommContext:
         self.reduces = ReduceQueue(agreement=self.agreement, options=self.options)
         self.pre_forward_order: list = []
         self.prev_pre_forward_order: list = []
-        if device is not None and device.type == "cuda":
-            self.ag_stream = torch.cuda.Stream(device=device, priority=-1)
-            self.reduces.rs_stream = torch.cuda.Stream(device=device, priority=-1)
-            self.reduces.ar_stream = torch.cuda.Stream(device=device)
+        # CUDA streams; None on CPU, unless a test's stream model makes tokens (Note [fake streams])
+        self.ag_stream = new_stream(device, priority=-1)
+        self.reduces.rs_stream = new_stream(device, priority=-1)
+        self.reduces.ar_stream = new_stream(device)
 
     def reset(self) -> None:
         """reset_iter_state: drop every reduction and the agreement state. Local (waits issued work)."""

@@ -192,7 +192,7 @@ class UnitGrads:
 
             folded = []
             for fp in stray:
-                folded.append((self.group._index[id(fp)], fp.unsharded.grad))
+                folded.append((self.group._index[id(fp)], fp.local_grad(fp.unsharded.grad)))
                 fp.unsharded.grad = None
                 fp.got_grad = True
             with labelled(f"raggedfsdp::fold_grads ({self.group.unit_name})"):

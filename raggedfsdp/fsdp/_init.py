@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.placement._redistribute import has_ragged, local_piece_of_full
 
 
 def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
@@ -43,7 +44,8 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 continue
             fqn = f"{prefix}{name}"
             prev = getattr(p, "_raggedfsdp_owner", None)  # "Unit:fqn", set by the fully_shard that took it
-            if isinstance(p, DTensor) or prev is not None:
+            # a DTensor without RaggedShard is a TP/EP parameter: sharded again over the dp mesh (Note [FSDP x TP])
+            if prev is not None or (isinstance(p, DTensor) and has_ragged(p.placements)):
                 here = type(modules[0]).__name__
                 if prev is None:
                     prev = _owner_of(p, modules)
@@ -90,9 +92,13 @@ def _make_load_pre_hook(unit_module: nn.Module, group: FSDPParamGroup):
             fp = group.fsdp_params[i]
             for k in ks:
                 v = state_dict.get(prefix + k)
-                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == fp.shape:
-                    a, b = group.layout.piece(i, group.shard_rank)
-                    local = v.detach().reshape(-1)[a:b].to(device=group.storage_device, dtype=fp.dtype)
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == fp.global_shape:
+                    if fp.tp_spec is None:
+                        a, b = group.layout.piece(i, group.shard_rank)
+                        local = v.detach().reshape(-1)[a:b]
+                    else:  # the ragged piece of this rank's TP-local block
+                        local = local_piece_of_full(v.detach(), fp.spec.mesh, fp.spec.placements)
+                    local = local.to(device=group.storage_device, dtype=fp.dtype)
                     state_dict[prefix + k] = DTensor(local, fp.spec, requires_grad=False)
 
     return hook
@@ -139,10 +145,15 @@ def _granularity_fn(shard_placement_fn):
     """Map ``shard_placement_fn(param)`` to a block size in elements (``None``: default row blocks)."""
     from torch.distributed.tensor import Shard
 
-    from raggedfsdp.planner.policy import BlockSpec, granularity_for
+    from raggedfsdp.planner.policy import BlockSpec, granularity_for, granularity_for_local
 
     def fn(p: nn.Parameter, fqn: str = ""):
         r = shard_placement_fn(p) if shard_placement_fn is not None else None
+        if isinstance(p, DTensor):  # TP/EP: blocks of the global shape, seen in the TP-local tensor
+            if isinstance(r, Shard) and r.dim == 0:
+                r = None
+            if r is None or isinstance(r, (str, tuple, BlockSpec)):
+                return granularity_for_local(p.shape, p._local_tensor.shape, r, name=fqn)[0]
         if r is None:
             return granularity_for(p.shape, None, name=fqn)[0]
         if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):

@@ -38,6 +38,7 @@ from raggedfsdp.buffer.streams import current_stream
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
 from raggedfsdp.fsdp._grads import UnitGrads
+from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
@@ -115,17 +116,19 @@ class FSDPParamGroup:
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp needs "
                     "at least one dim: store it with shape (1,)"
                 )
+            tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
+            shape = local_tensor(p).shape
             g = granularity_fn(p, fqn) if granularity_fn is not None else None
-            g = granularity_for(p.shape, None, name=fqn)[0] if g is None else int(g)
-            if p.numel() == 0:
+            g = granularity_for(shape, None, name=fqn)[0] if g is None else int(g)
+            if shape.numel() == 0:
                 g = 1
-            if g < 1 or p.numel() % g != 0:
+            if g < 1 or shape.numel() % g != 0:
                 raise ValueError(
-                    f"fully_shard: granularity {g} elements for parameter {fqn!r} of shape {tuple(p.shape)} must "
-                    f"be >= 1 and divide its numel {p.numel()}"
+                    f"fully_shard: granularity {g} elements for parameter {fqn!r} of (TP-local) shape {tuple(shape)} "
+                    f"must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
-                FSDPParam(fqn, owners, p.shape, p.dtype, p.requires_grad, g, ragged_dims(p.shape, g))
+                FSDPParam(fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec)
             )
         elsizes = {torch.empty((), dtype=d).element_size() for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}}
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
@@ -232,7 +235,8 @@ class FSDPParamGroup:
     def _placements(self, fp: FSDPParam, i: int):
         units = (1,) + (0,) * (self.shard_world - 1) if fp.shape.numel() == 0 else self.layout.local_units(i)
         ragged = RaggedShard(fp.dims, units)
-        return (Replicate(), ragged) if self.is_hsdp else (ragged,)
+        fsdp = (Replicate(), ragged) if self.is_hsdp else (ragged,)
+        return fsdp + (tuple(fp.tp_spec.placements) if fp.tp_spec is not None else ())
 
     def _init_sharded(self, params) -> None:
         on_meta = self.device.type == "meta"
@@ -241,9 +245,11 @@ class FSDPParamGroup:
                 local = self.bufs.sharded.local_view(i)
                 if not on_meta and p.device.type != "meta":
                     a, b = self.layout.piece(i, self.shard_rank)
-                    local.copy_(p.detach().reshape(-1)[a:b])
-                fp.spec = DTensorSpec(self.mesh, self._placements(fp, i),
-                                      tensor_meta=TensorMeta(fp.shape, contiguous_stride(fp.shape), fp.dtype))
+                    local.copy_(local_tensor(p).detach().reshape(-1)[a:b])
+                mesh = self.mesh if fp.tp_spec is None else spmd_mesh(self.mesh, fp.tp_spec.mesh)
+                gshape = fp.global_shape
+                fp.spec = DTensorSpec(mesh, self._placements(fp, i),
+                                      tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype))
                 fp.sharded = nn.Parameter(DTensor(local, fp.spec, requires_grad=fp.requires_grad),
                                           requires_grad=fp.requires_grad)
                 fp.set_on_owners(fp.sharded)
@@ -266,8 +272,9 @@ class FSDPParamGroup:
         self.bufs.params.alloc()
         grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
-            fp.unsharded = nn.Parameter(self.bufs.params.tensor_view(i), requires_grad=fp.requires_grad)
-            fp.grad_view = grads.tensor_view(i)  # for every param: requires_grad may change later
+            fp.unsharded = nn.Parameter(fp.wrap_unsharded(self.bufs.params.tensor_view(i)),
+                                        requires_grad=fp.requires_grad)
+            fp.grad_view = fp.wrap_unsharded(grads.tensor_view(i))  # for every param: requires_grad may change
             fp.hooked = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
