@@ -99,7 +99,7 @@ class _LiveGradBuffers:
 
 def _bounded_memory(rank, ws, mesh):
     import raggedfsdp
-    from raggedfsdp.fsdp import set_runtime_options
+    from raggedfsdp.fsdp import _reduce, set_runtime_options
 
     n_layers = 6
     data = batches(2, 2 * ws)
