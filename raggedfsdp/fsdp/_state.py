@@ -130,7 +130,6 @@ class FSDPState:
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
-        root = self.root
         in_bw = _in_backward()
         if self.is_root and not in_bw:
             self._begin_iteration()
