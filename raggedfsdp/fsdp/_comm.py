@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from raggedfsdp.buffer.streams import new_stream
 from raggedfsdp.fsdp._agreement import Agreement
 from raggedfsdp.fsdp._common import RuntimeOptions
-from raggedfsdp.buffer.streams import new_stream
 from raggedfsdp.fsdp._reduce import ReduceQueue
 
 

@@ -106,6 +106,21 @@ class CollectiveMismatchError(RuntimeError):
     collectives of different units paired up (Note [unit agreement] in ``_agreement.py``)."""
 
 
+class FSDPValueError(ValueError, AssertionError):
+    """A ``ValueError`` for a misuse that torch's ``fully_shard`` refuses with ``AssertionError`` (a 2-D
+    mesh without dim names, ``fully_shard`` twice on one module): ``except`` clauses and tests written
+    for either library catch it."""
+
+
+class FSDPTypeError(TypeError, ValueError):
+    """A ``TypeError`` for an argument of the wrong type that torch's ``fully_shard`` refuses with
+    ``ValueError`` (``reshard_after_forward="yes"``, a bad ``shard_placement_fn`` result)."""
+
+
+class FSDPDeepcopyError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module (torch raises ``AssertionError``)."""
+
+
 class InvariantError(RuntimeError):
     """A broken internal invariant of the FSDP runtime (a bug, never a user error)."""
 

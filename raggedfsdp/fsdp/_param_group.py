@@ -118,6 +118,13 @@ class FSDPParamGroup:
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
+            if not local_tensor(p).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
+                raise NotImplementedError(
+                    f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
+                    f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
+                    "fully_shard, so it would come back contiguous: make it contiguous first (e.g. "
+                    "module.to(memory_format=torch.contiguous_format)) and use channels_last activations"
+                )
             g = granularity_fn(p, fqn) if granularity_fn is not None else None
             g = granularity_for(shape, None, name=fqn)[0] if g is None else int(g)
             if shape.numel() == 0:
@@ -152,6 +159,7 @@ class FSDPParamGroup:
         for fp in self.fsdp_params:
             fp.sharded._raggedfsdp_unit = weakref.ref(self)
         self.unit_id, self.unit_name = -1, "?"  # index and FQN under the root (set at the root's lazy init)
+        self._meta_fqns: list[str] = []  # params left on meta by a partial assign-load
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
         # runtime state (the gradient side's is on self.grads)
@@ -288,9 +296,26 @@ class FSDPParamGroup:
         fp.hooked = True
 
     def reset_sharded_storage(self) -> None:
-        """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
-        first = self.fsdp_params[0].sharded if self.fsdp_params else None
-        device = first._local_tensor.device if first is not None else self.device
+        """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``,
+        ``double()``, ``half()``) or after ``load_state_dict(assign=True)`` replaced them (torch FSDP2:
+        ``FSDPParam.reset_sharded_param``). The registered DTensors' local tensors are the source: their
+        values are copied into the new buffer, which takes their device and dtype (a dtype change also
+        changes ``param_dtype`` / ``reduce_dtype`` where ``mp_policy`` leaves them unset; the layout is
+        kept). Raises ``ValueError`` if the unit's params no longer share one dtype or device. Local."""
+        locals_ = [fp.sharded._local_tensor for fp in self.fsdp_params]
+        real = [t for t in locals_ if t.device.type != "meta"]
+        dtypes = {t.dtype for t in locals_}
+        devices = {t.device for t in real}
+        if len(dtypes) > 1 or len(devices) > 1:
+            names = ", ".join(f"{fp.fqn}:{t.dtype}@{t.device}" for fp, t in zip(self.fsdp_params, locals_))
+            raise ValueError(
+                f"raggedfsdp: the parameters of FSDP unit {self.unit_name!r} must share one dtype and device (one flat "
+                f"buffer), got {names}; convert the whole fully_shard'ed module (module.to(...)) or load a state "
+                "dict of one dtype"
+            )
+        device = next(iter(devices)) if devices else (locals_[0].device if locals_ else self.device)
+        if dtypes and (dt := next(iter(dtypes))) != self.orig_dtype:
+            self._set_orig_dtype(dt)
         if self.offload and device.type != "meta":
             storage = torch.device("cpu")
             if self.device.type == "meta":
@@ -303,12 +328,14 @@ class FSDPParamGroup:
         with torch.no_grad():
             if self.device.type != "meta":
                 new.sharded.data.zero_()
-            for i, fp in enumerate(self.fsdp_params):
+            for i, (fp, old) in enumerate(zip(self.fsdp_params, locals_)):
                 local = new.sharded.local_view(i)
-                old = fp.sharded._local_tensor
                 if self.device.type != "meta" and old.device.type != "meta":
                     local.copy_(old.reshape(-1))
                 fp.sharded._local_tensor = local
+                fp.spec = fp.sharded._spec
+        # still on meta after a partial load (strict=False): forward names them (torch: lazy-init check)
+        self._meta_fqns = [fp.fqn for fp, t in zip(self.fsdp_params, locals_) if t.device.type == "meta"]
         self.bufs = new
         self._set_grad_members_of_bufs()
         self._gathered_version = -1
@@ -318,6 +345,58 @@ class FSDPParamGroup:
         fps = self.grads.grad_fps
         if len(fps) < len(self.fsdp_params) and fps:
             self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in fps))
+
+    def _set_orig_dtype(self, dtype: torch.dtype) -> None:
+        """``module.to(dtype)`` after ``fully_shard``: the master copy changes dtype (as in FSDP2, where the
+        sharded params simply are the converted tensors); unset ``param_dtype`` / ``reduce_dtype`` follow."""
+        mp = self.mp_policy
+        self.orig_dtype = dtype
+        self.param_dtype = mp.param_dtype or dtype
+        self.reduce_dtype = mp.reduce_dtype or (dtype if torch_minor() >= (2, 15) else self.param_dtype)
+        if not dtype.is_floating_point:
+            self.param_dtype = self.reduce_dtype = dtype
+        for fp in self.fsdp_params:
+            fp.dtype = dtype
+
+    def set_root_fqns(self, module_names: dict[int, str]) -> None:
+        """At the root's lazy init: name each param by its FQN under the root (``0.in_proj.weight``), as
+        torch's ``_init_fqns`` does, so later errors name what ``root.named_parameters()`` shows. Local."""
+        for fp in self.fsdp_params:
+            mod, attr = fp.owners[0]
+            base = module_names.get(id(mod))
+            if base is not None:
+                fp.fqn = f"{base}.{attr}" if base else attr
+
+    def adopt_registered_params(self) -> None:
+        """``load_state_dict(..., assign=True)`` registered new DTensors in place of the sharded params:
+        make them the unit's sharded params, backed by its flat buffer (their values copied in; from the
+        meta device, the buffer is allocated on theirs). Torch FSDP2 does the same in a load post-hook
+        (``FSDPParam.reset_sharded_param``). Raises ``ValueError`` for a replacement that is not a DTensor
+        of the parameter's shape, mesh and placements. Local."""
+        changed = False
+        for fp in self.fsdp_params:
+            mod, name = fp.owners[0]
+            new = mod._parameters.get(name)
+            if new is None or new is fp.sharded:
+                continue
+            if (not isinstance(new, DTensor) or new.shape != fp.sharded.shape or new.device_mesh != fp.spec.mesh
+                    or tuple(new.placements) != tuple(fp.spec.placements)):
+                what = (f"a DTensor with placements {tuple(new.placements)}" if isinstance(new, DTensor)
+                        else f"a {type(new).__name__} of shape {tuple(new.shape)}")
+                raise ValueError(
+                    f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
+                    f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); load a full "
+                    "tensor or a DTensor with the parameter's own mesh and placements (e.g. "
+                    "distribute_tensor(full, p.device_mesh, p.placements) or DCP)"
+                )
+            for attr in ("_raggedfsdp_owner", "_raggedfsdp_unit"):
+                if hasattr(fp.sharded, attr):
+                    setattr(new, attr, getattr(fp.sharded, attr))
+            fp.sharded = new
+            fp.set_on_owners(new)  # every owner of a tied parameter
+            changed = True
+        if changed:
+            self.reset_sharded_storage()
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def mark_master_changed(self) -> None:
@@ -339,8 +418,8 @@ class FSDPParamGroup:
         the sharded buffer is unmodified (see the module docstring)."""
         if self.param_state is not ParamState.SHARDED or self._gather_is_current():
             return
-        if self.bufs.sharded.data.device.type == "meta":
-            names = [fp.fqn for fp in self.fsdp_params]
+        if self.bufs.sharded.data.device.type == "meta" or self._meta_fqns:
+            names = self._meta_fqns or [fp.fqn for fp in self.fsdp_params]
             raise RuntimeError(
                 f"raggedfsdp: parameters {names} are still on the meta device; after fully_shard call "
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -106,22 +106,34 @@ class FSDPState:
                 st = getattr(sub, "_raggedfsdp_state", None)
                 if st is not None and id(st) not in names:
                     names[id(st)] = name or type(sub).__name__
+        modnames: dict[int, str] = {}
+        for module in self.modules:
+            for name, sub in module.named_modules(remove_duplicate=False):
+                modnames.setdefault(id(sub), name)
         for i, st in enumerate(seen):
             st.comm = comm
             if st.group is not None:
+                st.group.set_root_fqns(modnames)
                 st.group.comm = comm
                 st.group.unit_id, st.group.unit_name = i, names.get(id(st), "?")
                 comm.agreement.units.append(st.group)
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
+    def _compute_device(self) -> torch.device | None:
+        """The device of this root's units (the first unit with parameters), ``None`` if it has none."""
+        for st in self.root.all_states if self.root is not None else (self,):
+            if st.group is not None:
+                return st.group.device
+        return None
+
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
-        root = self.root
         in_bw = _in_backward()
         if self.is_root and not in_bw:
             self._begin_iteration()
+            args, kwargs = _inputs_to_device(args, kwargs, self._compute_device())
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
@@ -283,3 +295,13 @@ class FSDPState:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device | None) -> tuple[tuple, dict]:
+    """Root pre-forward: tensor inputs on another device are moved to the units' accelerator device, as
+    FSDP2's ``_root_pre_forward`` (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``, ``_to_kwargs``)
+    does. Nothing moves for a CPU (or unknown) compute device. Local."""
+    if device is None or device.type == "cpu":
+        return args, kwargs
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t,
+                    (args, kwargs))

@@ -95,3 +95,18 @@ def matrices_of(shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
         f"Muon handles 2-D matrices and 3-D expert stacks (E, d, h), got a parameter of shape {tuple(shape)}; "
         "put it in an AdamW group (raggedfsdp.optim.muon_param_groups does this)"
     )
+
+
+_COMPILED: list = []
+
+
+def compiled_newton_schulz():
+    """:func:`newton_schulz` through ``torch.compile`` (built once per process, lazily; recompiles per shape).
+
+    Same mathematics; inductor may fuse the normalisation and the element-wise steps, so results can
+    differ from eager in the last bits (``Muon(compile_ns=True)`` is therefore off by default and not
+    covered by the bitwise parity tests).
+    """
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(newton_schulz, dynamic=False))
+    return _COMPILED[0]
