@@ -17,6 +17,12 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="MoE expert storage (default: the flavor's, 'separate' for moe-small)")
     p.add_argument("--n-experts", dest="n_experts", type=int, default=None, help="MoE: routed experts per block")
     p.add_argument("--top-k", dest="top_k", type=int, default=None, help="MoE: experts per token")
+    p.add_argument("--ep", type=int, default=1,
+                   help="MoE: expert-parallel size (experts split over N ranks, all-to-all dispatch, experts "
+                        "FSDP-sharded over nproc/N, the rest over nproc; both systems; implies --experts fused)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="dense: tensor-parallel degree; both systems get the same TP plan (models.apply_tp) and "
+                        "shard over the dp = nproc/tp ranks (default: 1)")
     p.add_argument("--wrap", default=None, help="FSDP wrapping policy of the model family (default: its first, 'layer')")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per system (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first (default: 2)")
@@ -54,6 +60,27 @@ def validate(args) -> None:
         raise ValueError(f"--wrap {args.wrap!r} is not a policy of model {args.model!r}; choose one of {sorted(spec.wraps)}")
     if args.model != "moe" and (args.experts or args.n_experts or args.top_k):
         raise ValueError(f"--experts/--n-experts/--top-k apply to --model moe only, not {args.model!r}")
+    if args.ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {args.ep}")
+    if args.ep > 1:
+        if args.model != "moe":
+            raise ValueError(f"--ep {args.ep} applies to --model moe only, not {args.model!r}")
+        if args.experts == "separate":
+            raise ValueError(f"--ep {args.ep} splits fused expert stacks; drop --experts separate")
+        if args.nproc % args.ep:
+            raise ValueError(f"--ep {args.ep} must divide --nproc {args.nproc} (the world is (nproc/ep) x ep)")
+        if args.wrap not in (None, "layer"):
+            raise ValueError(f"--ep {args.ep} needs --wrap layer (experts get their own unit per block)")
+        args.experts = "fused"
+        args.floor = False  # the collective replay runs on the whole group: not the EP sub-groups
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1:
+        if args.model != "dense" or args.ep > 1:
+            raise ValueError(f"--tp {args.tp} applies to --model dense (a llama) without --ep")
+        if args.nproc % args.tp:
+            raise ValueError(f"--tp {args.tp} must divide --nproc {args.nproc} (the mesh is (nproc/tp) x tp)")
+        args.floor = False  # the collective replay runs on the whole group, not the dp sub-groups
     if args.device == "cuda":
         import torch
 
@@ -63,6 +90,13 @@ def validate(args) -> None:
             raise ValueError(f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
     args.flavor = args.flavor or spec.default_flavor
     spec.build(argparse.Namespace(**{**vars(args), "flavor": args.flavor}))  # bad flavor/shape: error here
+    if args.tp > 1:
+        from raggedfsdp.models.parallelize import tp_plan_errors
+
+        model = spec.build(argparse.Namespace(**{**vars(args), "flavor": args.flavor}))
+        errs = tp_plan_errors(model.cfg, args.tp)
+        if errs:
+            raise ValueError(f"--tp {args.tp}: " + "; ".join(errs))
 
 
 def worker_argv(args) -> list[str]:

@@ -67,12 +67,19 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(args, spec, backend, mesh, device):
-    from raggedfsdp.models import make_mp_policy
+def _build(args, spec, backend, mesh, device, world=None):
+    from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, make_mp_policy
 
     model = spec.build(args).to(device)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    spec.wraps[args.wrap](model, mesh, backend, mp)
+    if world is not None and "tp" in world.mesh_dim_names:  # --tp: the same TP plan, FSDP over "dp"
+        apply_tp(model, world["tp"])
+        spec.wraps[args.wrap](model, mesh, backend, mp)
+    elif world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
+        apply_ep(model, world["ep"])
+        apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"])
+    else:
+        spec.wraps[args.wrap](model, mesh, backend, mp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.foreach)
     return model, opt
 
@@ -104,15 +111,24 @@ def run(args: argparse.Namespace) -> dict | None:
     spec = get_bench_model(args.model)
     args.flavor = args.flavor or spec.default_flavor
     args.wrap = args.wrap or next(iter(spec.wraps))
-    mesh = init_device_mesh(device.type, (ws,))
-    systems = {name: _build(args, spec, backend, mesh, device) for name, backend in SYSTEMS.items()}
+    ep = getattr(args, "ep", 1)
+    world = None
+    if ep > 1:
+        world = init_device_mesh(device.type, (ws // ep, ep), mesh_dim_names=("dp", "ep"))
+        mesh = world["dp", "ep"]._flatten("dp_ep")
+    elif getattr(args, "tp", 1) > 1:
+        world = init_device_mesh(device.type, (ws // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        mesh = world["dp"]
+    else:
+        mesh = init_device_mesh(device.type, (ws,))
+    systems = {name: _build(args, spec, backend, mesh, device, world) for name, backend in SYSTEMS.items()}
     timed = dict(systems)
     if args.floor:  # the same model, no FSDP, no communication: the floor of the step time
         floor_model = spec.build(args).to(device)
         if args.param_dtype == "bf16":
             floor_model = floor_model.to(torch.bfloat16)  # compute in the all-gathered dtype, like the others
         timed["local"] = (floor_model, torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach))
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank // getattr(args, "tp", 1))  # a tp group: one batch
     batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
                for _ in range(args.warmup + args.steps + 2 + args.profile_steps)]
     tnames = list(timed)  # raggedfsdp, torch (, local)
@@ -160,7 +176,8 @@ def run(args: argparse.Namespace) -> dict | None:
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
-        counts[n] = dict(copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
+        counts[n] = dict(all_to_all_bytes=sum(b for op, b in sc.bytes.items() if "alltoall" in op),
+                         copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
                          backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
                          collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
                          host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
@@ -232,7 +249,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                        for n in names},
         )
     return dict(**floor,
-        model=args.model, flavor=args.flavor, wrap=args.wrap,
+        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep, tp=getattr(args, "tp", 1),
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
@@ -345,7 +362,8 @@ def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
     lines = [
-        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} params={r['num_params']:,} | "
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} tp={r.get('tp', 1)} "
+        f"params={r['num_params']:,} | "
         f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
         f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
         f"{r['steps']} alternated steps after {r['warmup']} warm-up",
@@ -360,6 +378,8 @@ def format_report(r: dict) -> str:
         f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",
         f"{'collectives / step':22s}{a['collectives']:16d}{b['collectives']:16d}",
         f"{'collective bytes/step':22s}{a['collective_bytes']:16,d}{b['collective_bytes']:16,d}",
+        (f"{'  of it all-to-all':22s}{a.get('all_to_all_bytes', 0):16,d}{b.get('all_to_all_bytes', 0):16,d}"
+         "   (EP token dispatch + combine, fwd + bwd)"),
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",
