@@ -18,6 +18,7 @@ from raggedfsdp.fsdp import (
     UnshardHandle,
     fully_shard,
 )
+from raggedfsdp.optim.clip import clip_grad_norm_, get_total_norm
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,8 @@ __all__ = [
     "Layout",
     "plan_layout",
     "fully_shard",
+    "clip_grad_norm_",
+    "get_total_norm",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",
