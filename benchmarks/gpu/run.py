@@ -1,19 +1,36 @@
-"""Driver of benchmarks/gpu/run.sh: tests/gpu, then memory and speed vs torch's fully_shard; one JSON.
+"""Driver of benchmarks/gpu/run.sh: one prepared GPU command, one internal deadline, JSON after every stage.
 
-Stages (each in a subprocess with its own time limit, so one hang cannot eat the slot):
+Stages, each a subprocess in its own session (killed with its whole process group at its limit),
+each writing its own result file after every sub-measurement, so a stage that runs out of time
+still reports what it measured:
 
-1. ``env``: torch / CUDA / GPU versions; ``import raggedfsdp`` (the error, if it fails: e.g. an
-   unsupported torch version).
-2. ``tests``: ``pytest tests/gpu`` (junit XML -> per-test outcomes; each test's measurements from
-   ``$RAGGEDFSDP_GPU_RESULTS``).
-3. ``memory``: ``benchmarks/memory_vs_torch.py --device cuda`` (CUDA allocator peak of one step,
-   both backends, ratios).
-4. ``speed``: ``benchmarks/fsdp_vs_torch.py --device cuda`` under torchrun (interleaved step times).
+========  ===================================  ==========  =================================================
+stage     script                               budget (s)  what
+========  ===================================  ==========  =================================================
+A env     (inline)                             20          python / torch / CUDA / NCCL / GPU, ``import raggedfsdp``
+B smoke   benchmarks/gpu/smoke.py              75          bf16 grad parity vs FSDP2, offload accumulation,
+                                                           meta init, profiler count of synchronizing CUDA
+                                                           calls per phase (both backends, two controls)
+C1 dense  benchmarks/gpu/train_compare.py      110         ~1.08B Llama, bf16/fp32, ws 1: ragged vs torch vs
+                                                           no-FSDP floor (tokens/s, phase times, host time,
+                                                           loss diff, peak memory per system alone)
+C2 moe    train_compare.py --model moe         90          ~1.2B MoE (16 fused experts, top-2), the same
+D sim8    benchmarks/gpu/sim_ws8.py            95          fake-PG ws 8 rank 0 on the GPU: per-rank memory,
+                                                           step time without comm, copy bytes, overlap
+========  ===================================  ==========  =================================================
 
-``--dry-run`` (CPU): stage 1, ``pytest --collect-only tests/gpu``, the memory benchmark on a tiny
-model with the fake process group and the speed benchmark's ``--help``: it checks that everything
-imports, collects and parses, without a GPU. The summary's ``ok`` is true when every stage ran
-and no test failed. Total budget: < 8 minutes on one GPU from a bare machine.
+Budget on one H200 (issue 21 / docs research note ``cuda-path-read-2026-12.md`` section 4): the
+stage estimates there are A 15 s, B 60-90 s, C1 90-120 s, C2 90 s, D 60-90 s; the budgets above
+add to 390 s, inside the **420 s internal deadline** (``--deadline``), which itself sits inside the
+600 s device-command cap with room for the machine's start and the file transfer. A stage may use
+time an earlier stage left unused; it is always cut so that every later stage keeps at least half
+its budget, and nothing runs past the deadline. ``summary.json`` (in ``--out``, default ``$OUT``) and
+one ``[run.sh] <stage>`` JSON line are written after every stage; the last stdout line is the
+whole summary.
+
+``--dry-run`` (CPU, no GPU): every stage on tiny shapes (gloo / the fake process group), same code
+paths, in a few minutes; ``tests/e2e/test_gpu_script.py`` and ``.ci/run`` run it in an environment
+that has only torch. Nothing is installed and nothing but torch and raggedfsdp is imported.
 """
 
 from __future__ import annotations
@@ -21,171 +38,139 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+HERE = os.path.join("benchmarks", "gpu")
+
+# (name, argv after the interpreter, budget in seconds on the GPU)
+STAGES = [
+    ("smoke", [os.path.join(HERE, "smoke.py")], 75),
+    ("dense", [os.path.join(HERE, "train_compare.py"), "--model", "dense"], 110),
+    ("moe", [os.path.join(HERE, "train_compare.py"), "--model", "moe"], 90),
+    ("sim8", [os.path.join(HERE, "sim_ws8.py")], 95),
+]
+ENV_BUDGET = 20
+ENV_CODE = (
+    "import json, sys, torch\n"
+    "info = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+    "        'cuda_available': torch.cuda.is_available(), 'gpus': torch.cuda.device_count()}\n"
+    "if torch.cuda.is_available():\n"
+    "    info['gpu_names'] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]\n"
+    "    info['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
+    "for mod in ('pytest', 'numpy', 'transformers'):\n"
+    "    import importlib.util\n"
+    "    info[f'has_{mod}'] = importlib.util.find_spec(mod) is not None\n"
+    "try:\n"
+    "    import raggedfsdp, raggedfsdp.fsdp.memory, raggedfsdp.models.llama, raggedfsdp.models.moe\n"
+    "    info['raggedfsdp_import'] = 'ok'\n"
+    "except Exception as e:\n"
+    "    info['raggedfsdp_import'] = f'{type(e).__name__}: {e}'\n"
+    "print(json.dumps(info))\n"
+)
 
 
-def _run(cmd, timeout, env=None, log=None):
+def run_stage(cmd, timeout: float, log: str) -> tuple[object, float, str]:
+    """Run ``cmd`` in a new session; on timeout kill its whole process group. (rc or "timeout", seconds, tail)."""
     t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = "timeout"
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-    if log:
-        with open(log, "w") as f:
-            f.write(out)
-    return rc, out, round(time.monotonic() - t0, 1)
-
-
-def _last_json(text):
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
-
-
-def stage_env(py):
-    code = (
-        "import json, sys, torch\n"
-        "info = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
-        "        'cuda_available': torch.cuda.is_available(), 'gpus': torch.cuda.device_count(),\n"
-        "        'gpu_names': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],\n"
-        "        'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None}\n"
-        "try:\n"
-        "    import raggedfsdp, raggedfsdp.fsdp.memory\n"
-        "    info['raggedfsdp_import'] = 'ok'\n"
-        "except Exception as e:\n"
-        "    info['raggedfsdp_import'] = f'{type(e).__name__}: {e}'\n"
-        "print(json.dumps(info))\n"
-    )
-    rc, out, dt = _run([py, "-c", code], 120)
-    info = _last_json(out) or {"error": out[-2000:]}
-    info["rc"], info["seconds"] = rc, dt
-    return info
-
-
-def stage_tests(py, out_dir, dry_run):
-    env = dict(os.environ, RAGGEDFSDP_GPU_RESULTS=os.path.join(out_dir, "results"))
-    junit = os.path.join(out_dir, "junit.xml")
-    cmd = [py, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rA",
-           f"--junitxml={junit}"]
-    if dry_run:
-        cmd = [py, "-m", "pytest", "tests/gpu", "tests/dist/test_fsdp_memory.py", "tests/unit/test_memory.py",
-               "--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
-    rc, out, dt = _run(cmd, 420, env=env, log=os.path.join(out_dir, "pytest.log"))
-    res = {"rc": rc, "seconds": dt}
-    if dry_run:
-        ids = [ln for ln in out.splitlines() if "::" in ln]
-        res["collected"] = len(ids)
-        res["collected_gpu"] = sum(ln.startswith("tests/gpu") for ln in ids)
-        res["tail"] = out.strip().splitlines()[-3:]
-        return res
-    outcomes = {}
-    if os.path.exists(junit):
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            name = case.get("name")
-            state = "passed"
-            for child in case:
-                if child.tag in ("failure", "error"):
-                    state = child.tag
-                    outcomes[name] = {"outcome": state, "message": (child.get("message") or "")[:600]}
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: object = p.wait(timeout=max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
                     break
-                if child.tag == "skipped":
-                    state = "skipped"
-                    outcomes[name] = {"outcome": state, "message": (child.get("message") or "")[:200]}
+                try:
+                    p.wait(timeout=5)
                     break
-            else:
-                outcomes[name] = {"outcome": state, "seconds": float(case.get("time", 0))}
-    res["tests"] = outcomes
-    for k in ("passed", "failure", "error", "skipped"):
-        res[k] = sum(v["outcome"] == k for v in outcomes.values())
-    res["measurements"] = {}
-    rdir = env["RAGGEDFSDP_GPU_RESULTS"]
-    if os.path.isdir(rdir):
-        for fn in sorted(os.listdir(rdir)):
-            with open(os.path.join(rdir, fn)) as f:
-                res["measurements"][fn.removesuffix(".json")] = json.load(f)
-    if not outcomes:
-        res["tail"] = out.strip().splitlines()[-30:]
-    return res
+                except subprocess.TimeoutExpired:
+                    continue
+    with open(log, errors="replace") as f:
+        tail = f.read()[-3000:]
+    return rc, round(time.monotonic() - t0, 1), tail
 
 
-def stage_memory(py, out_dir, dry_run):
-    args = ["--device", "cuda", "--dim", "2048", "--blocks", "8", "--batch", "32"]
+def stage_timeout(i: int, t_start: float, deadline: float, bank: float, dry_run: bool) -> float:
+    """Budget of stage ``i`` plus unused earlier time, cut so each later stage keeps half its budget."""
     if dry_run:
-        args = ["--nproc", "2", "--dim", "64", "--blocks", "2", "--batch", "4"]
-    rc, out, dt = _run([py, "benchmarks/memory_vs_torch.py", *args], 240, log=os.path.join(out_dir, "memory.log"))
-    summary = _last_json(out)
-    res = {"rc": rc, "seconds": dt, "command": "python benchmarks/memory_vs_torch.py " + " ".join(args)}
-    if summary:
-        res["ratios"] = {dt_: {k: round(v, 4) for k, v in row.items() if k.startswith("ratio")}
-                         for dt_, row in summary["results"].items()}
-        res["mib"] = {dt_: {b: {k: round(v / 2**20, 2) for k, v in row[b].items()} for b in ("ragged", "torch")}
-                      for dt_, row in summary["results"].items()}
-    else:
-        res["tail"] = out.strip().splitlines()[-20:]
-    return res
+        return max(deadline - (time.monotonic() - t_start), 1.0)
+    left = deadline - (time.monotonic() - t_start)
+    reserve = sum(b for _, _, b in STAGES[i + 1:]) / 2
+    return max(1.0, min(STAGES[i][2] + bank, left - reserve))
 
 
-def stage_speed(py, out_dir, dry_run, gpus):
-    if dry_run:
-        cmd = [py, "benchmarks/fsdp_vs_torch.py", "--help"]
-    else:
-        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={max(gpus, 1)}",
-               "benchmarks/fsdp_vs_torch.py", "--device", "cuda", "--flavor", "small", "--steps", "10",
-               "--batch", "8", "--seq", "512", "--param-dtype", "bf16"]
-    rc, out, dt = _run(cmd, 240, log=os.path.join(out_dir, "speed.log"))
-    res = {"rc": rc, "seconds": dt, "command": " ".join(cmd[1:])}
-    keep = ("step time", "copy bytes", "peak memory", "peak reserved", "max |loss", "model=")
-    res["lines"] = [ln.strip() for ln in out.splitlines() if ln.strip().startswith(keep)]
-    if rc != 0:
-        res["tail"] = out.strip().splitlines()[-20:]
-    return res
+def write(summary: dict, out: str) -> None:
+    tmp = os.path.join(out, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    os.replace(tmp, os.path.join(out, "summary.json"))
 
 
-def main():
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU: import, collect and parse everything")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: every stage on tiny shapes")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/raggedfsdp-gpu")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "memory", "speed"])
+    ap.add_argument("--deadline", type=float, default=420.0, help="internal deadline in seconds (default 420)")
+    ap.add_argument("--only", nargs="*", default=None, choices=[s for s, _, _ in STAGES])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     py = sys.executable
-    t0 = time.monotonic()
-    summary = {"dry_run": args.dry_run, "env": stage_env(py)}
-    print(f"[run.sh] env: {json.dumps(summary['env'])}", flush=True)
-    gpus = summary["env"].get("gpus") or 0
-    if not args.dry_run and not gpus:
-        summary["error"] = "no CUDA device visible; use --dry-run on CPU"
+    t_start = time.monotonic()
+    summary: dict = {"dry_run": args.dry_run, "deadline_s": args.deadline, "budget_s": dict(
+        env=ENV_BUDGET, **{s: b for s, _, b in STAGES})}
+    rc, dt, tail = run_stage([py, "-c", ENV_CODE], ENV_BUDGET * (6 if args.dry_run else 1),
+                             os.path.join(args.out, "env.log"))
+    env: dict = {"rc": rc, "seconds": dt}
+    for line in reversed(tail.strip().splitlines()):
+        if line.startswith("{"):
+            env.update(json.loads(line))
+            break
     else:
-        if "tests" not in args.skip:
-            summary["tests"] = stage_tests(py, args.out, args.dry_run)
-            print(f"[run.sh] tests done in {summary['tests']['seconds']} s (rc {summary['tests']['rc']})", flush=True)
-        if "memory" not in args.skip:
-            summary["memory"] = stage_memory(py, args.out, args.dry_run)
-            print(f"[run.sh] memory done in {summary['memory']['seconds']} s", flush=True)
-        if "speed" not in args.skip:
-            summary["speed"] = stage_speed(py, args.out, args.dry_run, gpus)
-            print(f"[run.sh] speed done in {summary['speed']['seconds']} s", flush=True)
-    tests = summary.get("tests", {})
-    stages_ok = all(summary.get(s, {}).get("rc", 0) == 0 for s in ("memory", "speed"))
-    tests_ok = tests.get("rc", 0) == 0 and not tests.get("failure") and not tests.get("error")
-    summary["ok"] = bool("error" not in summary and stages_ok and tests_ok
-                         and summary["env"].get("raggedfsdp_import") == "ok")
-    summary["wall_s"] = round(time.monotonic() - t0, 1)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(json.dumps(summary))
+        env["tail"] = tail[-1500:]
+    summary["env"] = env
+    write(summary, args.out)
+    print(f"[run.sh] env {json.dumps(env)}", flush=True)
+    if not args.dry_run and not env.get("gpus"):
+        summary["error"] = "no CUDA device visible; use --dry-run on CPU"
+    elif env.get("raggedfsdp_import") != "ok":
+        summary["error"] = f"import raggedfsdp failed: {env.get('raggedfsdp_import')}"
+    else:
+        bank = 0.0
+        for i, (name, argv, budget) in enumerate(STAGES):
+            if args.only is not None and name not in args.only:
+                continue
+            timeout = stage_timeout(i, t_start, args.deadline, bank, args.dry_run)
+            res_path = os.path.join(args.out, f"{name}.json")
+            if os.path.exists(res_path):
+                os.remove(res_path)
+            cmd = [py, *argv, "--out", res_path] + (["--dry-run"] if args.dry_run else [])
+            rc, dt, tail = run_stage(cmd, timeout, os.path.join(args.out, f"{name}.log"))
+            bank = max(0.0, budget + bank - dt)
+            r: dict = {}
+            if os.path.exists(res_path):
+                with open(res_path) as f:
+                    r = json.load(f)
+            r.update(rc=rc, wall_s=dt, limit_s=round(timeout, 1))
+            if rc != 0:
+                r["tail"] = tail.strip().splitlines()[-25:]
+            summary[name] = r
+            summary["elapsed_s"] = round(time.monotonic() - t_start, 1)
+            write(summary, args.out)
+            print(f"[run.sh] {name} {json.dumps({k: r.get(k) for k in ('rc', 'ok', 'wall_s', 'limit_s')})}",
+                  flush=True)
+    ran = [s for s, _, _ in STAGES if s in summary]
+    summary["ok"] = bool("error" not in summary and ran
+                         and all(summary[s].get("rc") == 0 and summary[s].get("ok") for s in ran))
+    summary["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    write(summary, args.out)
+    print(json.dumps(summary, default=str), flush=True)
     return 0 if summary["ok"] else 1
 
 

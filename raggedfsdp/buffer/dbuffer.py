@@ -27,7 +27,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.buffer.streams import BufferLifetimeError, current_stream, debug_enabled, stream_key
+from raggedfsdp.buffer.streams import (
+    BufferLifetimeError,
+    current_stream,
+    debug_enabled,
+    stream_key,
+    stream_model,
+)
 from raggedfsdp.planner import Layout
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -127,7 +133,10 @@ class DBuffer:
 
     def check_no_pending_use(self, action: str) -> None:
         """Raise if a collective using this buffer was not waited on its allocating stream."""
+        model = stream_model()
         for handle, waited in self._uses.values():
+            if model is not None:  # Note [fake streams]: the recorded happens-before graph decides
+                model.check_free(self, handle, action)
             if self.alloc_stream_key not in waited:
                 raise BufferLifetimeError(
                     f"raggedfsdp: {action} of the {self.name} buffer ({self.data.numel()} x {self.data.dtype}) while "

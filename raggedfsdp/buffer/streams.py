@@ -14,6 +14,16 @@ Note [stream invariant]
     :class:`~raggedfsdp.buffer.DBuffer` records the collectives launched on it and the streams that
     waited them, and :meth:`DBuffer.free` raises :class:`BufferLifetimeError` if one was not waited
     on the allocating stream. On CPU (gloo) the "stream" is ``None`` and ``Work.wait()`` is the wait.
+
+Note [fake streams]
+    On CPU every stream is ``None``, so the check above cannot see a missing stream wait. A test can
+    install a stream *model* with :func:`set_stream_model` (``tests/_fake_streams.py``): then
+    :func:`new_stream` makes distinct side-stream tokens on any device, :func:`current_stream`,
+    :func:`on_stream`, :func:`wait_stream`, :func:`record_event` / :func:`wait_event` and
+    :meth:`CommHandle.wait` go through the model, which records the happens-before graph CUDA would
+    have, and ``DBuffer.free`` / collective issue ask it whether the ordering holds. Every
+    stream-ordering call of the runtime goes through these functions (never ``torch.cuda.*`` directly),
+    so the model sees all of them. Without a model (the default) nothing changes.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import os
 import torch
 
 _DEBUG = [os.environ.get("RAGGEDFSDP_DEBUG", "0") not in ("", "0")]
+_MODEL: list = [None]  # Note [fake streams]: a test's stream model, or None (real CUDA streams / CPU no-ops)
 _ids = itertools.count()
 
 
@@ -41,13 +52,33 @@ def debug_enabled() -> bool:
     return _DEBUG[0]
 
 
+def set_stream_model(model) -> None:
+    """Install (or with ``None`` remove) a stream model (Note [fake streams]); tests only. Local."""
+    _MODEL[0] = model
+
+
+def stream_model():
+    return _MODEL[0]
+
+
 def stream_key(stream):
     """A hashable identity of a stream (``None`` for CPU)."""
     return None if stream is None else (stream.device_index, stream.cuda_stream)
 
 
+def new_stream(device: torch.device | None, priority: int = 0):
+    """A side stream on ``device``: a CUDA stream, a stream-model token, or ``None`` (CPU, no model)."""
+    if _MODEL[0] is not None and device is not None:
+        return _MODEL[0].new_stream(device, priority)
+    if device is not None and device.type == "cuda":
+        return torch.cuda.Stream(device=device, priority=priority)
+    return None
+
+
 def current_stream(device: torch.device):
     """The current CUDA stream of ``device``, or ``None`` for CPU / meta (no streams)."""
+    if _MODEL[0] is not None:
+        return _MODEL[0].current(device)
     if device.type == "cuda":
         return torch.cuda.current_stream(device)
     return None
@@ -56,7 +87,10 @@ def current_stream(device: torch.device):
 @contextlib.contextmanager
 def on_stream(stream):
     """``torch.cuda.stream(stream)`` if ``stream`` is a CUDA stream, else a no-op."""
-    if stream is None:
+    if _MODEL[0] is not None and stream is not None:
+        with _MODEL[0].on(stream):
+            yield
+    elif stream is None:
         yield
     else:
         with torch.cuda.stream(stream):
@@ -66,7 +100,37 @@ def on_stream(stream):
 def wait_stream(waiter, other) -> None:
     """``waiter.wait_stream(other)`` for CUDA streams; no-op on CPU."""
     if waiter is not None and other is not None and waiter is not other:
-        waiter.wait_stream(other)
+        if _MODEL[0] is not None:
+            _MODEL[0].wait_stream(waiter, other)
+        else:
+            waiter.wait_stream(other)
+
+
+def new_event(device: torch.device):
+    """An event to order streams on ``device`` (``torch.cuda.Event``; a model token; ``None`` on CPU)."""
+    if _MODEL[0] is not None:
+        return _MODEL[0].new_event()
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
+def record_event(event, stream=None) -> None:
+    """``event.record(stream)`` (default: the current stream); no-op for ``None``."""
+    if event is None:
+        return
+    if _MODEL[0] is not None:
+        _MODEL[0].record_event(event, stream)
+    else:
+        event.record(stream) if stream is not None else event.record()
+
+
+def wait_event(stream, event) -> None:
+    """``stream.wait_event(event)``; no-op when either is ``None``."""
+    if stream is None or event is None:
+        return
+    if _MODEL[0] is not None:
+        _MODEL[0].wait_event(stream, event)
+    else:
+        stream.wait_event(event)
 
 
 class CollectiveError(RuntimeError):
@@ -94,6 +158,8 @@ class CommHandle:
         self.waited_on: set = set()
         for b in self.buffers:
             b._note_use(self)
+        if _MODEL[0] is not None:
+            _MODEL[0].issue(self)
 
     @property
     def waited(self) -> bool:
@@ -117,6 +183,8 @@ class CommHandle:
         if key in self.waited_on:
             return
         with on_stream(stream):
+            if _MODEL[0] is not None:
+                _MODEL[0].wait_handle(stream, self)
             if self.work is not None:
                 try:
                     self.work.wait()
@@ -133,5 +201,6 @@ class CommHandle:
             b._note_waited(self, key)
 
 
-__all__ = ["BufferLifetimeError", "CollectiveError", "CommHandle", "current_stream", "debug_enabled", "on_stream",
-           "set_debug", "stream_key", "wait_stream"]
+__all__ = ["BufferLifetimeError", "CollectiveError", "CommHandle", "current_stream", "debug_enabled", "new_event",
+           "new_stream", "on_stream", "record_event", "set_debug", "set_stream_model", "stream_key", "stream_model",
+           "wait_event", "wait_stream"]

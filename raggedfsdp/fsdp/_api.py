@@ -1,13 +1,23 @@
 """``FSDPModule``: the methods ``fully_shard`` adds to a module (torch 2.13 FSDP2 API,
-``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), and ``UnshardHandle``."""
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), and ``UnshardHandle``.
+
+Both subclass torch's own ``torch.distributed.fsdp.FSDPModule`` / ``UnshardHandle``, so code that detects
+FSDP2 modules with ``isinstance`` (trainers, pipelining schedules, ``register_fsdp_forward_method``)
+sees ours too. Every public method of torch's ``FSDPModule`` is overridden here (a test fails when a
+torch release adds one), so nothing falls through to torch's implementation, which reads torch's own
+per-module state (Note [torch FSDPModule] in ``docs/fsdp.md``).
+"""
 
 from __future__ import annotations
 
+import torch.distributed.fsdp as torch_fsdp
+
+from raggedfsdp.fsdp._common import FSDPDeepcopyError, FSDPTypeError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
 
 
-class UnshardHandle:
+class UnshardHandle(torch_fsdp.UnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather."""
 
     def __init__(self, group: FSDPParamGroup | None):
@@ -19,17 +29,21 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
-    """Mixin swapped into a ``fully_shard``'ed module's class (like torch's ``FSDPModule``)."""
+class FSDPModule(torch_fsdp.FSDPModule):
+    """Mixin swapped into a ``fully_shard``'ed module's class: ``FSDP<Cls>(FSDPModule, Cls)``, named as
+    torch names its own (``type(m).__module__`` is ``raggedfsdp.fsdp``). A subclass of torch's
+    ``FSDPModule``; its ``__new__`` (indexing into a sharded ``ModuleList`` builds the original class)
+    finds the original class at MRO index 3: ``[FSDP<Cls>, this, torch FSDPModule, Cls, ...]``."""
 
-    def __new__(cls, *args, **kwargs):
-        # indexing into e.g. a fully_shard'ed ModuleList builds the original class, not the FSDP one
-        orig = cls.__mro__[2]
-        self = orig.__new__(orig, *args, **kwargs)
-        self.__init__(*args, **kwargs)
-        return self
+    _orig_cls_mro_index: int = 3
 
     def _fsdp_state(self) -> FSDPState:
+        return self._raggedfsdp_state  # type: ignore[attr-defined]
+
+    def _get_fsdp_state(self) -> FSDPState:
+        """This unit's ``FSDPState`` (torch's name; what ``fully_shard.state(module)`` returns). Its
+        ``_pre_forward(module, args, kwargs)`` / ``_post_forward(module, args, output)`` have torch's
+        signatures, so torch's ``register_fsdp_forward_method`` works on raggedfsdp modules."""
         return self._raggedfsdp_state  # type: ignore[attr-defined]
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
@@ -81,7 +95,7 @@ class FSDPModule:
         Raises ``TypeError`` for a non-bool. Local setting (every rank should set the same value).
         """
         if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
+            raise FSDPTypeError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
         for st in self._fsdp_states(recurse):
             st.reshard_after_forward = reshard_after_forward
             st._auto_reshard = False
@@ -148,23 +162,87 @@ class FSDPModule:
         for st in self._fsdp_states(recurse):
             st.comm.reduces.max_inflight = max_input_buffers
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch: use :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for API parity. raggedfsdp reduce-scatters with ``AVG`` (or ``SUM`` plus one in-place
+        scale with a custom divide factor); the reduced gradients are the same up to rounding either way."""
+        self._fsdp_state()._force_sum_reduction = bool(enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted for API parity: raggedfsdp always reduce-scatters a unit's whole flat gradient buffer
+        (zeros for parameters this rank did not use), so ranks with different control flow never issue
+        mismatched collectives; which parameters get a ``.grad`` is decided over all ranks."""
+        for st in self._fsdp_states(recurse):
+            st._reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted for API parity (a CUDA stream-allocation choice of torch's): raggedfsdp's pre-forward
+        all-gather is issued on the all-gather stream and waited on the compute stream either way."""
+        for st in self._fsdp_states(True):
+            st._unshard_async_op = bool(async_op)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Only ``False`` (the default) is supported: the unsharded buffers are the collectives' own
+        input/output (no staging buffers to allocate from the process group). Raises
+        ``NotImplementedError`` for ``True``."""
+        if enable:
+            _unsupported("set_allocate_memory_from_process_group_for_comm(True)",
+                         "raggedfsdp's all-gather and reduce-scatter run in place on the unit's flat buffers")
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Not supported (raises ``NotImplementedError``): the all-gather runs in place on the flat buffer."""
+        _unsupported("set_custom_all_gather", "the all-gather runs in place on the unit's flat buffer")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Not supported (raises ``NotImplementedError``): the reduce-scatter runs in place on the flat buffer."""
+        _unsupported("set_custom_reduce_scatter", "the reduce-scatter runs in place on the unit's flat buffer")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Not supported (raises ``NotImplementedError``); HSDP's replicate all-reduce is built in."""
+        _unsupported("set_all_reduce_hook", "use a 2-D mesh for HSDP's replicate all-reduce")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Only ``False`` is supported (raises ``NotImplementedError`` for ``True``)."""
+        if enable:
+            _unsupported("set_separate_reduce_scatter_group(True)", "all collectives of a unit use its mesh's group")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported (raises ``NotImplementedError``): no symmetric-memory all-gather yet."""
+        _unsupported("set_symm_mem_for_comm", "no symmetric-memory all-gather yet")
+
     def _apply(self, *args, **kwargs):
         # `.to()`, `.to_empty()`, `.float()` replace local tensors: reshard, then re-point sharded params
         # at a fresh flat buffer (torch's FSDP2 does the same via reset_sharded_param)
         for st in self._fsdp_states(True):
             if st.group is not None:
                 st.group.reshard()
-        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        ret = super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]  # skip torch's
         for st in self._fsdp_states(True):
             if st.group is not None:
                 st.group.reset_sharded_storage()
         return ret
 
     def __deepcopy__(self, memo):
-        raise RuntimeError("raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before")
+        raise FSDPDeepcopyError(
+            "raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before fully_shard, or "
+            "copy through a state dict"
+        )
+
+
+def _unsupported(what: str, why: str) -> None:
+    raise NotImplementedError(
+        f"raggedfsdp: FSDPModule.{what} is not supported ({why}); use torch.distributed.fsdp.fully_shard "
+        "for this module if you need it (docs/fsdp.md, 'Not yet matched from FSDP2')"
+    )
 
 
 def _check_fsdp_modules(modules, name: str) -> None:
     for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise TypeError(f"{name}: {type(m).__name__} is not a fully_shard'ed module; call fully_shard on it first")
+        if not isinstance(m, FSDPModule):  # also ValueError, as torch's _assert_all_fsdp_modules
+            raise FSDPTypeError(
+                f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call raggedfsdp.fully_shard on it "
+                "first"
+            )

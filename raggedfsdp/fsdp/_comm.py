@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from raggedfsdp.buffer.streams import new_stream
 from raggedfsdp.fsdp._reduce import ReduceQueue
 
 
@@ -24,10 +25,10 @@ class CommContext:
         self.reduces = ReduceQueue()
         self.pre_forward_order: list = []
         self.prev_pre_forward_order: list = []
-        if device is not None and device.type == "cuda":
-            self.ag_stream = torch.cuda.Stream(device=device, priority=-1)
-            self.reduces.rs_stream = torch.cuda.Stream(device=device, priority=-1)
-            self.reduces.ar_stream = torch.cuda.Stream(device=device)
+        # CUDA streams; None on CPU, unless a test's stream model makes tokens (Note [fake streams])
+        self.ag_stream = new_stream(device, priority=-1)
+        self.reduces.rs_stream = new_stream(device, priority=-1)
+        self.reduces.ar_stream = new_stream(device)
 
     def start_forward(self) -> None:
         """Root pre-forward: the finished iteration's order becomes the prefetch schedule."""

@@ -15,6 +15,12 @@ Note [FSDP tensors]
     * sharded grad    -- a RaggedShard DTensor view into the sharded grad DBuffer, set as the sharded
       param's ``.grad`` when backward ends (lazily, once every rank's used-parameter flags are known).
 
+    For a parameter that already was a DTensor on another dim of the same root mesh (tensor / expert
+    parallel, Note [FSDP x TP] in ``_tp.py``) ``shape`` is its TP-local shape (what is planned and
+    gathered), the sharded param is one DTensor on the concatenated (dp..., tp...) mesh with
+    placements ``(RaggedShard, *tp_placements)`` (HSDP: ``(Replicate(), RaggedShard, *tp)``) and the
+    unsharded param is the TP-local DTensor (``wrap_unsharded``), as FSDP2 builds them.
+
     Freeing unsharded storage resizes it to 0 bytes (torch FSDP2's trick, see
     ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): the tensor objects and the aliases
     autograd saved stay valid, and the in-place all-gather refills them without bumping their version
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 class ParamState(enum.Enum):
@@ -53,6 +59,21 @@ class GradState(enum.Enum):
 class CollectiveMismatchError(RuntimeError):
     """The ranks of a mesh ran different FSDP units (or in a different order) since the last check, so
     collectives of different units paired up (Note [unit agreement] in ``_reduce.py``)."""
+
+
+class FSDPValueError(ValueError, AssertionError):
+    """A ``ValueError`` for a misuse that torch's ``fully_shard`` refuses with ``AssertionError`` (a 2-D
+    mesh without dim names, ``fully_shard`` twice on one module): ``except`` clauses and tests written
+    for either library catch it."""
+
+
+class FSDPTypeError(TypeError, ValueError):
+    """A ``TypeError`` for an argument of the wrong type that torch's ``fully_shard`` refuses with
+    ``ValueError`` (``reshard_after_forward="yes"``, a bad ``shard_placement_fn`` result)."""
+
+
+class FSDPDeepcopyError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module (torch raises ``AssertionError``)."""
 
 
 class InvariantError(RuntimeError):
@@ -80,7 +101,7 @@ class FSDPParam:
 
     fqn: str  # relative to the fully_shard'ed module
     owners: list[tuple[nn.Module, str]]  # every (module, attr) that holds this parameter
-    shape: torch.Size  # global
+    shape: torch.Size  # planned shape: global, or a TP DTensor's local shape (Note [FSDP x TP])
     dtype: torch.dtype  # original
     requires_grad: bool
     granularity: int  # elements per block (never cut by a rank boundary)
@@ -92,6 +113,33 @@ class FSDPParam:
     spec: DTensorSpec | None = None
     got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
     extra: dict = field(default_factory=dict)
+    tp_spec: DTensorSpec | None = None  # the param's own DTensor spec (TP/EP mesh) before fully_shard
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The logical (global) shape of the parameter (``shape`` unless it is a TP DTensor)."""
+        return self.tp_spec.shape if self.tp_spec is not None else self.shape
+
+    def wrap_unsharded(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a view of the planned shape) as the tensor the module computes with: plain, or for a TP
+        parameter the TP-local DTensor on its TP mesh with the param's TP placements (FSDP2's
+        ``init_unsharded_param``), so TP's own hooks and redistributes keep working. Local."""
+        if self.tp_spec is None:
+            return t
+        meta = self.tp_spec.tensor_meta
+        spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements,
+                           tensor_meta=TensorMeta(meta.shape, meta.stride, t.dtype))
+        return DTensor(t, spec, requires_grad=False)
+
+    def local_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """The plain gradient of the planned shape from autograd's ``g`` (for a TP parameter a DTensor,
+        redistributed to the param's TP placements first if autograd left it e.g. ``Partial``, as FSDP2's
+        post-backward does). Collective over the TP mesh only in that redistribute case."""
+        if not isinstance(g, DTensor):
+            return g
+        if self.tp_spec is not None and tuple(g.placements) != tuple(self.tp_spec.placements):
+            g = g.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
+        return g._local_tensor
 
     def set_on_owners(self, value: nn.Parameter) -> None:
         for module, name in self.owners:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from raggedfsdp.fsdp._api import FSDPModule, UnshardHandle
+from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
 from raggedfsdp.fsdp._init import (
     _device_of,
     _granularity_fn,
@@ -28,6 +29,11 @@ from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
 
 _cls_cache: dict[type, type] = {}
+
+
+def _after_load(group: FSDPParamGroup) -> None:
+    group.adopt_registered_params()  # load_state_dict(assign=True) replaced the sharded params
+    group.mark_master_changed()
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -91,14 +97,18 @@ def fully_shard(
 
     Which ranks: every rank of ``mesh`` must call it, in the same order, on the same module tree.
 
-    Raises:
-        ValueError: module already fully_shard'ed, mesh of the wrong dims or not containing this rank,
+    Raises (the exception types of torch's ``fully_shard`` for the same misuse; where torch raises
+    ``AssertionError`` or ``ValueError`` and the project's rule asks ``ValueError`` / ``TypeError``, the error is
+    both: ``raggedfsdp.fsdp._common.FSDPValueError`` / ``FSDPTypeError``):
+        ValueError: module already fully_shard'ed (also ``AssertionError``), mesh of the wrong dims, a 2-D
+            mesh without dim names (also ``AssertionError``), a mesh not containing this rank,
             params on several devices (or partly on meta), mixed dtypes in one unit, 0-dim params,
             a granularity that does not divide a param, an int ``reshard_after_forward`` that does
             not divide the shard world size, a parameter tied across units, bad ``zero_stage``.
-        TypeError: a non-module, a non-DeviceMesh mesh, a non-bool/int ``reshard_after_forward``, an
-            unsupported ``shard_placement_fn`` result.
-        NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements.
+        TypeError: a non-module, a non-DeviceMesh mesh, a non-bool/int ``reshard_after_forward`` and an
+            unsupported ``shard_placement_fn`` result (these two also ``ValueError``).
+        NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements, a
+            non-contiguous (e.g. ``channels_last``) parameter.
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -112,13 +122,13 @@ def fully_shard(
                 "call fully_shard on each child module instead"
             )
         if getattr(m, "_raggedfsdp_state", None) is not None:
-            raise ValueError(
+            raise FSDPValueError(
                 f"fully_shard: {type(m).__name__} is already fully_shard'ed; call fully_shard once per module"
             )
     if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:
         pass
     elif not isinstance(reshard_after_forward, int):
-        raise TypeError(
+        raise FSDPTypeError(
             f"fully_shard: reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
         )
     if zero_stage not in (1, 2, 3):
@@ -182,9 +192,25 @@ def fully_shard(
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))
             m.register_load_state_dict_pre_hook(_make_load_pre_hook(m, group))
-            m.register_load_state_dict_post_hook(lambda mod, keys, g=group: g.mark_master_changed())
-        cls = type(m)
-        if cls not in _cls_cache:
-            _cls_cache[cls] = type(f"RaggedFSDP{cls.__name__}", (FSDPModule, cls), {})
-        m.__class__ = _cls_cache[cls]
+            m.register_load_state_dict_post_hook(lambda mod, keys, g=group: _after_load(g))
+        m.__class__ = _fsdp_class(type(m))
     return list(modules) if isinstance(module, (list, tuple)) else module
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Cls>(FSDPModule, Cls)``: torch's naming (``repr``/``type(m).__name__`` read as under torch's
+    ``fully_shard``, and name-based checks keep working), but defined in ``raggedfsdp.fsdp`` so
+    ``type(m)`` shows which library sharded the module."""
+    if cls not in _cls_cache:
+        name = f"FSDP{cls.__name__}"
+        _cls_cache[cls] = type(name, (FSDPModule, cls), {"__module__": "raggedfsdp.fsdp", "__qualname__": name})
+    return _cls_cache[cls]
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the module's ``FSDPState`` (``None`` if not ``fully_shard``'ed by
+    raggedfsdp), as torch's ``fully_shard.state``. Local."""
+    return getattr(module, "_raggedfsdp_state", None)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]

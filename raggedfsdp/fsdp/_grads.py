@@ -122,7 +122,7 @@ class GradPath:
 
             folded = []
             for fp in stray:
-                folded.append((self._index[id(fp)], fp.unsharded.grad))
+                folded.append((self._index[id(fp)], fp.local_grad(fp.unsharded.grad)))
                 fp.unsharded.grad = None
                 fp.got_grad = True
             with labelled(f"raggedfsdp::fold_grads ({self.unit_name})"):

@@ -8,7 +8,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.placement._redistribute import has_ragged, local_piece_of_full
 
 
 def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
@@ -22,6 +24,11 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's fully_shard refuses it too (AssertionError)
+        raise FSDPValueError(
+            f"fully_shard: the 2-D (HSDP) mesh {mesh.mesh.tolist()} has no dim names; build it with "
+            "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
+        )
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ValueError(
             f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that calls "
@@ -43,7 +50,8 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 continue
             fqn = f"{prefix}{name}"
             prev = getattr(p, "_raggedfsdp_owner", None)  # "Unit:fqn", set by the fully_shard that took it
-            if isinstance(p, DTensor) or prev is not None:
+            # a DTensor without RaggedShard is a TP/EP parameter: sharded again over the dp mesh (Note [FSDP x TP])
+            if prev is not None or (isinstance(p, DTensor) and has_ragged(p.placements)):
                 here = type(modules[0]).__name__
                 if prev is None:
                     prev = _owner_of(p, modules)
@@ -90,9 +98,13 @@ def _make_load_pre_hook(unit_module: nn.Module, group: FSDPParamGroup):
             fp = group.fsdp_params[i]
             for k in ks:
                 v = state_dict.get(prefix + k)
-                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == fp.shape:
-                    a, b = group.layout.piece(i, group.shard_rank)
-                    local = v.detach().reshape(-1)[a:b].to(device=group.storage_device, dtype=fp.dtype)
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == fp.global_shape:
+                    if fp.tp_spec is None:
+                        a, b = group.layout.piece(i, group.shard_rank)
+                        local = v.detach().reshape(-1)[a:b]
+                    else:  # the ragged piece of this rank's TP-local block
+                        local = local_piece_of_full(v.detach(), fp.spec.mesh, fp.spec.placements)
+                    local = local.to(device=group.storage_device, dtype=fp.dtype)
                     state_dict[prefix + k] = DTensor(local, fp.spec, requires_grad=False)
 
     return hook
@@ -139,14 +151,19 @@ def _granularity_fn(shard_placement_fn):
     """Map ``shard_placement_fn(param)`` to a block size in elements (``None``: default row blocks)."""
     from torch.distributed.tensor import Shard
 
-    from raggedfsdp.planner.policy import BlockSpec, granularity_for
+    from raggedfsdp.planner.policy import BlockSpec, granularity_for, granularity_for_local
 
     def fn(p: nn.Parameter, fqn: str = ""):
         r = shard_placement_fn(p) if shard_placement_fn is not None else None
+        if isinstance(p, DTensor):  # TP/EP: blocks of the global shape, seen in the TP-local tensor
+            if isinstance(r, Shard) and r.dim == 0:
+                r = None
+            if r is None or isinstance(r, (str, tuple, BlockSpec)):
+                return granularity_for_local(p.shape, p._local_tensor.shape, r, name=fqn)[0]
         if r is None:
             return granularity_for(p.shape, None, name=fqn)[0]
         if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
-            raise TypeError(
+            raise FSDPTypeError(
                 f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int block "
                 "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', 'matrix'"
             )

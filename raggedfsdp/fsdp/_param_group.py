@@ -37,6 +37,7 @@ from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
 from raggedfsdp.fsdp._grads import GradPath
+from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
@@ -116,17 +117,26 @@ class FSDPParamGroup(GradPath):
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp needs "
                     "at least one dim: store it with shape (1,)"
                 )
+            tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
+            shape = local_tensor(p).shape
+            if not local_tensor(p).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
+                raise NotImplementedError(
+                    f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
+                    f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
+                    "fully_shard, so it would come back contiguous: make it contiguous first (e.g. "
+                    "module.to(memory_format=torch.contiguous_format)) and use channels_last activations"
+                )
             g = granularity_fn(p, fqn) if granularity_fn is not None else None
-            g = granularity_for(p.shape, None, name=fqn)[0] if g is None else int(g)
-            if p.numel() == 0:
+            g = granularity_for(shape, None, name=fqn)[0] if g is None else int(g)
+            if shape.numel() == 0:
                 g = 1
-            if g < 1 or p.numel() % g != 0:
+            if g < 1 or shape.numel() % g != 0:
                 raise ValueError(
-                    f"fully_shard: granularity {g} elements for parameter {fqn!r} of shape {tuple(p.shape)} must "
-                    f"be >= 1 and divide its numel {p.numel()}"
+                    f"fully_shard: granularity {g} elements for parameter {fqn!r} of (TP-local) shape {tuple(shape)} "
+                    f"must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
-                FSDPParam(fqn, owners, p.shape, p.dtype, p.requires_grad, g, ragged_dims(p.shape, g))
+                FSDPParam(fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec)
             )
         elsizes = {torch.empty((), dtype=d).element_size() for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}}
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
@@ -151,6 +161,7 @@ class FSDPParamGroup(GradPath):
         for fp in self.fsdp_params:
             fp.sharded._raggedfsdp_unit = weakref.ref(self)
         self.unit_id, self.unit_name = -1, "?"  # index and FQN under the root (set at the root's lazy init)
+        self._meta_fqns: list[str] = []  # params left on meta by a partial assign-load
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
         # runtime state
@@ -249,7 +260,8 @@ class FSDPParamGroup(GradPath):
     def _placements(self, fp: FSDPParam, i: int):
         units = (1,) + (0,) * (self.shard_world - 1) if fp.shape.numel() == 0 else self.layout.local_units(i)
         ragged = RaggedShard(fp.dims, units)
-        return (Replicate(), ragged) if self.is_hsdp else (ragged,)
+        fsdp = (Replicate(), ragged) if self.is_hsdp else (ragged,)
+        return fsdp + (tuple(fp.tp_spec.placements) if fp.tp_spec is not None else ())
 
     def _init_sharded(self, params) -> None:
         on_meta = self.device.type == "meta"
@@ -258,9 +270,11 @@ class FSDPParamGroup(GradPath):
                 local = self.bufs.sharded.local_view(i)
                 if not on_meta and p.device.type != "meta":
                     a, b = self.layout.piece(i, self.shard_rank)
-                    local.copy_(p.detach().reshape(-1)[a:b])
-                fp.spec = DTensorSpec(self.mesh, self._placements(fp, i),
-                                      tensor_meta=TensorMeta(fp.shape, contiguous_stride(fp.shape), fp.dtype))
+                    local.copy_(local_tensor(p).detach().reshape(-1)[a:b])
+                mesh = self.mesh if fp.tp_spec is None else spmd_mesh(self.mesh, fp.tp_spec.mesh)
+                gshape = fp.global_shape
+                fp.spec = DTensorSpec(mesh, self._placements(fp, i),
+                                      tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype))
                 fp.sharded = nn.Parameter(DTensor(local, fp.spec, requires_grad=fp.requires_grad),
                                           requires_grad=fp.requires_grad)
                 fp.set_on_owners(fp.sharded)
@@ -283,8 +297,9 @@ class FSDPParamGroup(GradPath):
         self.bufs.params.alloc()
         grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
-            fp.unsharded = nn.Parameter(self.bufs.params.tensor_view(i), requires_grad=fp.requires_grad)
-            fp.grad_view = grads.tensor_view(i)  # for every param: requires_grad may change later
+            fp.unsharded = nn.Parameter(fp.wrap_unsharded(self.bufs.params.tensor_view(i)),
+                                        requires_grad=fp.requires_grad)
+            fp.grad_view = fp.wrap_unsharded(grads.tensor_view(i))  # for every param: requires_grad may change
             fp.extra["hooked"] = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
@@ -309,9 +324,26 @@ class FSDPParamGroup(GradPath):
             fp.unsharded.grad = fp.grad_view
 
     def reset_sharded_storage(self) -> None:
-        """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``)."""
-        first = self.fsdp_params[0].sharded if self.fsdp_params else None
-        device = first._local_tensor.device if first is not None else self.device
+        """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``,
+        ``double()``, ``half()``) or after ``load_state_dict(assign=True)`` replaced them (torch FSDP2:
+        ``FSDPParam.reset_sharded_param``). The registered DTensors' local tensors are the source: their
+        values are copied into the new buffer, which takes their device and dtype (a dtype change also
+        changes ``param_dtype`` / ``reduce_dtype`` where ``mp_policy`` leaves them unset; the layout is
+        kept). Raises ``ValueError`` if the unit's params no longer share one dtype or device. Local."""
+        locals_ = [fp.sharded._local_tensor for fp in self.fsdp_params]
+        real = [t for t in locals_ if t.device.type != "meta"]
+        dtypes = {t.dtype for t in locals_}
+        devices = {t.device for t in real}
+        if len(dtypes) > 1 or len(devices) > 1:
+            names = ", ".join(f"{fp.fqn}:{t.dtype}@{t.device}" for fp, t in zip(self.fsdp_params, locals_))
+            raise ValueError(
+                f"raggedfsdp: the parameters of FSDP unit {self.unit_name!r} must share one dtype and device (one flat "
+                f"buffer), got {names}; convert the whole fully_shard'ed module (module.to(...)) or load a state "
+                "dict of one dtype"
+            )
+        device = next(iter(devices)) if devices else (locals_[0].device if locals_ else self.device)
+        if dtypes and (dt := next(iter(dtypes))) != self.orig_dtype:
+            self._set_orig_dtype(dt)
         if self.offload and device.type != "meta":
             storage = torch.device("cpu")
             if self.device.type == "meta":
@@ -324,17 +356,71 @@ class FSDPParamGroup(GradPath):
         with torch.no_grad():
             if self.device.type != "meta":
                 new.sharded.data.zero_()
-            for i, fp in enumerate(self.fsdp_params):
+            for i, (fp, old) in enumerate(zip(self.fsdp_params, locals_)):
                 local = new.sharded.local_view(i)
-                old = fp.sharded._local_tensor
                 if self.device.type != "meta" and old.device.type != "meta":
                     local.copy_(old.reshape(-1))
                 fp.sharded._local_tensor = local
+                fp.spec = fp.sharded._spec
+        # still on meta after a partial load (strict=False): forward names them (torch: lazy-init check)
+        self._meta_fqns = [fp.fqn for fp, t in zip(self.fsdp_params, locals_) if t.device.type == "meta"]
         self.bufs = new
         if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
             self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
         self._gathered_version = -1
         self._init_unsharded()
+
+    def _set_orig_dtype(self, dtype: torch.dtype) -> None:
+        """``module.to(dtype)`` after ``fully_shard``: the master copy changes dtype (as in FSDP2, where the
+        sharded params simply are the converted tensors); unset ``param_dtype`` / ``reduce_dtype`` follow."""
+        mp = self.mp_policy
+        self.orig_dtype = dtype
+        self.param_dtype = mp.param_dtype or dtype
+        self.reduce_dtype = mp.reduce_dtype or (dtype if torch_minor() >= (2, 15) else self.param_dtype)
+        if not dtype.is_floating_point:
+            self.param_dtype = self.reduce_dtype = dtype
+        for fp in self.fsdp_params:
+            fp.dtype = dtype
+
+    def set_root_fqns(self, module_names: dict[int, str]) -> None:
+        """At the root's lazy init: name each param by its FQN under the root (``0.in_proj.weight``), as
+        torch's ``_init_fqns`` does, so later errors name what ``root.named_parameters()`` shows. Local."""
+        for fp in self.fsdp_params:
+            mod, attr = fp.owners[0]
+            base = module_names.get(id(mod))
+            if base is not None:
+                fp.fqn = f"{base}.{attr}" if base else attr
+
+    def adopt_registered_params(self) -> None:
+        """``load_state_dict(..., assign=True)`` registered new DTensors in place of the sharded params:
+        make them the unit's sharded params, backed by its flat buffer (their values copied in; from the
+        meta device, the buffer is allocated on theirs). Torch FSDP2 does the same in a load post-hook
+        (``FSDPParam.reset_sharded_param``). Raises ``ValueError`` for a replacement that is not a DTensor
+        of the parameter's shape, mesh and placements. Local."""
+        changed = False
+        for fp in self.fsdp_params:
+            mod, name = fp.owners[0]
+            new = mod._parameters.get(name)
+            if new is None or new is fp.sharded:
+                continue
+            if (not isinstance(new, DTensor) or new.shape != fp.sharded.shape or new.device_mesh != fp.spec.mesh
+                    or tuple(new.placements) != tuple(fp.spec.placements)):
+                what = (f"a DTensor with placements {tuple(new.placements)}" if isinstance(new, DTensor)
+                        else f"a {type(new).__name__} of shape {tuple(new.shape)}")
+                raise ValueError(
+                    f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
+                    f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); load a full "
+                    "tensor or a DTensor with the parameter's own mesh and placements (e.g. "
+                    "distribute_tensor(full, p.device_mesh, p.placements) or DCP)"
+                )
+            for attr in ("_raggedfsdp_owner", "_raggedfsdp_unit"):
+                if hasattr(fp.sharded, attr):
+                    setattr(new, attr, getattr(fp.sharded, attr))
+            fp.sharded = new
+            fp.set_on_owners(new)  # every owner of a tied parameter
+            changed = True
+        if changed:
+            self.reset_sharded_storage()
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def mark_master_changed(self) -> None:
@@ -356,8 +442,8 @@ class FSDPParamGroup(GradPath):
         the sharded buffer is unmodified (see the module docstring)."""
         if self.param_state is not ParamState.SHARDED or self._gather_is_current():
             return
-        if self.bufs.sharded.data.device.type == "meta":
-            names = [fp.fqn for fp in self.fsdp_params]
+        if self.bufs.sharded.data.device.type == "meta" or self._meta_fqns:
+            names = self._meta_fqns or [fp.fqn for fp in self.fsdp_params]
             raise RuntimeError(
                 f"raggedfsdp: parameters {names} are still on the meta device; after fully_shard call "
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"

@@ -105,9 +105,14 @@ class FSDPState:
                 st = getattr(sub, "_raggedfsdp_state", None)
                 if st is not None and id(st) not in names:
                     names[id(st)] = name or type(sub).__name__
+        modnames: dict[int, str] = {}
+        for module in self.modules:
+            for name, sub in module.named_modules(remove_duplicate=False):
+                modnames.setdefault(id(sub), name)
         for i, st in enumerate(seen):
             st.comm = comm
             if st.group is not None:
+                st.group.set_root_fqns(modnames)
                 st.group.comm = comm
                 st.group.unit_id, st.group.unit_name = i, names.get(id(st), "?")
                 comm.reduces.units.append(st.group)

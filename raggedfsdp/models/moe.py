@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raggedfsdp.models._ep import ep_dispatch_combine
 from raggedfsdp.models.llama import (
     Attention,
     FeedForward,
@@ -63,7 +64,10 @@ from raggedfsdp.models.llama import (
     precompute_rope,
 )
 
-__all__ = ["MOE_FLAVORS", "FusedExperts", "MoE", "MoEBlock", "MoEConfig", "MoEFeedForward", "SeparateExperts"]
+__all__ = [
+    "MOE_FLAVORS", "FusedExperts", "MoE", "MoEBlock", "MoEConfig", "MoEFeedForward", "SeparateExperts",
+    "swiglu_experts",
+]
 
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_LAYOUTS = ("fused", "separate")
@@ -174,22 +178,47 @@ class SeparateExperts(nn.ModuleList):
 
 
 class FusedExperts(nn.Module):
-    """``n`` SwiGLU experts stored as 3-D stacks: w1, w3 (n, D, F) and w2 (n, F, D); y = (silu(x w1) * x w3) w2."""
+    """``n`` SwiGLU experts stored as 3-D stacks: w1, w3 (n, D, F) and w2 (n, F, D); y = (silu(x w1) * x w3) w2.
+
+    Expert parallel (``parallelize.apply_ep``): the stacks are ``Shard(0)`` DTensors on the 1-D
+    ``ep_mesh``, this rank holding experts ``[r*n/ep, (r+1)*n/ep)`` whole, and ``forward`` sends each row
+    to the rank owning its expert and back (``_ep.ep_dispatch_combine``); same inputs, same outputs.
+    """
 
     def __init__(self, n: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))  # gate
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))  # up
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))  # down
+        self.ep_mesh = None  # a 1-D DeviceMesh once expert-parallel
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """As ``SeparateExperts.forward``. ``unbind`` (not ``w[e]``) so backward stacks the grads once."""
-        parts = x.split(counts)
-        ys = [
-            (F.silu(xe @ a) * (xe @ c)) @ b
-            for xe, a, c, b in zip(parts, self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))
-        ]
-        return torch.cat(ys)
+        """As ``SeparateExperts.forward`` (``counts`` over all n experts, EP or not)."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        if self.ep_mesh is None:
+            return swiglu_experts(x, counts, w1, w3, w2)
+        return ep_dispatch_combine(
+            x, counts, self.ep_mesh.get_group(), lambda xl, c: swiglu_experts(xl, c, w1, w3, w2)
+        )
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The local (this rank's experts) tensor of an expert stack, differentiable."""
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def swiglu_experts(
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """x (sum(counts), D) sorted by expert through stacked experts w1, w3 (n, D, F), w2 (n, F, D).
+
+    ``unbind`` (not ``w[e]``) so backward stacks the grads once.
+    """
+    parts = x.split(counts)
+    ys = [(F.silu(xe @ a) * (xe @ c)) @ b for xe, a, c, b in zip(parts, w1.unbind(0), w3.unbind(0), w2.unbind(0))]
+    return torch.cat(ys)
 
 
 class MoEFeedForward(nn.Module):
@@ -236,7 +265,7 @@ class MoEFeedForward(nn.Module):
         token = order // self.top_k  # (N*k,) source token of each sorted assignment
         ys = self.experts(xf.index_select(0, token), counts.tolist())  # (N*k, D), host sync
         ys = ys * weights.flatten().index_select(0, order).unsqueeze(-1).to(ys.dtype)
-        out = torch.zeros_like(xf).index_add_(0, token, ys)  # scatter-add back to token order
+        out = torch.zeros_like(xf).index_add_(0, token, ys.to(xf.dtype))  # back to token order (ys: bf16 under autocast)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xf)
         return out.view(B, T, D)

@@ -142,3 +142,126 @@ def apply_fsdp(
         fully_shard(target, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, **kw)
     return model
+
+
+def apply_ep(model: nn.Module, mesh: Any) -> nn.Module:
+    """Split the routed experts of every MoE layer of ``model`` over the 1-D EP ``mesh``, in place.
+
+    Each EP rank ``r`` of ``mesh`` (size ``ep``) keeps experts ``[r*X/ep, (r+1)*X/ep)`` whole: the fused
+    stacks ``w1``, ``w3`` (X, D, F) and ``w2`` (X, F, D) become ``Shard(0)`` DTensors on ``mesh`` with
+    local (X/ep, D, F) / (X/ep, F, D) pieces, sliced from this rank's own (identically initialised, or
+    meta) tensors without communication. Forward then dispatches each token row to its expert's rank
+    with ``all_to_all_single`` and combines the results back (``models/_ep.py``; torchtitan's
+    ``ExpertParallel`` layout); router, shared expert, attention and embeddings are unchanged
+    (replicated over EP: shard them with FSDP over the whole dp x ep group). Call it before
+    ``fully_shard``/``init_weights`` (``init_weights`` fills DTensor shards). Every rank of ``mesh``
+    must call it, and then run the same MoE layers in every forward/backward.
+
+    Raises:
+        TypeError: ``mesh`` is not a 1-D ``DeviceMesh``.
+        ValueError: ``model`` has no MoE layer, a layer's experts are not ``experts="fused"``, or its
+            ``n_experts`` is not divisible by the EP size.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from raggedfsdp.models.moe import FusedExperts, MoEFeedForward
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise TypeError(f"apply_ep: mesh must be a 1-D DeviceMesh (e.g. mesh['ep']), got {mesh!r}")
+    ep, r = mesh.size(), mesh.get_local_rank()
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not layers:
+        raise ValueError(f"apply_ep: {type(model).__name__} has no MoE layer (MoEFeedForward) to split")
+    for ff in layers:
+        ex = ff.experts
+        if not isinstance(ex, FusedExperts):
+            raise ValueError(  # noqa: TRY004 - a config value (experts=), not an argument type
+                f"apply_ep: expert parallelism needs fused expert stacks, got {type(ex).__name__}; "
+                "build the model with experts='fused' (--model.experts fused)"
+            )
+        if ff.n_experts % ep:
+            raise ValueError(
+                f"apply_ep: n_experts={ff.n_experts} is not divisible by the EP size {ep}; choose an EP size "
+                f"that divides it"
+            )
+        if ex.ep_mesh is not None:
+            raise ValueError("apply_ep: the experts are already expert-parallel (apply_ep called twice)")
+        n = ff.n_experts // ep
+        for name in ("w1", "w3", "w2"):
+            p = getattr(ex, name)
+            local = p.detach()[r * n : (r + 1) * n].clone()
+            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            setattr(ex, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        ex.ep_mesh = mesh
+    return model
+
+
+def tp_plan_errors(cfg: Any, tp: int) -> list[str]:
+    """Why ``cfg`` cannot be split over ``tp`` tensor-parallel ranks (empty: it can). Pure, for checks
+    before launch: query and key/value heads, the SwiGLU width and the vocabulary must divide by ``tp``."""
+    errs = []
+    if tp < 1:
+        return [f"tp={tp} must be >= 1"]
+    for name in ("n_heads", "n_kv_heads", "hidden_dim", "vocab_size", "dim"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v % tp:
+            errs.append(f"{name}={v} is not divisible by tp={tp}")
+    return errs
+
+
+def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
+    """Tensor-parallel plan for ``raggedfsdp.models.Llama`` over the 1-D TP ``mesh``, in place (Megatron's
+    column/row split, as torchtitan's ``parallelize_llama`` without sequence parallel or loss parallel).
+
+    Per block: ``wq``/``wk``/``wv`` and the SwiGLU ``w1``/``w3`` are column-wise (``ColwiseParallel``:
+    weight ``Shard(0)``, each rank computes its heads / hidden units), ``wo`` and ``w2`` row-wise
+    (``RowwiseParallel``: weight ``Shard(1)``, one all-reduce of the block output); the attention then runs
+    on ``n_heads / tp`` local heads (``n_kv_heads / tp`` key/value heads). The embedding is row-wise over
+    the vocabulary (``Shard(0)``), the output projection column-wise with replicated logits, the final
+    norm a ``Replicate()`` DTensor; the block norms stay plain tensors. Call it before ``fully_shard``
+    (over the dp mesh: ``apply_fsdp(model, root["dp"])``) and before ``init_weights`` (which fills
+    DTensor shards with the single-device values). Every rank of ``mesh`` must call it.
+
+    Raises:
+        TypeError: ``mesh`` is not a 1-D ``DeviceMesh``.
+        ValueError: not a ``Llama`` (no ``layers`` of attention + feed-forward blocks), or heads, hidden
+            width or vocabulary not divisible by the TP size (see :func:`tp_plan_errors`).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise TypeError(f"apply_tp: mesh must be a 1-D DeviceMesh (e.g. root['tp']), got {mesh!r}")
+    cfg = getattr(model, "cfg", None)
+    layers = getattr(model, "layers", None)
+    if cfg is None or layers is None or not all(hasattr(b, "attention") and hasattr(b, "feed_forward")
+                                                for b in layers):
+        raise ValueError(f"apply_tp: {type(model).__name__} is not a raggedfsdp Llama (layers of attention + "
+                         "feed_forward blocks); write a parallelize_module plan for it")
+    tp = mesh.size()
+    errs = tp_plan_errors(cfg, tp)
+    if errs:
+        raise ValueError(f"apply_tp: cannot split {type(model).__name__} over tp={tp}: " + "; ".join(errs))
+    if tp == 1:
+        return model
+    for block in layers:
+        parallelize_module(block, mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh, plan)
+
+    def to_replicate(_mod, inputs, m):
+        return tuple(DTensor.from_local(x, m, [Replicate()], run_check=False) for x in inputs)
+
+    distribute_module(model.norm, mesh, input_fn=to_replicate, output_fn=lambda _mod, out, _m: out.to_local())
+    return model

@@ -4,7 +4,8 @@
 * :class:`AdamW8bit` -- block-wise 8-bit AdamW with per-tile scales local to each rank.
 * :func:`muon_param_groups` -- matrices to Muon, the rest to AdamW.
 * :func:`clip_grad_norm_` / :func:`get_total_norm` -- gradient clipping over parameters on different meshes.
-* :mod:`raggedfsdp.optim.reference` -- single-device reference implementations (test oracles).
+* :mod:`raggedfsdp.optim.reference` -- single-device reference implementations (test oracles);
+  the kernels they share with the distributed optimizers live in ``_newton_schulz`` and ``_quant``.
 """
 
 from raggedfsdp.optim.adamw8bit import AdamW8bit, tile_placement_fn

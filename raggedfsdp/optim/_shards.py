@@ -28,6 +28,12 @@ class ShardInfo:
         rank: this rank's index in ``group`` (0 if ``None``).
         ranges: flat element range ``[a, b)`` of every rank of ``group``, in rank order.
         group_key: hashable identity of ``group`` (its global ranks) used to batch collectives.
+        world: sorted global ranks of the whole mesh (every replica and shard rank); ``()`` if not
+            sharded. World index ``w`` is the rank ``world[w]`` (= its rank in a group of ``world``).
+        me: this rank's world index.
+        holders: for every piece ``s`` (``ranges[s]``), the world indices holding a copy of it,
+            ordered by replica index (HSDP ``(R, S)``: ``R`` holders per piece; FSDP: one).
+        replica: the replica index of every world index (its position in its piece's holders).
     """
 
     shape: tuple[int, ...]
@@ -36,6 +42,10 @@ class ShardInfo:
     rank: int
     ranges: tuple[tuple[int, int], ...]
     group_key: tuple[int, ...]
+    world: tuple[int, ...] = ()
+    me: int = 0
+    holders: tuple[tuple[int, ...], ...] = ((0,),)
+    replica: tuple[int, ...] = (0,)
 
     @property
     def world_size(self) -> int:
@@ -80,7 +90,37 @@ def shard_info(p: Tensor, name: str = "") -> ShardInfo:
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group))
-    return ShardInfo(shape, local_flat(p), group, mesh.get_local_rank(rs_dim), tuple(rs.flat_ranges(shape)), ranks)
+    world, me, holders, replica = _world_layout(mesh, rs_dim)
+    return ShardInfo(shape, local_flat(p), group, mesh.get_local_rank(rs_dim), tuple(rs.flat_ranges(shape)), ranks,
+                     world, me, holders, replica)
+
+
+def _world_layout(mesh, rs_dim: int):
+    """``(world, me, holders, replica)`` of :class:`ShardInfo` for a mesh whose dim ``rs_dim`` is ragged.
+
+    Every other mesh dim is a replicate dim: the replica index of a rank is its row-major coordinate
+    over those dims. Pure metadata (``mesh.mesh``), cached per mesh.
+    """
+    import torch.distributed as dist
+
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), rs_dim)
+    hit = _WORLD_CACHE.get(key)
+    if hit is None:
+        grid = mesh.mesh
+        world = tuple(sorted(grid.flatten().tolist()))
+        index = {g: w for w, g in enumerate(world)}
+        moved = grid.movedim(rs_dim, -1).reshape(-1, grid.shape[rs_dim])  # (replicas, pieces)
+        holders = tuple(tuple(index[int(g)] for g in moved[:, s].tolist()) for s in range(moved.shape[1]))
+        replica = [0] * len(world)
+        for hs in holders:
+            for k, w in enumerate(hs):
+                replica[w] = k
+        hit = _WORLD_CACHE[key] = (world, holders, tuple(replica))
+    world, holders, replica = hit
+    return world, world.index(dist.get_rank()), holders, replica
+
+
+_WORLD_CACHE: dict = {}
 
 
 def like_param(p: Tensor, local: Tensor) -> Tensor:

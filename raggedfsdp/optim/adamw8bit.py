@@ -1,6 +1,6 @@
 """Block-wise 8-bit AdamW on RaggedShard parameters: per-tile statistics that never straddle ranks.
 
-Each eligible parameter (``reference.tile_eligible``: ``ndim >= 2``, ``numel >= 4096``, tile height
+Each eligible parameter (``_quant.tile_eligible``: ``ndim >= 2``, ``numel >= 4096``, tile height
 dividing ``shape[-2]``, decided from the **global** shape only) keeps both moments as uint8 codes
 (one per element, laid out exactly like the parameter) plus one fp32 absmax scale per ``R x C``
 tile of the matrix (``shape`` viewed as ``(numel / shape[-1], shape[-1])``). Other parameters keep
@@ -21,14 +21,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from raggedfsdp.optim._shards import local_flat, shard_info
-from raggedfsdp.optim.reference import (
+from raggedfsdp.optim._quant import (
     adamw_math,
     dequantize_tiles,
     quantize_tiles,
     tile_eligible,
     zero_code,
 )
+from raggedfsdp.optim._shards import local_flat, shard_info
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 _QUANT_KEYS = ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
@@ -61,7 +61,7 @@ class AdamW8bit(Optimizer):
     ``exp_avg_sq_scale`` (fp32, ``(rows / R, ceil(cols / C))``, ``RaggedShard((0,), tile rows per
     rank)``); other parameters: fp32 ``exp_avg`` / ``exp_avg_sq``.
     The moments are quantized with a signed / unsigned dynamic-exponent code book
-    (``reference._code_book``: relative resolution down to ~1e-7 of a tile's absmax).
+    (``_quant._code_book``: relative resolution down to ~1e-7 of a tile's absmax).
 
     Which ranks: ``step()`` needs no communication at all.
 

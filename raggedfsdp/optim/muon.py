@@ -1,24 +1,30 @@
-"""Distributed Muon on RaggedShard parameters: one Newton-Schulz per matrix per step, on one owner rank.
+"""Distributed Muon on RaggedShard parameters: one Newton-Schulz per matrix per step, in the whole world.
 
-Per step, for every process group (the ragged mesh dim of the parameters; one per FSDP/HSDP mesh):
+Per step, for every mesh (the parameters' FSDP ``(S,)`` or HSDP ``(R, S)`` mesh; its *world* is all
+its ``R * S`` ranks):
 
 1. momentum (EMA, torch.optim.Muon's rule) and weight decay, element-wise on each rank's own piece;
-2. ONE ``all_to_all_single`` sends every piece of a matrix that is split over ranks to that matrix's
-   owner (in ``ns_dtype``, bfloat16: exactly the values torch's Newton-Schulz starts from);
-3. each owner runs Newton-Schulz on its matrices (whole-on-one-rank matrices in place, no comms);
-4. ONE ``all_to_all_single`` sends each rank the rows of the orthogonalised update it holds;
+2. every matrix has ONE owner among all world ranks (``_muon_plan``: LPT on Newton-Schulz FLOPs,
+   whole matrices kept on a holder when balance allows); the owner receives the parts it does not
+   hold (``ns_dtype``, bfloat16: exactly the values torch's Newton-Schulz starts from) from the
+   holder in its own replica;
+3. the owner runs Newton-Schulz (so under HSDP no replica group repeats it);
+4. the owner sends the orthogonalised rows of each part to **every** holder (all replicas);
 5. each rank adds its slice of the update with the matrix's adjusted learning rate.
 
-So a step costs 0 collectives (every matrix whole on one rank) or 2, whatever the number of
-tensors; uneven splits (including zeros, for ranks with empty pieces) are fine on gloo and NCCL.
-Every rank derives owners and splits from global metadata, so a rank holding nothing still joins
-the same two collectives and nothing hangs. Under HSDP (``(Replicate(), RaggedShard)``) each
-replica group runs the same plan over its shard group only: nothing is gathered over the replicate
-dim. Single-device reference: :func:`raggedfsdp.optim.reference.muon_reference_step`.
+Steps 2-4 are pipelined: each owner's matrices are cut into ``pipeline_chunks`` chunks of about
+equal cost, and chunk ``c + 1`` is gathered and chunk ``c - 1`` scattered (asynchronous
+``all_to_all_single`` over the world group, uneven splits, zeros allowed) while chunk ``c`` is
+orthogonalised. So a step costs 0 collectives (every matrix whole on one rank, no replicas) or at
+most 2 per chunk, whatever the number of tensors. Every rank derives owners, chunks and splits from
+global metadata, so a rank holding nothing still joins the same collectives and nothing hangs.
+Single-device reference: :func:`raggedfsdp.optim.reference.muon_reference_step`. Source: Canzona
+(arXiv 2602.06079) for owner decoupling and micro-group pipelining; peers-2026-12.md section 5.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -27,18 +33,19 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from raggedfsdp.optim._muon_plan import Matrix, assign_owners, split_matrices
-from raggedfsdp.optim._shards import ShardInfo, local_flat, shard_info
-from raggedfsdp.optim.reference import (
+from raggedfsdp.optim._muon_plan import Matrix, assign_owners, chunk_of, plan_exchange, split_matrices
+from raggedfsdp.optim._newton_schulz import (
     ADJUST_LR_FNS,
     NS_COEFFICIENTS,
     NS_EPS,
     NS_STEPS,
     adjust_lr,
+    compiled_newton_schulz,
     matrices_of,
     newton_schulz,
     ns_flops,
 )
+from raggedfsdp.optim._shards import ShardInfo, local_flat, shard_info
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -53,12 +60,16 @@ class Muon(Optimizer):
         lr: learning rate (float), adjusted per matrix by ``adjust_lr_fn``.
         weight_decay: decoupled, ``p *= 1 - lr * weight_decay`` (unadjusted lr, as torch).
         momentum, nesterov: ``buf.lerp_(g, 1 - momentum)``; update ``g.lerp(buf, momentum)`` if nesterov.
-        ns_coefficients, eps, ns_steps: the quintic Newton-Schulz (``reference.newton_schulz``).
+        ns_coefficients, eps, ns_steps: the quintic Newton-Schulz (``_newton_schulz.newton_schulz``).
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or ``"match_rms_adamw"``.
         ns_dtype: keyword-only, dtype of Newton-Schulz and of the exchanged pieces (torch: bfloat16).
         balance_slack: keyword-only. A matrix whole on one rank is orthogonalised there with no
-            communication unless that puts its rank above ``(1 + balance_slack)`` times the mean
+            gather unless that puts its rank above ``(1 + balance_slack)`` times the mean
             Newton-Schulz load (``_muon_plan.assign_owners``); ``None``: never move whole matrices.
+        pipeline_chunks: keyword-only int >= 1, chunks of the gather / Newton-Schulz / scatter
+            pipeline (default 4; 1: one gather and one scatter per step, no overlap).
+        compile_ns: keyword-only, run Newton-Schulz through ``torch.compile`` (default off: inductor
+            may change the last bits, so the bitwise parity with ``torch.optim.Muon`` is for eager).
         betas: keyword-only, default AdamW betas of ``algorithm="adamw"`` groups.
 
     Parameters: plain 2-D/3-D tensors, or DTensors with placements ``(RaggedShard,)`` or
@@ -68,14 +79,18 @@ class Muon(Optimizer):
     ``state_dict()`` and DCP (``get_optimizer_state_dict``) work before the first step and reshard
     on load. Owners are not state: they are recomputed from the layout.
 
-    Which ranks: ``step()`` is collective over each parameter's shard group; all ranks must call it,
-    with ``p.grad`` set (or ``None``) consistently across ranks.
-    After each step ``last_step_stats`` holds ``collectives``, ``ns_calls``, ``ns_flops``,
-    ``ns_matrices`` (``(param_index, matrix_index)`` orthogonalised on this rank), ``sent_elements``.
+    Which ranks: ``step()`` is collective over every rank of each parameter's mesh (replicas
+    included); all of them must call it, with ``p.grad`` set (or ``None``) consistently across ranks.
+    A mesh that is not the whole default group gets its own group (``dist.new_group`` with
+    ``use_local_synchronization=True``, created on first use).
+    After each step ``last_step_stats`` holds ``collectives``, ``chunks``, ``ns_calls``, ``ns_flops``,
+    ``ns_matrices`` (``(param_index, matrix_index)`` orthogonalised on this rank), ``sent_elements``,
+    ``ns_s`` and ``wait_s`` (seconds in Newton-Schulz / blocked waiting for the exchange).
 
     Raises:
         ValueError: negative lr/momentum/weight_decay, unknown ``adjust_lr_fn`` or ``algorithm``, a Muon
-            parameter that is not 2-D or 3-D (naming it and pointing to ``muon_param_groups``).
+            parameter that is not 2-D or 3-D (naming it and pointing to ``muon_param_groups``),
+            ``pipeline_chunks`` not an int >= 1.
         NotImplementedError: tensor-parallel (``Shard``) placements.
     """
 
@@ -94,6 +109,8 @@ class Muon(Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         balance_slack: float | None = 0.1,
         betas: tuple[float, float] = (0.9, 0.999),
+        pipeline_chunks: int = 4,
+        compile_ns: bool = False,
     ) -> None:
         for nm, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not float(v) >= 0.0:
@@ -108,6 +125,11 @@ class Muon(Optimizer):
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.balance_slack = balance_slack
+        if not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
+            raise ValueError(f"Muon: pipeline_chunks={pipeline_chunks!r} must be an int >= 1 (1: no pipelining)")
+        self.pipeline_chunks = pipeline_chunks
+        self._ns = compiled_newton_schulz() if compile_ns else newton_schulz
+        self._groups: dict[tuple[int, ...], Any] = {}
         self._index: dict[int, int] = {}
         self._infos: dict[int, ShardInfo] = {}
         self._plans: dict[Any, tuple[list[Matrix], list[int]]] = {}
@@ -154,7 +176,8 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = {"collectives": 0, "ns_calls": 0, "ns_flops": 0, "ns_matrices": [], "sent_elements": 0}
+        stats = {"collectives": 0, "ns_calls": 0, "ns_flops": 0, "ns_matrices": [], "sent_elements": 0,
+                 "chunks": 0, "ns_s": 0.0, "wait_s": 0.0}
         buckets: dict[tuple, list] = defaultdict(list)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
@@ -172,82 +195,99 @@ class Muon(Optimizer):
                 buf.lerp_(g, 1 - mu)
                 update = g.lerp(buf, mu) if group["nesterov"] else buf
                 info.local.mul_(1 - lr * wd)
-                key = info.group_key if info.group is not None else ("local", id(p))
+                key = info.world if info.group is not None else ("local", id(p))
                 buckets[key].append((p, info, group, update))
         for key in sorted(buckets, key=str):
             self._orthogonalize(buckets[key], stats)
         self.last_step_stats = stats
         return loss
 
-    def _plan(self, items, me: int):
-        """Matrices, owners and this rank's send lists (cached per layout): see ``_muon_plan``."""
-        key = (me,) + tuple((id(p), info.ranges) for p, info, _, _ in items)
+    def _plan(self, items):
+        """Matrices, owners, chunks and this rank's exchange lists (cached per layout): see ``_muon_plan``."""
+        info0 = items[0][1]
+        key = (info0.me, self.pipeline_chunks) + tuple((id(p), info.ranges) for p, info, _, _ in items)
         plan = self._plans.get(key)
         if plan is None:
             mats: list[Matrix] = []
             for i, (_, info, _, _) in enumerate(items):
-                mats += split_matrices(i, matrices_of(info.shape), info.ranges)
-            ws = items[0][1].world_size
-            owners, _ = assign_owners(mats, ws, self.balance_slack)
-            # to_owner[q]: (j, lo, hi) of my parts of split matrices owned by q;
-            # from_rank[q]: (j, lo, hi) of q's parts of split matrices owned by me (both in j order)
-            to_owner: list[list] = [[] for _ in range(ws)]
-            from_rank: list[list] = [[] for _ in range(ws)]
-            for j, m in enumerate(mats):
-                if m.whole_on == owners[j]:
-                    continue  # computed where it lies: no communication
-                for q, lo, hi in m.parts:
-                    if q == me:
-                        to_owner[owners[j]].append((j, lo, hi))
-                    if owners[j] == me:
-                        from_rank[q].append((j, lo, hi))
-            plan = self._plans[key] = (mats, owners, to_owner, from_rank)
+                mats += split_matrices(i, matrices_of(info.shape), info.ranges, info.holders)
+            owners, loads = assign_owners(mats, len(info0.replica), self.balance_slack)
+            chunk, n_chunks = chunk_of(mats, owners, self.pipeline_chunks) if mats else ([], 0)
+            ex = plan_exchange(mats, owners, chunk, n_chunks, info0.replica, info0.me)
+            piece = info0.holders.index(next(h for h in info0.holders if info0.me in h))
+            starts = [items[m.item][1].ranges[piece][0] for m in mats]  # param-flat offset of my piece
+            plan = self._plans[key] = (mats, owners, ex, starts, loads)
         return plan
 
     def _orthogonalize(self, items, stats) -> None:
-        """Steps 2-5 of the module docstring for one process group's parameters (collective)."""
+        """Steps 2-5 of the module docstring for one mesh's parameters (collective over its world)."""
         info0 = items[0][1]
-        me, dt = info0.rank, self.ns_dtype
-        mats, owners, to_owner, from_rank = self._plan(items, me)
-        starts = [items[m.item][1].ranges[me][0] for m in mats]  # param-flat offset of my piece
-        shared = any(m.whole_on != o for m, o in zip(mats, owners))  # global metadata: same on every rank
+        me, dt = info0.me, self.ns_dtype
+        mats, _, ex, starts, _ = self._plan(items)
+        group = self._world_group(info0) if any(e.gather or e.scatter for e in ex) else None
 
-        full: dict[int, Tensor] = {}
-        if shared:  # gather split matrices to their owners: one all_to_all_single
-            send = [items[mats[j].item][3][lo - starts[j]:hi - starts[j]].to(dt) for lst in to_owner
-                    for j, lo, hi in lst]
-            recv = self._all_to_all(send, [sum(h - l for _, l, h in lst) for lst in to_owner],
-                                    [sum(h - l for _, l, h in lst) for lst in from_rank], info0, stats)
-            chunks: dict[int, list[Tensor]] = defaultdict(list)
+        def piece_of(j, lo, hi):  # my update's elements [lo, hi) of matrix j (param-flat)
+            return items[mats[j].item][3][lo - starts[j]:hi - starts[j]]
+
+        def launch_gather(c):
+            e = ex[c]
+            if not e.gather:
+                return None
+            send = [piece_of(j, lo, hi).to(dt) for lst in e.gather_send for j, lo, hi in lst]
+            return self._all_to_all(send, e.gather_send, e.gather_recv, info0, group, stats)
+
+        def launch_scatter(c, ortho):
+            e = ex[c]
+            if not e.scatter:
+                return None
+            send = [ortho[j][lo - mats[j].start:hi - mats[j].start] for lst in e.scatter_send for j, lo, hi in lst]
+            return self._all_to_all(send, e.scatter_send, e.scatter_recv, info0, group, stats)
+
+        def finish_scatter(c, handle):
+            if handle is None:
+                return
+            recv = self._wait(handle, stats)
             off = 0
-            for lst in from_rank:
-                for j, lo, hi in lst:
-                    chunks[j].append(recv[off:off + hi - lo])
-                    off += hi - lo
-            full = {j: torch.cat(c) for j, c in chunks.items()}
-        ortho: dict[int, Tensor] = {}
-        for j, m in enumerate(mats):
-            if owners[j] != me:
-                continue
-            p, _, group, update = items[m.item]
-            src = full[j] if j in full else update[m.start - starts[j]:m.start + m.numel - starts[j]]
-            o = newton_schulz(src.view(m.rows, m.cols), group["ns_coefficients"], group["ns_steps"],
-                              group["eps"], dt)
-            ortho[j] = o.reshape(-1)
-            stats["ns_calls"] += 1
-            stats["ns_flops"] += ns_flops(m.rows, m.cols, group["ns_steps"])
-            stats["ns_matrices"].append((self._index[id(p)], m.start // m.numel))
-            if m.whole_on == me:
-                self._apply(items, m, ortho[j], m.start, m.start + m.numel, starts[j])
-        if shared:  # scatter the orthogonalised rows back: one all_to_all_single
-            send = [ortho[j][lo - mats[j].start:hi - mats[j].start] for lst in from_rank for j, lo, hi in lst]
-            recv = self._all_to_all(send, [sum(h - l for _, l, h in lst) for lst in from_rank],
-                                    [sum(h - l for _, l, h in lst) for lst in to_owner], info0, stats)
-            off = 0
-            for lst in to_owner:
+            for lst in ex[c].scatter_recv:
                 for j, lo, hi in lst:
                     self._apply(items, mats[j], recv[off:off + hi - lo], lo, hi, starts[j])
                     off += hi - lo
+
+        nxt = launch_gather(0) if ex else None
+        prev = None
+        for c, e in enumerate(ex):
+            cur, nxt = nxt, (launch_gather(c + 1) if c + 1 < len(ex) else None)
+            received: dict[tuple[int, int], Tensor] = {}
+            if cur is not None:
+                recv, off = self._wait(cur, stats), 0
+                for lst in e.gather_recv:
+                    for j, lo, hi in lst:
+                        received[(j, lo)] = recv[off:off + hi - lo]
+                        off += hi - lo
+            ortho: dict[int, Tensor] = {}
+            t0 = time.perf_counter()
+            for j in e.mine:
+                m = mats[j]
+                group_ = items[m.item][2]
+                src = [piece_of(j, lo, hi) if me in hs else received[(j, lo)] for hs, lo, hi in m.parts]
+                src = src[0] if len(src) == 1 else torch.cat([x.to(dt) for x in src])
+                o = self._ns(src.view(m.rows, m.cols), group_["ns_coefficients"], group_["ns_steps"],
+                             group_["eps"], dt)
+                ortho[j] = o.reshape(-1)
+                stats["ns_calls"] += 1
+                stats["ns_flops"] += ns_flops(m.rows, m.cols, group_["ns_steps"])
+                stats["ns_matrices"].append((self._index[id(items[m.item][0])], m.start // m.numel))
+                for hs, lo, hi in m.parts:
+                    if me in hs:  # the owner's own rows: no message
+                        self._apply(items, m, ortho[j][lo - m.start:hi - m.start], lo, hi, starts[j])
+            stats["ns_s"] += time.perf_counter() - t0
+            handle = launch_scatter(c, ortho)
+            if prev is not None:
+                finish_scatter(*prev)
+            prev = (c, handle)
+        if prev is not None:
+            finish_scatter(*prev)
+        stats["chunks"] = max(stats["chunks"], len(ex))
 
     def _apply(self, items, m: Matrix, delta: Tensor, lo: int, hi: int, a: int) -> None:
         """``p[lo:hi] -= adjusted_lr * delta`` on this rank's piece starting at param-flat ``a``."""
@@ -255,13 +295,35 @@ class Muon(Optimizer):
         lr = adjust_lr(float(group["lr"]), group["adjust_lr_fn"], m.rows, m.cols)
         info.local[lo - a:hi - a].add_(delta, alpha=-lr)
 
-    def _all_to_all(self, send, send_splits, recv_splits, info: ShardInfo, stats) -> Tensor:
+    def _world_group(self, info: ShardInfo):
+        """The process group of every rank of the mesh (``info.world``; group rank = world index)."""
+        if info.world == tuple(range(dist.get_world_size())):
+            return dist.group.WORLD
+        if info.group is not None and tuple(sorted(info.group_key)) == info.world:
+            return info.group
+        grp = self._groups.get(info.world)
+        if grp is None:  # only the mesh's ranks take part (all of them call step())
+            grp = self._groups[info.world] = dist.new_group(list(info.world), use_local_synchronization=True)
+        return grp
+
+    def _all_to_all(self, send, send_lists, recv_lists, info: ShardInfo, group, stats):
+        """Launch one asynchronous ``all_to_all_single`` (uneven splits, zeros allowed) over ``group``."""
         dev = info.local.device
+        send_splits = [sum(h - lo for _, lo, h in lst) for lst in send_lists]
+        recv_splits = [sum(h - lo for _, lo, h in lst) for lst in recv_lists]
         inp = torch.cat(send) if send else torch.empty(0, dtype=self.ns_dtype, device=dev)
         out = torch.empty(sum(recv_splits), dtype=self.ns_dtype, device=dev)
-        dist.all_to_all_single(out, inp, recv_splits, send_splits, group=info.group)
+        work = dist.all_to_all_single(out, inp, recv_splits, send_splits, group=group, async_op=True)
         stats["collectives"] += 1
         stats["sent_elements"] += inp.numel()
+        return work, out, inp
+
+    @staticmethod
+    def _wait(handle, stats) -> Tensor:
+        work, out, _ = handle
+        t0 = time.perf_counter()
+        work.wait()
+        stats["wait_s"] += time.perf_counter() - t0
         return out
 
     def _adamw_step(self, group) -> None:

@@ -9,8 +9,10 @@ ONE ``all_to_all_single`` that moves only the overlapping element intervals.
 
 Composition with other mesh dims (paper-notes section 1.3): at most one RaggedShard per placement
 tuple; it is applied innermost, i.e. on the local tensor that the other mesh dims' placements
-(Replicate, Partial, Shard(d) with ``d >= len(dims)``) produce. ``Shard(d)`` with ``d < len(dims)``
-(the cut would cross the ragged rows) and ``_StridedShard`` raise ``ValueError``.
+(Replicate, Partial, ``Shard(d)``) produce -- FSDP2's order of sharding for FSDP x TP, where FSDP
+shards the TP-local tensor. A ``Shard(d)`` with ``d < len(dims)`` (a dim the ragged rows span) must
+split that dim evenly, so the local tensor RaggedShard applies to has one shape on every rank;
+``_StridedShard`` raises ``ValueError``.
 
 Source of the dispatch this replaces: torch/distributed/tensor/_redistribute.py
 ``redistribute_local_tensor``; veScale ``vescale/dtensor/_redistribute.py`` (design only).
@@ -73,7 +75,8 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
     """Raise ``ValueError`` unless ``placements`` is a supported RaggedShard composition on ``mesh``.
 
     Supported: at most one RaggedShard; on the other mesh dims Replicate, Partial, or ``Shard(d)``
-    with ``d >= len(dims)``. Not collective.
+    (an even split when ``d < len(dims)``); the RaggedShard must fit the local shape those produce.
+    Not collective.
     """
     placements = tuple(placements)
     if len(placements) != mesh.ndim:
@@ -93,25 +96,30 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
     rs: RaggedShard = placements[i]
     rs.validate_mesh(mesh, i)
     ndim = len(global_shape)
-    rs.validate_shape(tuple(global_shape), mesh.size(i))
     k = len(rs.dims)
+    base = [int(s) for s in global_shape]  # the shape RaggedShard is applied to (innermost)
     for j, p in enumerate(placements):
         if j == i or p.is_replicate() or p.is_partial():
             continue
         if type(p) is Shard:
             d = p.dim + ndim if p.dim < 0 else p.dim
             if d >= k:
-                continue
-            raise ValueError(
-                f"placements={placements}: {p} on mesh dim {j} cuts tensor dim {d}, which is inside the "
-                f"ragged rows of {rs} (dims={rs.dims}). RaggedShard is applied innermost, so the ragged "
-                f"granularity must be a multiple of the Shard's stride: use dims=tuple(range(k)) with "
-                f"k <= {d} (e.g. dims=(0,) with Shard(1)), or Shard a dim >= {k}"
-            )
+                continue  # the cut is inside each ragged row: any (even uneven) Shard composes
+            if not 0 <= d < ndim or base[d] % mesh.size(j):
+                raise ValueError(
+                    f"placements={placements}: {p} on mesh dim {j} cuts tensor dim {d} of shape "
+                    f"{tuple(global_shape)} (size {base[d] if 0 <= d < ndim else '?'}), which lies inside the "
+                    f"ragged rows of {rs} (dims={rs.dims}), into {mesh.size(j)} uneven parts; RaggedShard is "
+                    "applied to the local tensor the other placements produce, which must then have the same "
+                    f"shape on every rank: make dim {d} divisible by {mesh.size(j)} (pad it), or Shard a dim >= {k}"
+                )
+            base[d] //= mesh.size(j)
+            continue
         raise ValueError(
             f"placements={placements}: {p} on mesh dim {j} cannot be combined with RaggedShard; "
-            "supported companions are Replicate(), Partial() and Shard(d) with d >= len(dims)"
+            "supported companions are Replicate(), Partial() and Shard(d) (even when d < len(dims))"
         )
+    rs.validate_shape(tuple(base), mesh.size(i))
 
 
 def _coord(mesh, mesh_dim: int) -> int:

@@ -200,6 +200,78 @@ def granularity_for(
     return g, ragged_dims(shape, g)
 
 
+def granularity_for_local(
+    global_shape: Sequence[int],
+    local_shape: Sequence[int],
+    block: BlockSpec | str | tuple[int, int] | None = None,
+    *,
+    name: str | None = None,
+) -> tuple[int, tuple[int, ...]]:
+    """Block size (elements) and ``RaggedShard`` dims for the TP/EP-local tensor of a sharded parameter.
+
+    FSDP x TP (torch FSDP2's order, ``_fsdp_param.py: _init_sharding_spec_tp``) plans and shards the
+    local tensor that the tensor-parallel ``Shard`` placements leave on this rank (``local_shape``:
+    ``global_shape`` with some dims divided evenly). A block spec is defined on the GLOBAL tensor
+    (a quantization tile, ``K`` rows, one expert slice, the matrix) and must not be cut by a TP
+    boundary either; this returns the block as seen in the local tensor, whose ragged pieces the
+    planner then keeps whole. ``None`` (the default) is one row of the *local* tensor, as FSDP2's
+    ``Shard(0)`` of the TP-local tensor.
+
+    Rules (``d`` a dim that TP splits into parts of ``L_d``): ``tile:RxC`` needs ``R | L_d`` for the
+    matrix-row dim and ``C | L_d`` for the column dim; other kinds are a run of ``b`` rows of the
+    flattened ``dims`` prefix, which must lie inside one value of ``d`` (``b`` divides the prefix
+    extent below ``d``) or cover whole runs of ``b / Q`` values of ``d`` with ``b / Q | L_d``; a block
+    spanning the whole of a split dim (``row`` or ``slice`` across a split trailing dim, ``matrix``) is cut.
+
+    Returns ``(granularity, dims)`` of the local shape. Pure, O(ndim).
+
+    Raises:
+        ValueError: the block does not tile the global tensor, or a TP boundary cuts it -- naming the
+            tensor, both shapes, the split dim and a block that fits.
+    """
+    gshape = _shape_of(global_shape)
+    lshape = _shape_of(local_shape)
+    who = f"parameter {name!r}" if name else f"tensor of shape {gshape}"
+    if len(gshape) != len(lshape):
+        raise ValueError(f"granularity_for_local: {who}: local shape {lshape} and global shape {gshape} differ")
+    if block is None:
+        return granularity_for(lshape, None, name=name)
+    spec = BlockSpec.parse(block)
+    g, dims = granularity_for(gshape, spec, name=name)  # the block must tile the global tensor
+    split = [d for d in range(len(gshape)) if lshape[d] != gshape[d]]
+    if not split or math.prod(gshape) == 0:
+        return granularity_for(lshape, spec, name=name) if split else (g, dims)
+    nd = len(gshape)
+
+    def cut(d: int, why: str) -> ValueError:
+        return ValueError(
+            f"fully_shard: block {spec} of {who} (global shape {gshape}) is cut by the tensor-parallel split "
+            f"of dim {d} into parts of {lshape[d]} (local shape {lshape}): {why}. No TP or FSDP boundary may "
+            "cut a block: choose a block that fits inside the TP-local tensor (e.g. 'row', 'element', a smaller "
+            "tile), or shard that dim so its parts are a multiple of the block"
+        )
+
+    if spec.kind == "tile":
+        for d in split:
+            if d == nd - 2 and lshape[d] % spec.rows:
+                raise cut(d, f"the tile height {spec.rows} does not divide {lshape[d]}")
+            if d == nd - 1 and spec.cols and lshape[d] % spec.cols:
+                raise cut(d, f"the tile width {spec.cols} does not divide {lshape[d]}")
+        return spec.rows * (lshape[-1] if nd >= 2 else 1), ragged_dims(lshape, spec.rows * lshape[-1])
+    if spec.kind == "row" and nd >= 2 and (nd - 1) in split:
+        raise cut(nd - 1, "a row spans the whole split dim")
+    k = len(dims)
+    tail = math.prod(gshape[k:])
+    b = g // tail  # rows of the flattened dims prefix per block
+    for d in split:
+        if d >= k:
+            raise cut(d, f"each block spans the whole of dim {d}")
+        q = math.prod(gshape[d + 1 : k])
+        if not (q % b == 0 or (b % q == 0 and lshape[d] % (b // q) == 0)):
+            raise cut(d, f"a block of {b} rows of the leading dims {tuple(range(k))} crosses a part boundary")
+    return g, ragged_dims(lshape, g)
+
+
 def make_policy(matrix: BlockSpec | str = "row", vector: BlockSpec | str = "element") -> Policy:
     """A policy giving ``matrix`` blocks to tensors with ``ndim >= 2`` and ``vector`` blocks to the rest."""
     m_spec, v_spec = BlockSpec.parse(matrix), BlockSpec.parse(vector)

@@ -61,7 +61,7 @@ def _build(which, rank, ws, seed, fulls):
     from _optim_cases import layout, make_param
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.optim.reference import tile_eligible
+    from raggedfsdp.optim._quant import tile_eligible
 
     mesh = init_device_mesh("cpu", (ws,))
     model = torch.nn.Module()

@@ -4,8 +4,11 @@ Muon:
 For the same gradients the sharded parameters must equal the reference **bitwise** (the owner runs
 the very same bfloat16 Newton-Schulz on the very same matrix), whatever the layout: row- or
 element-granular pieces with empty ranks, whole matrices on one rank, 3-D expert stacks, plain
-tensors. Also asserted: every matrix orthogonalised exactly once per step on exactly one rank,
-2 collectives per step (0 when every matrix is whole on one rank).
+tensors, pipelined (chunked, asynchronous) or not. Also asserted: every matrix orthogonalised
+exactly once per step in the whole world (HSDP included: no replica group repeats it), the
+collectives counted by CommDebugMode equal the optimizer's count (2 per step unpipelined, 0 when
+every matrix is whole on one rank), and per-rank Newton-Schulz FLOPs balanced within 1.1 of the
+mean on a 24-matrix model.
 
 AdamW8bit: bit-identical to ``reference.adamw8bit_reference_step`` (hence across world sizes) on
 tile-aligned uneven layouts with empty ranks, 0 collectives; fp32 state for small / 1-D tensors
@@ -61,16 +64,13 @@ def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, e
         assert n_coll == st["collectives"], (comm.get_comm_counts(), st["collectives"])
         if expect_colls is not None:
             assert n_coll == expect_colls, comm.get_comm_counts()
-        # every matrix exactly once, on one rank of each shard group
+        # every matrix exactly once in the whole world (HSDP: not once per replica group)
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, st["ns_matrices"])
-        n_groups = dist.get_world_size() // mesh.size(mesh.ndim - 1)
-        per_group = [x for x in seen[: mesh.size(mesh.ndim - 1)]] if mesh.ndim == 1 else None
         all_ns = sorted(m for lst in seen for m in lst if m[0] < len(SHAPES))
         want = sorted((i, e) for i, f in enumerate(fulls[: len(SHAPES)])
-                      for e in range(f.shape[0] if f.ndim == 3 else 1)) * n_groups
-        assert all_ns == sorted(want), (all_ns, want)
-        del per_group
+                      for e in range(f.shape[0] if f.ndim == 3 else 1))
+        assert all_ns == want, (all_ns, want)
     for i, (p, r) in enumerate(zip(params, refs)):
         assert torch.equal(full(p), r.detach()), (i, SHAPES[i] if i < len(SHAPES) else "plain",
                                                   (full(p) - r.detach()).abs().max())
@@ -87,7 +87,8 @@ def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
 
     from raggedfsdp import RaggedShard
     from raggedfsdp.optim import AdamW8bit
-    from raggedfsdp.optim.reference import adamw8bit_reference_step, tile_eligible
+    from raggedfsdp.optim._quant import tile_eligible
+    from raggedfsdp.optim.reference import adamw8bit_reference_step
 
     nshard = mesh.size(mesh.ndim - 1)
     g = torch.Generator().manual_seed(seed)
@@ -137,12 +138,12 @@ def _muon_1d(rank, ws):
     import raggedfsdp  # noqa: F401
 
     mesh = init_device_mesh("cpu", (ws,))
-    _check_muon(rank, ws, mesh, rank, KINDS, 0, expect_colls=0 if ws == 1 else 2)
+    _check_muon(rank, ws, mesh, rank, KINDS, 0, expect_colls=0 if ws == 1 else 2, muon_kw={"pipeline_chunks": 1})
     _check_muon(rank, ws, mesh, rank, KINDS[::-1], 1, nesterov=False, adjust_lr_fn="match_rms_adamw")
     # every matrix whole on one rank: no communication at all when locality is absolute, and
     # (ws > 1) whole matrices moved to balance the Newton-Schulz load by default: still exact
     _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw={"balance_slack": None})
-    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=2 if ws > 1 else 0)
+    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2)
     _check_adamw8bit(rank, ws, mesh, rank, 4)
     if ws == 3:
         _check_grad_accumulation(rank, ws)
@@ -217,9 +218,42 @@ def _muon_hsdp(rank, ws):
     import raggedfsdp  # noqa: F401
 
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
-    # 2 collectives per step, both over the 2-rank shard group: nothing crosses the replicate dim
-    _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS, 3, expect_colls=2)
+    # owners over all 4 ranks: 2 world collectives per step unpipelined (gather, then scatter to both replicas)
+    _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS, 3, expect_colls=2, muon_kw={"pipeline_chunks": 1})
+    _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS[::-1], 8)
+    _check_world_balance(rank, ws, mesh)
     _check_adamw8bit(rank, ws, mesh, mesh.get_local_rank(1), 6)
+
+
+def _check_world_balance(rank, ws, mesh):
+    """24 matrices (row pieces, HSDP): Newton-Schulz FLOPs per rank within 1.1 of the world mean
+    and NS calls counted per rank sum to the matrix count (a replica group repeating NS doubles it)."""
+    import torch.distributed as dist
+    from _optim_cases import layout, make_param, set_grad
+    from torch.distributed.tensor import Replicate
+
+    from raggedfsdp.optim import Muon
+    from raggedfsdp.optim._muon_plan import balance
+
+    nshard = mesh.size(mesh.ndim - 1)
+    g = torch.Generator().manual_seed(17)
+    shapes = [(32, 24)] * 12 + [(16, 40)] * 8 + [(48, 32)] * 4
+    fulls = [torch.randn(sh, generator=g) for sh in shapes]
+    pls = [(layout("row", f.shape, nshard, 40 + i),) for i, f in enumerate(fulls)]
+    params = [make_param(f, mesh, pl if mesh.ndim == 1 else (Replicate(),) + pl, mesh.get_local_rank(mesh.ndim - 1))
+              for f, pl in zip(fulls, pls)]
+    opt = Muon(params, lr=LR)
+    for p, f in zip(params, fulls):
+        set_grad(p, torch.randn(f.shape, generator=g), mesh.get_local_rank(mesh.ndim - 1))
+    opt.step()
+    st = opt.last_step_stats
+    stats = [None] * ws
+    dist.all_gather_object(stats, (st["ns_calls"], st["ns_flops"]))
+    assert sum(c for c, _ in stats) == len(shapes), stats
+    flops = [f for _, f in stats]
+    assert balance(flops) <= 1.1, flops
+    (_, _, _, _, loads), = opt._plans.values()  # the plan's loads are what each rank did
+    assert loads == flops, (loads, flops)
 
 
 def test_optimizers_hsdp_2x2():

@@ -211,7 +211,9 @@ def _cases_2d(rank, ws):
         combos = [
             (Replicate(), rsa), (rsa, Replicate()), (Shard(1), rsa), (rsa, Shard(len(shape) - 1)),
             (Replicate(), rsb), (Partial(), rsa), (rsb, Shard(len(shape) - 1)),
-        ]
+            # FSDP x TP: RaggedShard on the TP-local tensor of a Shard on a dim the ragged rows span
+            (Shard(0), rsb), (rsb, Shard(0)),
+        ] + ([(Shard(0), rsa), (rsa, Shard(0))] if shape[0] // 2 % sum(rsa.local_units) == 0 else [])
         for pl in combos:
             d = distribute_tensor(full, mesh, list(pl))
             assert d.placements == pl
@@ -251,8 +253,8 @@ def _cases_2d(rank, ws):
             s = d * 2 + d
             assert s.placements == pl
             torch.testing.assert_close(s.full_tensor(), full * 3)
-        with pytest.raises(ValueError, match="inside the ragged rows"):
-            distribute_tensor(full, mesh, [Shard(0), rsa])
+        with pytest.raises(ValueError, match="uneven parts"):  # the TP-local shapes would differ
+            distribute_tensor(torch.randn(5, 4), mesh, [Shard(0), RaggedShard((0,), (1, 1))])
         with pytest.raises(ValueError, match="at most one RaggedShard"):
             distribute_tensor(full, mesh, [rsa, rsa])
 

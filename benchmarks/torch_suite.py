@@ -1,0 +1,100 @@
+"""Run torch's own FSDP2 unit tests (``test/distributed/_composable/fsdp/*.py`` of the installed torch
+version) on CPU, once with torch's ``fully_shard`` and once with ``raggedfsdp.fully_shard`` swapped in,
+and print one table: test, torch, raggedfsdp, and for every difference its class from ``CLASSIFIED``.
+
+torch's test files are not in the wheel and are not vendored here: fetch them (``benchmarks/torch_suite.md``
+says how) into a folder and pass it. The patches (``benchmarks/torch_suite/sitecustomize.py``) are installed
+in every process of the run, spawned ranks included: gloo, CPU ranks for GPU-only test classes, the
+``fully_shard`` swap. Needs ``expecttest`` importable (``pip install expecttest``, or ``--site DIR``).
+
+    python benchmarks/torch_suite.py --tests /path/to/torch/test/distributed/_composable/fsdp \\
+        test_fully_shard_frozen.py test_fully_shard_state_dict.py --out /tmp/suite.json
+
+Not a pytest test (it runs minutes and needs files from outside the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# test id (file::Class::test) -> (class, reason). Classes: "torch-internals" (asserts on torch's private
+# FSDPParam / FSDPParamGroup state or its even Shard(0) split), "unsupported" (a documented raggedfsdp
+# limit, docs/fsdp.md "Not yet matched from FSDP2"), "environment" (needs CUDA or the multithreaded PG).
+CLASSIFIED: dict[str, tuple[str, str]] = {}
+
+
+def _run(impl: str, tests: Path, files: list[str], ranks: int, site: str | None, timeout: float,
+         kexpr: str | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    env = dict(os.environ)
+    paths = [str(HERE / "torch_suite"), str(ROOT)] + ([site] if site else []) + [env.get("PYTHONPATH", "")]
+    env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), RAGGEDFSDP_TORCH_SUITE=impl,
+               RAGGEDFSDP_TORCH_SUITE_RANKS=str(ranks), OMP_NUM_THREADS="1")
+    for f in files:
+        xml = Path(f"/tmp/torch_suite_{impl}_{Path(f).stem}.xml")
+        xml.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", str(tests / f), "-q", "-p", "no:cacheprovider",
+               f"--junitxml={xml}", "-o", "junit_family=xunit1"] + (["-k", kexpr] if kexpr else [])
+        t0 = time.monotonic()
+        try:
+            subprocess.run(cmd, env=env, cwd=str(tests), timeout=timeout, capture_output=True, text=True, check=False)
+        except subprocess.TimeoutExpired:
+            out[f"{f}::<file>"] = "timeout"
+            continue
+        if not xml.exists():
+            out[f"{f}::<file>"] = "error (no report)"
+            continue
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            cls = case.get("classname", "").rsplit(".", 1)[-1]
+            key = f"{f}::{cls}::{case.get('name')}"
+            if case.find("failure") is not None or case.find("error") is not None:
+                node = case.find("failure") if case.find("failure") is not None else case.find("error")
+                msg = (node.get("message") or "").strip().splitlines()
+                out[key] = "fail: " + (msg[0][:100] if msg else "?")
+            elif case.find("skipped") is not None:
+                out[key] = "skip"
+            else:
+                out[key] = "pass"
+        print(f"# {impl} {f}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="test file names inside --tests")
+    ap.add_argument("--tests", type=Path, required=True, help="folder holding torch's fsdp test files")
+    ap.add_argument("--impl", nargs="+", default=["torch", "ours"], choices=["torch", "ours"])
+    ap.add_argument("--ranks", type=int, default=2, help="CPU ranks given to GPU-only test classes")
+    ap.add_argument("--site", default=None, help="extra sys.path entry (e.g. where expecttest is installed)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per file and implementation")
+    ap.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
+    ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
+    a = ap.parse_args(argv)
+    res = {impl: _run(impl, a.tests, a.files, a.ranks, a.site, a.timeout, a.kexpr) for impl in a.impl}
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+    keys = sorted(set().union(*res.values()))
+    print("| test | torch | raggedfsdp | class |\n|---|---|---|---|")
+    for k in keys:
+        t, o = res.get("torch", {}).get(k, "-"), res.get("ours", {}).get(k, "-")
+        kind, why = CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
+        cls = "" if t.split(":")[0] == o.split(":")[0] else f"{kind}: {why}"
+        print(f"| `{k}` | {t} | {o} | {cls} |")
+    for impl, r in res.items():
+        n = {s: sum(v.split(":")[0] == s for v in r.values()) for s in ("pass", "fail", "skip")}
+        print(f"\n{impl}: {n['pass']} pass, {n['fail']} fail, {n['skip']} skip of {len(r)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

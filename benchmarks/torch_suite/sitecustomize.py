@@ -1,0 +1,56 @@
+"""Imported at start-up by every Python process of a ``benchmarks/torch_suite.py`` run (this folder is
+put first on ``PYTHONPATH``), so the spawned ranks of torch's ``MultiProcessTestCase`` get the same
+patches as the parent. Does nothing unless ``RAGGEDFSDP_TORCH_SUITE`` is set:
+
+* ``RAGGEDFSDP_TORCH_SUITE=ours``: ``torch.distributed.fsdp.fully_shard`` (and its re-exports under
+  ``torch.distributed._composable.fsdp``) is ``raggedfsdp.fully_shard``; ``=torch`` keeps torch's (the
+  baseline run, same CPU setup).
+* CPU ranks for GPU-only test classes: ``skip_if_lt_x_gpu(n)`` no longer skips, and
+  ``torch.cuda/cpu/accelerator.device_count()`` (``current_accelerator()`` is the CPU) and common_fsdp's ``DEVICE_COUNT``
+  report ``RAGGEDFSDP_TORCH_SUITE_RANKS`` (default 2), so ``world_size`` properties give that many gloo
+  ranks. Tests that hard-code ``"cuda"`` still fail (classified "environment" in the report).
+"""
+
+import os
+
+_impl = os.environ.get("RAGGEDFSDP_TORCH_SUITE")
+if _impl:
+    import functools
+
+    import torch
+
+    _ranks = int(os.environ.get("RAGGEDFSDP_TORCH_SUITE_RANKS", "2"))
+    if not torch.cuda.is_available():
+        torch.cuda.device_count = lambda: _ranks
+        torch.cpu.device_count = lambda: _ranks  # torch.get_device_module("cpu").device_count()
+        if hasattr(torch, "accelerator"):
+            torch.accelerator.device_count = lambda: _ranks
+            if torch.accelerator.current_accelerator() is None:  # module-level device_type lookups
+                torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cpu")
+    import torch.testing._internal.common_distributed as _cd
+
+    def _skip_if_lt_x_gpu(x, *, allow_cpu=False):
+        def deco(func):
+            @functools.wraps(func)
+            def wrapper(*args, **kwargs):
+                return func(*args, **kwargs)
+
+            return wrapper
+
+        return deco
+
+    _cd.skip_if_lt_x_gpu = _skip_if_lt_x_gpu
+    import torch.testing._internal.common_fsdp as _cf
+
+    if _cf.DEVICE_TYPE == "cpu":
+        _cf.DEVICE_COUNT = _ranks
+    if _impl == "ours":
+        import sys
+
+        import torch.distributed._composable.fsdp as _cfsdp
+        import torch.distributed.fsdp as _tfsdp
+
+        import raggedfsdp
+
+        for _mod in (_tfsdp, _cfsdp, sys.modules["torch.distributed._composable.fsdp.fully_shard"]):
+            _mod.fully_shard = raggedfsdp.fully_shard
