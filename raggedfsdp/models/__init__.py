@@ -10,7 +10,15 @@ from raggedfsdp.models.hf import HF_PREFIX, HFCausalLM, HFModelConfig
 from raggedfsdp.models.hybrid import HYBRID_FLAVORS, Hybrid, HybridConfig
 from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
 from raggedfsdp.models.moe import MOE_FLAVORS, MoE, MoEConfig
-from raggedfsdp.models.parallelize import FSDP_UNITS, apply_ep, apply_fsdp, apply_tp, fsdp_unit_modules, make_mp_policy
+from raggedfsdp.models.parallelize import (
+    FSDP_UNITS,
+    apply_compile,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    fsdp_unit_modules,
+    make_mp_policy,
+)
 
 MODELS: dict[str, tuple[type, type]] = {
     "llama": (LlamaConfig, Llama),
@@ -82,6 +90,7 @@ __all__ = [
     "LlamaConfig",
     "MoE",
     "MoEConfig",
+    "apply_compile",
     "apply_ep",
     "apply_tp",
     "apply_fsdp",

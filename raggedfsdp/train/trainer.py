@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
+from raggedfsdp.models import apply_compile, apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train import ckpt_integrity as integrity
 from raggedfsdp.train.checkpoint import (
     config_hash,
@@ -131,6 +131,8 @@ class Trainer:
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
+            if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
             model.to_empty(device=device)
             model.init_weights(cfg.job.seed)
@@ -138,6 +140,8 @@ class Trainer:
             model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             model.init_weights(cfg.job.seed)
             model.to(device)
+            if t.compile:
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.train.convert import load_hf_weights
