@@ -67,12 +67,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(args, spec, backend, mesh, device):
-    from raggedfsdp.models import make_mp_policy
+def _build(args, spec, backend, mesh, device, world=None):
+    from raggedfsdp.models import apply_ep, apply_fsdp, make_mp_policy
 
     model = spec.build(args).to(device)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    spec.wraps[args.wrap](model, mesh, backend, mp)
+    if world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
+        apply_ep(model, world["ep"])
+        apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"])
+    else:
+        spec.wraps[args.wrap](model, mesh, backend, mp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.foreach)
     return model, opt
 
@@ -87,7 +91,15 @@ def run(args: argparse.Namespace) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp  # noqa: F401  (installs the RaggedShard patches)
-    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, replay_collectives, state_bytes
+    from raggedfsdp.bench.measure import (
+        StepCounter,
+        host_all_gather,
+        host_all_reduce,
+        padding_bytes,
+        peak_memory,
+        replay_collectives,
+        state_bytes,
+    )
     from raggedfsdp.bench.registry import get_bench_model
     from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
@@ -96,8 +108,14 @@ def run(args: argparse.Namespace) -> dict | None:
     spec = get_bench_model(args.model)
     args.flavor = args.flavor or spec.default_flavor
     args.wrap = args.wrap or next(iter(spec.wraps))
-    mesh = init_device_mesh(device.type, (ws,))
-    systems = {name: _build(args, spec, backend, mesh, device) for name, backend in SYSTEMS.items()}
+    ep = getattr(args, "ep", 1)
+    world = None
+    if ep > 1:
+        world = init_device_mesh(device.type, (ws // ep, ep), mesh_dim_names=("dp", "ep"))
+        mesh = world["dp", "ep"]._flatten("dp_ep")
+    else:
+        mesh = init_device_mesh(device.type, (ws,))
+    systems = {name: _build(args, spec, backend, mesh, device, world) for name, backend in SYSTEMS.items()}
     timed = dict(systems)
     if args.floor:  # the same model, no FSDP, no communication: the floor of the step time
         floor_model = spec.build(args).to(device)
@@ -133,15 +151,13 @@ def run(args: argparse.Namespace) -> dict | None:
         else:
             _progress(args, rank, f"warm-up {i + 1}/{args.warmup}")
     # slowest rank per step
-    t = torch.tensor([times[n] for n in tnames], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    c = torch.tensor([cpu[n] for n in tnames], dtype=torch.float64)
-    dist.all_reduce(c)
+    # (small host numbers are reduced on the process group's device: NCCL has no CPU backend)
+    t = host_all_reduce(torch.tensor([times[n] for n in tnames], dtype=torch.float64), device, dist.ReduceOp.MAX)
+    c = host_all_reduce(torch.tensor([cpu[n] for n in tnames], dtype=torch.float64), device)
     c /= ws  # mean over ranks
     timed.pop("local", None)  # frees the floor replica before the memory phase
     names = list(systems)
-    final = torch.stack([losses[n][-1].float() for n in names]).cpu()
-    dist.all_reduce(final)
+    final = host_all_reduce(torch.stack([losses[n][-1].float() for n in names]).cpu(), device)
     final /= ws
 
     counts, traces = {}, {}
@@ -154,7 +170,8 @@ def run(args: argparse.Namespace) -> dict | None:
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
-        counts[n] = dict(copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
+        counts[n] = dict(all_to_all_bytes=sum(b for op, b in sc.bytes.items() if "alltoall" in op),
+                         copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
                          backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
                          collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
                          host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
@@ -187,9 +204,7 @@ def run(args: argparse.Namespace) -> dict | None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         mem.append([base, base + pm.peak_bytes, pf.peak_bytes, pb.peak_bytes])
-    mem_t = torch.tensor(mem, dtype=torch.float64)
-    gathered = [torch.zeros_like(mem_t) for _ in range(ws)]
-    dist.all_gather(gathered, mem_t)
+    gathered = host_all_gather(torch.tensor(mem, dtype=torch.float64), device)
     if args.profile:
         _profile(args, systems, batches[k + 2:], device, rank)
 
@@ -228,7 +243,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                        for n in names},
         )
     return dict(**floor,
-        model=args.model, flavor=args.flavor, wrap=args.wrap,
+        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep,
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
@@ -307,7 +322,7 @@ def _device(args) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     from datetime import timedelta
 
-    from raggedfsdp.bench.cli import build_arg_parser, format_report
+    from raggedfsdp.bench.options import build_arg_parser
 
     args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(argv)
     if args.device == "cpu":
@@ -316,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
 
     ok = False
     try:
@@ -327,6 +342,55 @@ def main(argv: list[str] | None = None) -> int:
     if result is not None:
         print(json.dumps(result) if args.json else format_report(result), flush=True)
     return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:9.2f} MiB"
+
+
+def _fb(r: dict) -> str:
+    return f"{r['forward_peak_bytes'] / 2**20:.1f} / {r['backward_peak_bytes'] / 2**20:.1f}"
+
+
+def format_report(r: dict) -> str:
+    """A human-readable table of a bench result (the ``--json`` object)."""
+    a, b = r["raggedfsdp"], r["torch"]
+    lines = [
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} "
+        f"params={r['num_params']:,} | "
+        f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
+        f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
+        f"{r['steps']} alternated steps after {r['warmup']} warm-up",
+        f"{'':22s}{'raggedfsdp':>16s}{'torch':>16s}   ratio",
+        f"{'step time median':22s}{a['step_seconds_median'] * 1e3:13.1f} ms{b['step_seconds_median'] * 1e3:13.1f} ms"
+        f"   throughput x{r['throughput_ratio']:.3f}",
+        f"{'CPU time / step / rank':22s}{a['cpu_seconds_median'] * 1e3:13.1f} ms{b['cpu_seconds_median'] * 1e3:13.1f} ms"
+        f"   x{r['cpu_time_ratio']:.3f}",
+        f"{'peak memory (max rank)':22s}{_mib(a['peak_memory_bytes']):>16s}{_mib(b['peak_memory_bytes']):>16s}"
+        f"   x{r['peak_memory_ratio']:.3f}",
+        f"{'  peak fwd / bwd (MiB)':22s}{_fb(a):>16s}{_fb(b):>16s}   (bwd: above the end of forward)",
+        f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",
+        f"{'collectives / step':22s}{a['collectives']:16d}{b['collectives']:16d}",
+        f"{'collective bytes/step':22s}{a['collective_bytes']:16,d}{b['collective_bytes']:16,d}",
+        (f"{'  of it all-to-all':22s}{a.get('all_to_all_bytes', 0):16,d}{b.get('all_to_all_bytes', 0):16,d}"
+         "   (EP token dispatch + combine, fwd + bwd)"),
+        f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
+        f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
+        f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",
+    ]
+    if "local_floor" in r:
+        f = r["local_floor"]["step_seconds_median"]
+        o = r["overhead_seconds"]
+        lines += [
+            f"{'floor: no FSDP, no comm':22s}{f * 1e3:13.1f} ms   best possible throughput ratio x{r['throughput_ceiling']:.3f}",
+            f"{'FSDP overhead / step':22s}{o['raggedfsdp'] * 1e3:13.1f} ms{o['torch'] * 1e3:13.1f} ms"
+            f"   torch / raggedfsdp x{r['overhead_ratio']:.3f}",
+            f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
+            "   (the step's collectives replayed alone)",
+            f"{'  the rest':22s}{r['non_comm_overhead_seconds']['raggedfsdp'] * 1e3:13.1f} ms"
+            f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, exposed waits)",
+        ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,14 +23,18 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_compile, apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
-from raggedfsdp.train import ckpt_integrity as integrity
-from raggedfsdp.train.checkpoint import (
-    config_hash,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
+from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
+from raggedfsdp.models import (
+    apply_compile,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    aux_loss,
+    build_model,
+    build_model_config,
+    make_mp_policy,
 )
+from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
@@ -52,9 +55,9 @@ from raggedfsdp.train.guard import (
     signal_name,
 )
 from raggedfsdp.train.lr_schedule import lr_at
-from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
+from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +72,29 @@ class Trainer:
     """Owns everything of one run. Needs an initialised default process group.
 
     ``watchdog`` / ``interrupts``: from ``train.watchdog`` (the worker passes them); without them
-    there is no hang detection and signals keep their default action."""
+    there is no hang detection and signals keep their default action. ``run``: what
+    ``train.run_dir.prepare`` found in this process (the worker passes it); without it the Trainer
+    prepares the run itself (rank 0 checks, every rank learns the outcome)."""
 
-    def __init__(self, cfg: TrainConfig, *, device: torch.device, watchdog=None, interrupts=None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, device: torch.device, watchdog=None, interrupts=None,
+        run: run_dir.PreparedRun | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        cfg.validate(world_size=self.world_size)
+        # data parallel = the ranks of one tp group share a batch (--parallel.tp; global rank = dp * tp + t)
+        self.tp = cfg.parallel.tp
+        self.dp_size, self.dp_rank = self.world_size // self.tp, self.rank // self.tp
+        if run is None:  # not prepared in this process (a Trainer built directly)
+            cfg.validate(world_size=self.world_size)
+            run = self._on_rank0(
+                lambda: run_dir.prepare(cfg, self.world_size, validate=False, check_data=False)
+            )
+            cfg.job.out = str(run.out)  # rank 0's choice when --out was empty
+        self.run = run
+        self._lock = run.lock if self.rank == 0 else None
         self.out_dir = Path(cfg.job.out)
         self.watchdog = watchdog or NoWatchdog()
         self.interrupts = interrupts
@@ -109,15 +127,25 @@ class Trainer:
             self.corpus.train,
             seq_len=t.seq_len,
             global_batch_size=t.global_batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
+            world_size=self.dp_size,
+            rank=self.dp_rank,
             grad_accum=t.grad_accum,
             seed=cfg.job.seed,
         )
 
         # Model + FSDP.
         self.model_cfg = build_model_config(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
-        mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",))
+        ep = cfg.parallel.ep
+        tp_mesh = None
+        ep_kw: dict[str, Any] = {}
+        if ep > 1:  # (dp, ep): experts over "ep", their FSDP over "dp", everything else over both
+            world_mesh = init_device_mesh(
+                device.type, (self.world_size // ep, ep), mesh_dim_names=("dp", "ep")
+            )
+            mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
+            ep_kw["experts_mesh"] = world_mesh["dp"]
+        else:
+            mesh, tp_mesh = self._meshes(device)  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -127,10 +155,13 @@ class Trainer:
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
             unit=cfg.fsdp.unit,
+            **ep_kw,
         )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
+            if tp_mesh is not None:
+                apply_tp(model, tp_mesh)
             if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
                 apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
@@ -140,11 +171,15 @@ class Trainer:
             model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             model.init_weights(cfg.job.seed)
             model.to(device)
+            if tp_mesh is not None:
+                apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
+            if ep > 1:
+                apply_ep(model, world_mesh["ep"])
             if t.compile:
                 apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
-            from raggedfsdp.train.convert import load_hf_weights
+            from raggedfsdp.checkpoint.hf import load_hf_weights
 
             load_hf_weights(model, cfg.model.init_from)
         self.model = model
@@ -197,29 +232,16 @@ class Trainer:
             self.metrics.close()
 
     def _setup_run(self) -> str:
-        """The run id; rank 0 checks the ``--out`` policy, takes its lock, writes ``OUT/run.json``."""
-        return self._on_rank0(self._setup_run_rank0)
-
-    def _setup_run_rank0(self) -> str:
-        cfg, c = self.cfg, self.cfg.checkpoint
-        integrity.check_out_dir(
-            cfg.job.out, str(self.ckpt_folder), resume=c.resume, overwrite=cfg.job.overwrite
-        )
-        if os.environ.get(integrity.LOCK_HELD_ENV) != str(Path(cfg.job.out).resolve()):
-            self._lock = integrity.OutLock(cfg.job.out).acquire()  # held until the process exits
-        run_id = integrity.read_run_id(self.out_dir) if c.resume else None
-        if c.resume and c.resume != "auto":  # continue the run that saved the given checkpoint
-            path = resolve_resume(c.resume, self.ckpt_folder, verify=c.verify)
-            man = integrity.read_manifest(path) if path is not None else None
-            run_id = (man or {}).get("run_id") or run_id
-        run_id = run_id or integrity.new_run_id()
-        integrity.write_run_file(self.out_dir, run_id, config_hash=config_hash(cfg.to_dict()))
-        return run_id
+        """The run id; rank 0 writes ``OUT/run.json`` (the run was prepared: ``train/run_dir.py``)."""
+        return self._on_rank0(lambda: run_dir.start_run(self.cfg, self.run))
 
     def _resolve_resume(self) -> Path | None:
-        """Rank 0 picks the step folder (so that every rank loads the same one), others follow."""
+        """Rank 0 picks the step folder (so that every rank loads the same one), others follow. An
+        explicit ``--resume PATH`` was resolved and verified once, by ``run_dir.prepare``."""
 
         def pick():
+            if self.cfg.checkpoint.resume != "auto":
+                return self.run.resume_path
             notes: list[str] = []
             path = resolve_resume(
                 self.cfg.checkpoint.resume,
@@ -321,7 +343,7 @@ class Trainer:
                 "config": self.cfg.to_dict(),
             },
             run_id=self.run_id,
-            inject=self.faults.save_fault(step),
+            writer_factory=self.faults.save_writer_factory(step),
         )
 
     # -- steps -------------------------------------------------------------------------------
@@ -339,7 +361,19 @@ class Trainer:
 
     def batch_ids(self, step: int, micro: int = 0) -> dict[int, str]:
         """``{rank: batch id}`` of a micro-step (a pure function of the step: no communication)."""
-        return {r: batch_id(self.sampler, step, micro, r) for r in range(self.world_size)}
+        return {r: batch_id(self.sampler, step, micro, r // self.tp) for r in range(self.world_size)}
+
+    def _meshes(self, device: torch.device):
+        """``(dp mesh, tp mesh or None)``: 1-D ``("dp",)`` without TP / HSDP, else the 3-D
+        ``(dp_replicate, dp_shard, tp)`` mesh's dp part (``(dp_replicate, dp_shard)`` for HSDP) and its tp dim."""
+        par = self.cfg.parallel
+        if par.tp == 1 and par.dp_replicate == 1:
+            return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
+        shard = par.dp_shard(self.world_size)
+        mesh = init_device_mesh(device.type, (par.dp_replicate, shard, par.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
+        return dp, (mesh["tp"] if par.tp > 1 else None)
 
     def _batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
@@ -417,8 +451,8 @@ class Trainer:
         t = self.cfg.training
         count = self.cfg.metrics.eval_batches * t.global_batch_size
         offsets = eval_windows(len(self.corpus.val), seq_len=t.seq_len, count=count)
-        per_rank = count // self.world_size
-        mine = offsets[self.rank * per_rank : (self.rank + 1) * per_rank]
+        per_rank = count // self.dp_size
+        mine = offsets[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         b = self.sampler.micro_batch_size
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)

@@ -7,11 +7,12 @@ Examples::
     raggedfsdp estimate-memory --model llama3-8b --world-size 64 --replicate 8 --json
     raggedfsdp estimate-memory --model path/to/config.json --world-size 32
     raggedfsdp estimate-memory --model hybrid:tiny --unit superblock --world-size 3 --recipe fp32
+    raggedfsdp estimate-memory --model gpt-oss-120b --world-size 256 --ep 8
 
 No GPU, no process group, nothing allocated (built-in models are built on the meta device). With
 ``--model`` the shapes are known and sharded state is the planner's real per-rank shard (padding
 included); with ``--params`` it is ``ceil(P / M)``. Figures are decimal (1 GB = 1e9 bytes).
-See :mod:`raggedfsdp.planner.memory_estimate` for the arithmetic.
+See :mod:`raggedfsdp.sizing.memory_estimate` for the arithmetic.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--replicate", type=int, default=1, help="HSDP replica groups (must divide the world size)"
     )
     p.add_argument("--unit", default="layer", help="FSDP unit with --model: layer | superblock (hybrids)")
+    p.add_argument(
+        "--ep", type=int, default=1,
+        help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N",
+    )
     p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (a list for several world sizes)"
@@ -78,37 +83,8 @@ def _parse_count(text: str) -> int:
     return int(value)
 
 
-def resolve_units(model: str, unit: str):
-    """``(label, units)`` for a built-in model (``name:flavor`` or ``name-flavor``), or a planner table /
-    ``config.json``. Raises ``ValueError`` naming the model and the choices."""
-    from raggedfsdp.models import MODELS, model_units
-    from raggedfsdp.train.presets import PRESETS
-
-    if model in PRESETS:  # a shipped preset: its training model, else its planner table
-        preset = PRESETS[model]
-        m = preset.config.get("model", {})
-        if m.get("name") in MODELS and not preset.arch:
-            return model, model_units(m["name"], m.get("flavor", "tiny"), unit)
-        if preset.arch:
-            model = preset.arch
-    name, sep, flavor = model.partition(":")
-    if not sep:
-        name, sep, flavor = model.partition("-")
-    if sep and name in MODELS:
-        return f"{name}:{flavor}", model_units(name, flavor, unit)
-    from raggedfsdp.planner.archs import load_config
-    from raggedfsdp.planner.archs import model_units as arch_units
-
-    try:
-        cfg = load_config(model)
-    except ValueError as exc:
-        ours = ", ".join(f"{n}:FLAVOR" for n in sorted(MODELS))
-        raise ValueError(f"{exc}; or a built-in model ({ours}, e.g. llama:tiny)") from None
-    return model, arch_units(cfg, unit)
-
-
 def run(args: argparse.Namespace) -> int:
-    from raggedfsdp.planner.memory_estimate import estimate_memory, format_report
+    from raggedfsdp.sizing.memory_estimate import estimate_memory, format_report
 
     try:
         sizes = [int(s) for s in str(args.world_size).split(",") if s.strip()]
@@ -120,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
         if args.params is not None:
             label, units, count = "", None, _parse_count(args.params)
         else:
-            label, units = resolve_units(args.model, args.unit)
+            from raggedfsdp.sizing.registry import resolve
+
+            source = resolve(args.model)
+            label, units = source.label, source.units(args.unit)
             count = None
     except ValueError as exc:
         return _error(f"--model {args.model!r}: {exc}" if args.model else str(exc))
@@ -135,10 +114,12 @@ def run(args: argparse.Namespace) -> int:
                     recipe=args.recipe,
                     replicate=args.replicate,
                     policy=args.granularity if units is not None else None,
+                    ep=args.ep,
                 )
             )
     except ValueError as exc:
-        return _error(str(exc))
+        msg = str(exc)
+        return _error(f"--ep {args.ep}: {msg}" if args.ep != 1 and "ep" in msg and not msg.startswith("--ep") else msg)
     if args.json:
         out = [dict(r.to_dict(), model=label or None) for r in results]
         text = json.dumps(out[0] if len(out) == 1 else out, indent=1)
