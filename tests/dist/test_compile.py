@@ -120,3 +120,24 @@ def _inductor(rank, ws):
 @pytest.mark.slow  # inductor C++ builds: minutes on a loaded 2-core machine
 def test_compile_inductor_matches_torch_fully_shard():
     run_distributed(_inductor, 2, timeout=1800)
+
+
+def _snippet(rank, ws):
+    import io
+    import pathlib
+    import re
+    from contextlib import redirect_stdout
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md"
+    m = re.search(r"<!-- snippet: compose-compile\b[^>]*-->\s*```python\n(.*?)```", doc.read_text(), re.S)
+    assert m, "snippet compose-compile not found in docs/fsdp.md"
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        exec(compile(m.group(1), str(doc), "exec"), {"__name__": "__main__"})
+    losses = [float(x) for x in re.findall(r"loss (\S+)", buf.getvalue())]
+    assert len(losses) == 3 and losses[2] < losses[0], buf.getvalue()
+
+
+@pytest.mark.slow  # inductor compiles the Llama block
+def test_docs_compile_snippet_runs():
+    run_distributed(_snippet, 2, timeout=1800)
