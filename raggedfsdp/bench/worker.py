@@ -68,9 +68,11 @@ def _sync(device) -> None:
 
 
 def _build(args, spec, backend, mesh, device, world=None):
-    from raggedfsdp.models import apply_ep, apply_fsdp, make_mp_policy
+    from raggedfsdp.models import apply_compile, apply_ep, apply_fsdp, make_mp_policy
 
     model = spec.build(args).to(device)
+    if getattr(args, "compile", False):  # per block, before fully_shard, the same for every system
+        apply_compile(model)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     if world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
         apply_ep(model, world["ep"])
@@ -121,6 +123,10 @@ def run(args: argparse.Namespace) -> dict | None:
         floor_model = spec.build(args).to(device)
         if args.param_dtype == "bf16":
             floor_model = floor_model.to(torch.bfloat16)  # compute in the all-gathered dtype, like the others
+        if getattr(args, "compile", False):
+            from raggedfsdp.models import apply_compile
+
+            apply_compile(floor_model)
         timed["local"] = (floor_model, torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach))
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
     batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
@@ -243,7 +249,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                        for n in names},
         )
     return dict(**floor,
-        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep,
+        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep, compile=bool(getattr(args, "compile", False)),
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),

@@ -129,11 +129,11 @@ def _snippet(rank, ws):
     from contextlib import redirect_stdout
 
     doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md"
-    m = re.search(r"<!-- snippet: compose-compile\b[^>]*-->\s*```python\n(.*?)```", doc.read_text(), re.S)
+    m = re.search(r"<!-- snippet: compose-compile\b[^>]*-->\s*```python\n(.*?)```", doc.read_text(), re.DOTALL)
     assert m, "snippet compose-compile not found in docs/fsdp.md"
     buf = io.StringIO()
     with redirect_stdout(buf):
-        exec(compile(m.group(1), str(doc), "exec"), {"__name__": "__main__"})
+        exec(compile(m.group(1), str(doc), "exec"), {"__name__": "__main__"})  # noqa: S102 - the doc snippet
     losses = [float(x) for x in re.findall(r"loss (\S+)", buf.getvalue())]
     assert len(losses) == 3 and losses[2] < losses[0], buf.getvalue()
 
