@@ -181,7 +181,7 @@ def apply_compile(model: nn.Module, **compile_kw: Any) -> nn.Module:
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"apply_compile expects model.layers to be an nn.ModuleList, got {type(layers)}")  # noqa: TRY004 - as apply_fsdp
+        raise ValueError(f"apply_compile expects model.layers to be an nn.ModuleList, got {type(layers)}")
     kw = {"fullgraph": True, **compile_kw}
     for block in layers:
         block.compile(**kw)
