@@ -26,7 +26,7 @@ from raggedfsdp.fsdp._init import (
     _managed_params,
     _move_states_to_device,
 )
-from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.fsdp._param_group import FSDPParamGroup, _mark_units_stepped
 from raggedfsdp.fsdp._state import FSDPState
 
 _cls_cache: dict[type, type] = {}
@@ -37,6 +37,19 @@ def _after_load(group: FSDPParamGroup) -> None:
     group.mark_master_changed()
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+
+
+_OPTIMIZER_HOOK = None
+
+
+def _register_optimizer_hook() -> None:
+    """Register the global ``torch.optim`` step post-hook ``_mark_units_stepped`` once per process, on
+    the first ``fully_shard`` call (so ``import raggedfsdp`` changes nothing global)."""
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_mark_units_stepped)
 
 
 @overload
@@ -111,6 +124,7 @@ def fully_shard(
         NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements, a
             non-contiguous (e.g. ``channels_last``) parameter.
     """
+    _register_optimizer_hook()
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules")

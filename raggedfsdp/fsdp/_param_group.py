@@ -30,9 +30,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from raggedfsdp._torch_patches import torch_minor
+from raggedfsdp._compat import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
@@ -57,9 +56,6 @@ def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
                 g.mark_master_changed()
-
-
-register_optimizer_step_post_hook(_mark_units_stepped)
 
 
 class FSDPParamGroup(GradPath):

@@ -69,7 +69,7 @@ from typing import NamedTuple, Self
 
 import torch
 
-from raggedfsdp._torch_patches import enable_cpu_allocator_accounting
+from raggedfsdp.placement._patches import enable_cpu_allocator_accounting
 
 __all__ = [
     "MemoryWindow", "PeakMemory", "StepMemory", "live_tensor_bytes", "measure_train_step", "storage_bytes",

@@ -1,7 +1,7 @@
 """RaggedShard through torch's DTensor entry points: ``distribute_tensor``, ``from_local``, factories.
 
 Each ``make_*`` takes torch's original function (``stock``) and returns the implementation that
-``raggedfsdp/_torch_patches.py`` installs in the original's code object, so every alias of
+``raggedfsdp/placement/_patches.py`` installs in the original's code object, so every alias of
 ``torch.distributed.tensor.distribute_tensor`` / ``DTensor.from_local`` / ``zeros`` ... reaches it,
 whenever it was imported. Without a RaggedShard in ``placements`` they call ``stock`` unchanged.
 

@@ -8,7 +8,7 @@ in GLOBAL coordinates, so each rank writes only its own piece and DCP's ordinary
 matching loads any saved layout into any other one (other local_units or dims, Shard, Replicate,
 a plain tensor, another world size).
 
-Installed by ``raggedfsdp/_torch_patches.py`` in the code of torch's functions (so every alias and
+Installed by ``raggedfsdp/placement/_patches.py`` in the code of torch's functions (so every alias and
 every DTensor, e.g. optimizer states from ``zeros_like`` and ``load_state_dict(assign=True)`` copies,
 is covered). All delegate to torch when no RaggedShard is present:
 

@@ -6,7 +6,7 @@ shape), plus full reductions (sum, p-norms), can run on the local pieces. Everyt
 reshape, t/transpose, permute, mm/matmul/linear, indexing/slicing, reductions over some dims,
 random ops, ...) would be silently wrong and raises :class:`RaggedShardOpError` naming the op.
 
-Mechanism (installed by ``raggedfsdp/_torch_patches.py``):
+Mechanism (installed by ``raggedfsdp/placement/_patches.py``):
 
 * :func:`guard_propagation` wraps ``ShardingPropagator.propagate_op_sharding(_non_cached)``: any op
   whose args carry a RaggedShard is classified and checked here BEFORE torch's strategies run.

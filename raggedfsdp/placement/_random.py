@@ -18,7 +18,7 @@ chunked generation is bit-equal to one-shot generation (``tests/unit/test_ragged
 Other cases (CUDA's offset-based Philox, ``*_like`` ops, Shard(d) compositions) still generate the
 full tensor once. Works for RaggedShard composed with Replicate / Shard(d >= len(dims)).
 
-Installed by ``raggedfsdp/_torch_patches.py`` as DTensor custom op handlers
+Installed by ``raggedfsdp/placement/_patches.py`` as DTensor custom op handlers
 (``DTensor._op_dispatcher._custom_op_handlers``, torch/distributed/tensor/_dispatch.py); for
 DTensors without a RaggedShard the handler steps aside (removes itself for the nested call, under
 a lock) and torch's own dispatch runs. Random ops whose parameters are DTensors (e.g.

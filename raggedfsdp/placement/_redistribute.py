@@ -348,7 +348,7 @@ def make_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
 
 
 def make_redistribute_local_tensor(stock):
-    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/_torch_patches.py`` (ragged specs -> here)."""
+    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/placement/_patches.py`` (ragged specs -> here)."""
 
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
         if has_ragged(current_spec.placements) or has_ragged(target_spec.placements):

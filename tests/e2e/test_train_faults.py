@@ -23,15 +23,6 @@ import pytest
 from raggedfsdp.cli import main as cli_main
 from _dist import run_distributed
 
-try:
-    from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
-
-    HAVE_RAGGED = True
-except ImportError:
-    HAVE_RAGGED = False
-
-pytestmark = pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")
-
 TINY = {
     "model.flavor": "debug",
     "training.steps": "4",

@@ -9,7 +9,7 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "raggedfsdp"
 LAYER = {
-    "placement": 0, "_torch_patches": 0,
+    "placement": 0, "_compat": 0,
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,

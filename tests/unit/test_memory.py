@@ -101,7 +101,7 @@ def test_frees_on_other_threads_are_counted():
     """gloo frees collective scratch on its worker thread; c10's process-wide accounting sees it."""
     import threading
 
-    from raggedfsdp import _torch_patches
+    from raggedfsdp.placement import _patches as _torch_patches
 
     assert _torch_patches.enable_cpu_allocator_accounting(), "c10 flag not exported by this torch build"
     holder = [None]

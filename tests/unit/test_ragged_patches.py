@@ -1,4 +1,4 @@
-"""The torch-internal patches of raggedfsdp/_torch_patches.py: lazy, complete at every alias, guarded.
+"""The torch-internal patches of raggedfsdp/placement/_patches.py: lazy, complete at every alias, guarded.
 
 These fail loudly when a torch upgrade moves, renames or changes a patched internal, when an alias
 of a patched function still holds torch's original code, or when importing raggedfsdp changes torch.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from raggedfsdp import RaggedShard
-from raggedfsdp import _torch_patches as tp
+from raggedfsdp.placement import _patches as tp
 
 
 def _run(code: str) -> str:
@@ -35,7 +35,7 @@ def test_import_and_plan_apply_nothing():
         from torch.distributed.tensor import _utils
         codes = (T.distribute_tensor.__code__, _utils._compute_local_shape_and_global_offset.__code__)
         import raggedfsdp
-        from raggedfsdp import _torch_patches as tp
+        from raggedfsdp.placement import _patches as tp
         from raggedfsdp.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["plan", "--model", "llama3-8b", "--world-size", "8", "--json"]) == 0
@@ -157,7 +157,7 @@ def test_unknown_minor_runs_self_check(monkeypatch):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             raggedfsdp.RaggedShard((0,), (1, 2))
-        assert raggedfsdp._torch_patches.is_applied()
+        assert raggedfsdp.placement._patches.is_applied()
         print([str(x.message)[:40] for x in w if "newer than the tested" in str(x.message)])
     """)
     assert "torch 2.16.0 is newer" in out

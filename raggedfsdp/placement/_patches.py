@@ -68,6 +68,8 @@ import warnings
 
 import torch
 
+from raggedfsdp._compat import torch_minor  # noqa: F401 (re-exported: the patch tests use it)
+
 SUPPORTED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 HOOKS = "__raggedfsdp_hooks__"  # the one name added to a patched function's module globals
 
@@ -112,11 +114,6 @@ _STOCK: dict[str, types.FunctionType] = {}  # "module:qualname" -> copy of torch
 _HANDLERS: list[str] = []
 
 
-def torch_minor(version: str | None = None) -> tuple[int, int]:
-    v = (version or torch.__version__).split("+")[0].split(".")
-    return int(v[0]), int(v[1])
-
-
 def check_torch_version(version: str | None = None) -> bool:
     """True for a tested minor, False (after a ``UserWarning``) for a newer one; ``RuntimeError`` if older.
 
@@ -134,7 +131,7 @@ def check_torch_version(version: str | None = None) -> bool:
         )
     warnings.warn(
         f"raggedfsdp: torch {version} is newer than the tested 2.11 - 2.15; the RaggedShard patches are "
-        "applied and self-checked (raggedfsdp._torch_patches.self_check), but run the test suite before "
+        "applied and self-checked (raggedfsdp.placement._patches.self_check), but run the test suite before "
         "trusting results on this version.",
         UserWarning,
         stacklevel=3,
@@ -150,7 +147,7 @@ def _resolve(module: str, qualname: str):
         except AttributeError:
             raise RuntimeError(
                 f"raggedfsdp: torch {torch.__version__} has no {module}:{qualname}; the RaggedShard patches "
-                "must be ported to this torch (raggedfsdp/_torch_patches.py)"
+                "must be ported to this torch (raggedfsdp/placement/_patches.py)"
             ) from None
     return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
 
@@ -170,7 +167,7 @@ def _check_target(key: str, fn, params: tuple[str, ...]) -> None:
     if why:
         raise RuntimeError(
             f"raggedfsdp: torch {torch.__version__}'s {key} {why}; the RaggedShard patch for it must be "
-            "ported (raggedfsdp/_torch_patches.py)"
+            "ported (raggedfsdp/placement/_patches.py)"
         )
 
 
@@ -320,7 +317,7 @@ def self_check() -> None:
     if problems:
         raise RuntimeError(
             f"raggedfsdp: the RaggedShard patches do not work on torch {torch.__version__}: "
-            + "; ".join(problems) + ". Use torch 2.11 - 2.15 or port raggedfsdp/_torch_patches.py."
+            + "; ".join(problems) + ". Use torch 2.11 - 2.15 or port raggedfsdp/placement/_patches.py."
         )
 
 
