@@ -6,9 +6,9 @@ keeps the records of in-flight work. Transitions (all local except where a colle
 
     gather_params   sharded --all-gather--> unsharded params      (allocates ``params``)
     free_params     unsharded params --> freed                    (reshard)
-    begin_grads     allocate + zero the unsharded grads           (views pre-set: a no-sync window, a user .grad)
+    begin_grads     allocate + zero the unsharded grads           (views pre-set only for a no-sync window or a user .grad)
     fold_grads      autograd's per-parameter grads --> the flat buffer, once per backward (post-backward,
-                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold])
+                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold] in fsdp/_grads.py)
     hold_grads      no-sync backward: fold the grads into the ``reduce_dtype`` accumulator, free them
     reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
                     the returned handle is waited; the caller then frees it)
@@ -17,7 +17,7 @@ Gradient layout: the grad roles (``grads``, ``acc``, the reduce-scatter input/ou
 are laid out by ``grad_layout``: the parameter layout itself while every tensor of the unit has gradient
 storage, or a :class:`~raggedfsdp.planner.GradLayout` (only the trainable tensors' pieces, compacted per
 rank) after :meth:`UnitBuffers.set_grad_members` named a subset -- frozen parameters then hold no
-gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_param_group.py``).
+gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_grads.py``).
 
 Every buffer is allocated on the current (compute) stream; collectives are issued from the stream
 passed in, which first waits on the compute stream (Note [stream invariant] in ``streams.py``).
