@@ -17,8 +17,8 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
 
-import _common
-import run as driver
+import _common  # noqa: E402 (from benchmarks/gpu, put on sys.path above)
+import run as driver  # noqa: E402
 
 
 def _kernel(stream, ts, dur, cat="kernel", name="k"):
