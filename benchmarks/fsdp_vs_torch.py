@@ -144,7 +144,7 @@ def main():
         print("losses torch ", [round(x, 4) for x in losses["torch"]])
         dl = max(abs(a - b) for a, b in zip(losses["ragged"], losses["torch"]))
         print(f"max |loss ragged - loss torch| over {len(losses['ragged'])} steps: {dl:.2e}")
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
 
     shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
 

@@ -147,7 +147,7 @@ def _spawn_worker(rank, ws, store_path, args, q):
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.FileStore(store_path, ws),
                                 rank=rank, world_size=ws, timeout=timedelta(seconds=300))
         q.put((rank, measure(rank, ws, args), None))
-        from raggedfsdp.train.teardown import shutdown_process_group
+        from raggedfsdp.launch.teardown import shutdown_process_group
 
         shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
     except BaseException:  # noqa: BLE001

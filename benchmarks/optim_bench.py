@@ -269,7 +269,7 @@ def main() -> None:
         SECTIONS[name](args, device, mesh, out)
     if rank == 0:
         print("\n".join(out), flush=True)
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
 
     shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
 

@@ -10,7 +10,7 @@ Cases (each run is a separate launch of fresh processes):
 
 - ``bare``: the issue's lead, torch only: ``init_device_mesh("cpu", (N,))``, one ``all_reduce``,
   plain ``destroy_process_group()``. The control: it must show aborts, or the soak cannot see the bug.
-- ``harness``: the same script ending with ``raggedfsdp.train.teardown.shutdown_process_group()``.
+- ``harness``: the same script ending with ``raggedfsdp.launch.teardown.shutdown_process_group()``.
 - ``fsdp``: one raggedfsdp ``fully_shard`` training step (forward, backward, reduce-scatter, AdamW)
   on a small LM through the test harness (``tests/_dist.py: run_distributed``, FileStore, spawn),
   which tears down with ``shutdown_process_group`` and checks every rank's exit code.
@@ -66,7 +66,7 @@ def _rank_bare(use_ours: bool) -> None:
     dist.all_reduce(t)
     assert float(t[0]) == world
     if use_ours:
-        from raggedfsdp.train.teardown import shutdown_process_group
+        from raggedfsdp.launch.teardown import shutdown_process_group
 
         shutdown_process_group()
     else:
@@ -285,7 +285,7 @@ def main() -> None:
         # what the ranks import, the first DTensor/FSDP step included (torch._dynamo & co: ~3 s per rank)
         for name in ("torch.distributed", "torch.distributed.device_mesh", "torch._dynamo", "torch._functorch",
                      "torch._inductor", "torch.fx", "torch.profiler", "raggedfsdp", "raggedfsdp.placement",
-                     "raggedfsdp.train.teardown", "_dist", "_toy_models"):  # fmt: skip
+                     "raggedfsdp.launch.teardown", "_dist", "_toy_models"):  # fmt: skip
             importlib.import_module(name)
         torch.set_num_threads(1)
         gc.freeze()  # forked ranks would otherwise copy every page at exit (refcounts), seconds per run

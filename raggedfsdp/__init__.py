@@ -1,36 +1,45 @@
 """raggedfsdp: fully sharded data parallel on RaggedShard DTensors (veScale-FSDP design).
 
-Layers (imports go one way, enforced by tests/unit/test_layering.py):
-placement -> planner -> buffer -> fsdp -> optim/checkpoint -> models -> train/cli.
+Rooms (imports go one way, enforced by tests/unit/test_layering.py; docs/architecture.md maps them):
+placement -> planner -> buffer -> fsdp -> optim / checkpoint -> models -> train / launch ->
+sizing / bench -> commands / cli.
 
-Importing the package changes nothing in torch: the DTensor patches of ``raggedfsdp._torch_patches``
-are installed by the first ``RaggedShard(...)`` of the process (every raggedfsdp ``fully_shard``
-makes one), so the planner, ``raggedfsdp plan`` and torch's own ``fully_shard`` run on stock torch.
+Importing the package imports nothing else and changes nothing in torch: the public names below
+are loaded on first use (PEP 562), the DTensor patches of ``raggedfsdp._torch_patches`` are
+installed by the first ``RaggedShard(...)`` of the process (every raggedfsdp ``fully_shard`` makes
+one), so the planner, ``raggedfsdp plan`` and torch's own ``fully_shard`` run on stock torch, and
+``raggedfsdp --help`` does not import torch.
 """
 
-from raggedfsdp.placement import RaggedShard, RaggedShardOpError
-from raggedfsdp.planner import Layout, plan_layout
-from raggedfsdp.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    UnshardHandle,
-    fully_shard,
-)
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "RaggedShard",
-    "RaggedShardOpError",
-    "Layout",
-    "plan_layout",
-    "fully_shard",
-    "FSDPModule",
-    "UnshardHandle",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-    "__version__",
-]
+_PUBLIC = {
+    "RaggedShard": "raggedfsdp.placement",
+    "RaggedShardOpError": "raggedfsdp.placement",
+    "Layout": "raggedfsdp.planner",
+    "plan_layout": "raggedfsdp.planner",
+    "fully_shard": "raggedfsdp.fsdp",
+    "FSDPModule": "raggedfsdp.fsdp",
+    "UnshardHandle": "raggedfsdp.fsdp",
+    "MixedPrecisionPolicy": "raggedfsdp.fsdp",
+    "OffloadPolicy": "raggedfsdp.fsdp",
+    "CPUOffloadPolicy": "raggedfsdp.fsdp",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'raggedfsdp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

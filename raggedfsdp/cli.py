@@ -1,13 +1,18 @@
-"""Console script ``raggedfsdp`` with subcommands (train, plan, ...).
+"""Console script ``raggedfsdp``: the argparse root over ``raggedfsdp/commands/*``.
 
-Each subcommand lives in its own module exposing ``add_parser(subparsers)`` which registers the
-subparser and sets ``func`` (called with the parsed namespace, returning an exit code).
+Each subcommand lives in its own module of :mod:`raggedfsdp.commands` exposing
+``add_parser(subparsers)``, which registers the subparser and sets ``func`` (called with the parsed
+namespace, returning an exit code); they are registered from the one list ``COMMANDS``.
+``--version`` and ``--help`` import no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from raggedfsdp.commands import COMMANDS
 
 
 def _version() -> str:
@@ -27,30 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"raggedfsdp {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from raggedfsdp.train import cli as train_cli
-
-    train_cli.add_parser(sub)
-    try:
-        from raggedfsdp.planner import cli as plan_cli
-    except ImportError:  # planner CLI not built yet
-        plan_cli = None
-    if plan_cli is not None:
-        plan_cli.add_parser(sub)
-    from raggedfsdp.bench import cli as bench_cli
-
-    bench_cli.add_parser(sub)
-    from raggedfsdp.train import estimate_cli
-
-    estimate_cli.add_parser(sub)
-    from raggedfsdp.train import convert
-
-    convert.add_parser(sub)
-    from raggedfsdp.train import tokens
-
-    tokens.add_parser(sub)
-    from raggedfsdp.train import wrap_compare
-
-    wrap_compare.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"raggedfsdp.commands.{name}").add_parser(sub)
     return parser
 
 

@@ -6,6 +6,8 @@ pass flag (``ok``) in the result file (``--out``), re-written after every check:
 * ``bf16_grad_parity``: gradients after one backward with ``param_dtype=bf16, reduce_dtype=fp32``
   vs the single-device bf16 model, next to torch's ``fully_shard`` on the same model (a 2x gradient
   error gives rel. error 1.0; the bound is 2e-2 and at most 2x torch's error);
+* ``cpu_built_module``: a module built on the CPU, sharded over the CUDA mesh and fed CPU inputs
+  (both backends move params, buffers and root inputs to the GPU): grads vs the single-GPU model;
 * ``offload_accumulation``: ``CPUOffloadPolicy(pin_memory=True)``, two backwards before
   ``zero_grad``: accumulated grads vs the single-device model (rel. error < 1e-4), grads on the CPU;
 * ``meta_init``: meta-device model, ``fully_shard``, ``to_empty(device)``, seeded init == the same
@@ -107,6 +109,23 @@ def bf16_parity(dev, mesh, d, n):
         loss_of(m, x).backward()
         out[b] = rel_err(grads(m), ref_g)
     out["ok"] = out["ragged"] < 2e-2 and out["ragged"] <= max(2 * out["torch"], 1e-2)
+    return out
+
+
+def cpu_built_module(dev, mesh, d, n):
+    """A module built on the CPU, sharded over the GPU mesh, fed CPU inputs (both backends move them)."""
+    torch.manual_seed(0)
+    base = Net(d, n)
+    x = torch.randn(8, d, generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(base).to(dev)
+    loss_of(ref, x.to(dev)).backward()
+    ref_g = grads(ref)
+    out = {}
+    for b in ("ragged", "torch"):
+        m = shard(copy.deepcopy(base), b, mesh)
+        loss_of(m, x).backward()
+        out[b] = {"rel_err": rel_err(grads(m), ref_g), "devices": sorted({p.device.type for p in m.parameters()})}
+    out["ok"] = out["ragged"]["rel_err"] < 1e-5 and out["ragged"]["devices"] == [dev.type]
     return out
 
 
@@ -219,12 +238,14 @@ def main():
     d, n = (64, 2) if dev.type == "cpu" else (1024, 4)
     res = Result(args.out, stage="smoke", device=str(dev), dim=d, blocks=n)
     mesh = init_pg(dev)
-    for name, fn in (("bf16_grad_parity", bf16_parity), ("offload_accumulation", offload_accumulation),
+    checks = ("bf16_grad_parity", "cpu_built_module", "offload_accumulation", "meta_init", "sync_count")
+    for name, fn in (("bf16_grad_parity", bf16_parity), ("cpu_built_module", cpu_built_module),
+                     ("offload_accumulation", offload_accumulation),
                      ("meta_init", meta_init), ("sync_count", sync_count)):
         with section(res, name):
             res.set(name, fn(dev, mesh, d, n))
     res.set("ok", all(isinstance(v, dict) and v.get("ok") for k, v in res.data.items()
-                      if k in ("bf16_grad_parity", "offload_accumulation", "meta_init", "sync_count")))
+                      if k in checks) and all(k in res.data for k in checks))
     shutdown_pg()
     write_stdout_json(res.data)
 

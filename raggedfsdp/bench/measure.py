@@ -152,6 +152,33 @@ def peak_memory(device: torch.device):
     return PeakMemory(device)
 
 
+def to_comm_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, the device of the default process group's collectives (CUDA under NCCL,
+    which has no CPU backend: a CPU tensor raises "No backend type associated with device type cpu";
+    CPU under gloo). Every tensor the bench hands to a collective goes through here. Local."""
+    return t.to(device)
+
+
+def host_all_reduce(t: torch.Tensor, device: torch.device, op=None) -> torch.Tensor:
+    """All-reduce a small host tensor (timings, memory, losses) on ``device``; the result on the host.
+    Collective over the default group (every rank calls it with the same shape)."""
+    import torch.distributed as dist
+
+    d = to_comm_device(t, device)
+    dist.all_reduce(d, op=op if op is not None else dist.ReduceOp.SUM)
+    return d.cpu()
+
+
+def host_all_gather(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """All-gather a small host tensor on ``device``; every rank's copy on the host. Collective."""
+    import torch.distributed as dist
+
+    d = to_comm_device(t, device)
+    outs = [to_comm_device(torch.zeros_like(t), device) for _ in range(dist.get_world_size())]
+    dist.all_gather(outs, d)
+    return [o.cpu() for o in outs]
+
+
 def replay_collectives(trace, device, reps: int = 3) -> float:
     """Median wall seconds of running ``trace`` (a :class:`StepCounter` ``trace``) alone, one blocking
     collective after another on the default group with fresh buffers: the communication a step's
@@ -164,7 +191,7 @@ def replay_collectives(trace, device, reps: int = 3) -> float:
 
     from raggedfsdp.buffer.dbuffer import _all_gather_single, _reduce_scatter_single
 
-    bufs = [(op, torch.zeros(n0, dtype=d0, device=device), torch.zeros(n1, dtype=d1, device=device))
+    bufs = [(op, to_comm_device(torch.zeros(n0, dtype=d0), device), to_comm_device(torch.zeros(n1, dtype=d1), device))
             for op, n0, d0, n1, d1 in trace]
     times = []
     for _ in range(reps):
@@ -179,8 +206,7 @@ def replay_collectives(trace, device, reps: int = 3) -> float:
                 dist.all_reduce(out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = host_all_reduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), device, dist.ReduceOp.MAX)
         times.append(float(t))
     return statistics.median(times)
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # no torch at import: ``raggedfsdp bench --help`` lists the models without it
+    from torch import nn
 
-WrapFn = Callable[[nn.Module, Any, str, Any], nn.Module]
+WrapFn = Callable[["nn.Module", Any, str, Any], "nn.Module"]
 
 
 def wrap_per_layer(model: nn.Module, mesh: Any, backend: str, mp_policy: Any) -> nn.Module:

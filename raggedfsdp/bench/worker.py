@@ -87,7 +87,15 @@ def run(args: argparse.Namespace) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp  # noqa: F401  (installs the RaggedShard patches)
-    from raggedfsdp.bench.measure import StepCounter, padding_bytes, peak_memory, replay_collectives, state_bytes
+    from raggedfsdp.bench.measure import (
+        StepCounter,
+        host_all_gather,
+        host_all_reduce,
+        padding_bytes,
+        peak_memory,
+        replay_collectives,
+        state_bytes,
+    )
     from raggedfsdp.bench.registry import get_bench_model
     from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
@@ -133,15 +141,13 @@ def run(args: argparse.Namespace) -> dict | None:
         else:
             _progress(args, rank, f"warm-up {i + 1}/{args.warmup}")
     # slowest rank per step
-    t = torch.tensor([times[n] for n in tnames], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    c = torch.tensor([cpu[n] for n in tnames], dtype=torch.float64)
-    dist.all_reduce(c)
+    # (small host numbers are reduced on the process group's device: NCCL has no CPU backend)
+    t = host_all_reduce(torch.tensor([times[n] for n in tnames], dtype=torch.float64), device, dist.ReduceOp.MAX)
+    c = host_all_reduce(torch.tensor([cpu[n] for n in tnames], dtype=torch.float64), device)
     c /= ws  # mean over ranks
     timed.pop("local", None)  # frees the floor replica before the memory phase
     names = list(systems)
-    final = torch.stack([losses[n][-1].float() for n in names]).cpu()
-    dist.all_reduce(final)
+    final = host_all_reduce(torch.stack([losses[n][-1].float() for n in names]).cpu(), device)
     final /= ws
 
     counts, traces = {}, {}
@@ -187,9 +193,7 @@ def run(args: argparse.Namespace) -> dict | None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         mem.append([base, base + pm.peak_bytes, pf.peak_bytes, pb.peak_bytes])
-    mem_t = torch.tensor(mem, dtype=torch.float64)
-    gathered = [torch.zeros_like(mem_t) for _ in range(ws)]
-    dist.all_gather(gathered, mem_t)
+    gathered = host_all_gather(torch.tensor(mem, dtype=torch.float64), device)
     if args.profile:
         _profile(args, systems, batches[k + 2:], device, rank)
 
@@ -307,7 +311,7 @@ def _device(args) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     from datetime import timedelta
 
-    from raggedfsdp.bench.cli import build_arg_parser, format_report
+    from raggedfsdp.bench.options import build_arg_parser
 
     args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(argv)
     if args.device == "cpu":
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
 
     ok = False
     try:
@@ -327,6 +331,52 @@ def main(argv: list[str] | None = None) -> int:
     if result is not None:
         print(json.dumps(result) if args.json else format_report(result), flush=True)
     return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:9.2f} MiB"
+
+
+def _fb(r: dict) -> str:
+    return f"{r['forward_peak_bytes'] / 2**20:.1f} / {r['backward_peak_bytes'] / 2**20:.1f}"
+
+
+def format_report(r: dict) -> str:
+    """A human-readable table of a bench result (the ``--json`` object)."""
+    a, b = r["raggedfsdp"], r["torch"]
+    lines = [
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} params={r['num_params']:,} | "
+        f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
+        f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
+        f"{r['steps']} alternated steps after {r['warmup']} warm-up",
+        f"{'':22s}{'raggedfsdp':>16s}{'torch':>16s}   ratio",
+        f"{'step time median':22s}{a['step_seconds_median'] * 1e3:13.1f} ms{b['step_seconds_median'] * 1e3:13.1f} ms"
+        f"   throughput x{r['throughput_ratio']:.3f}",
+        f"{'CPU time / step / rank':22s}{a['cpu_seconds_median'] * 1e3:13.1f} ms{b['cpu_seconds_median'] * 1e3:13.1f} ms"
+        f"   x{r['cpu_time_ratio']:.3f}",
+        f"{'peak memory (max rank)':22s}{_mib(a['peak_memory_bytes']):>16s}{_mib(b['peak_memory_bytes']):>16s}"
+        f"   x{r['peak_memory_ratio']:.3f}",
+        f"{'  peak fwd / bwd (MiB)':22s}{_fb(a):>16s}{_fb(b):>16s}   (bwd: above the end of forward)",
+        f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",
+        f"{'collectives / step':22s}{a['collectives']:16d}{b['collectives']:16d}",
+        f"{'collective bytes/step':22s}{a['collective_bytes']:16,d}{b['collective_bytes']:16,d}",
+        f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
+        f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
+        f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",
+    ]
+    if "local_floor" in r:
+        f = r["local_floor"]["step_seconds_median"]
+        o = r["overhead_seconds"]
+        lines += [
+            f"{'floor: no FSDP, no comm':22s}{f * 1e3:13.1f} ms   best possible throughput ratio x{r['throughput_ceiling']:.3f}",
+            f"{'FSDP overhead / step':22s}{o['raggedfsdp'] * 1e3:13.1f} ms{o['torch'] * 1e3:13.1f} ms"
+            f"   torch / raggedfsdp x{r['overhead_ratio']:.3f}",
+            f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
+            "   (the step's collectives replayed alone)",
+            f"{'  the rest':22s}{r['non_comm_overhead_seconds']['raggedfsdp'] * 1e3:13.1f} ms"
+            f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, exposed waits)",
+        ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

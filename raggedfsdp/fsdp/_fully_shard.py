@@ -24,6 +24,7 @@ from raggedfsdp.fsdp._init import (
     _init_mesh,
     _make_load_pre_hook,
     _managed_params,
+    _move_states_to_device,
 )
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
@@ -167,6 +168,7 @@ def fully_shard(
             reshard_after_forward = True
     ignored = set(ignored_params or ())
     params = _managed_params(modules, ignored)
+    _move_states_to_device(modules, params, mesh, offload)  # a CPU-built module on a CUDA mesh, like FSDP2
     device = _device_of(params, mesh, offload)
     gran_fn = _granularity_fn(shard_placement_fn)
     group = (

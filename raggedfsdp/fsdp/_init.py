@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -121,6 +121,75 @@ def _owner_of(p: nn.Parameter, modules) -> str:
     return "an unknown unit:?"
 
 
+def _mesh_device(mesh) -> torch.device:
+    """The device a unit on ``mesh`` computes on: ``cuda:<current device>`` for a CUDA mesh (as FSDP2's
+    ``_get_device_from_mesh``), else ``torch.device(mesh.device_type)``."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _states_to_move(modules, params, mesh, offload: bool = False) -> tuple[torch.device | None, list, list]:
+    """What ``fully_shard`` moves to the mesh's device before sharding, as FSDP2 does
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_init.py``: ``_move_states_to_device``): a module built
+    on the CPU and sharded over an accelerator mesh has its managed parameters and its buffers moved.
+
+    Returns ``(target, params, buffers)``: ``params`` are the managed parameters (plain tensors, not
+    DTensors) that sit on the CPU, ``buffers`` the ``(module, name)`` of CPU buffers of the unit's
+    modules (not inside a nested ``fully_shard`` unit). Nothing moves when the mesh is on the CPU, for
+    meta tensors, or for tensors already on another accelerator (``_device_of`` names those). With CPU
+    offload the parameters stay on the CPU (their sharded master lives there) and only buffers move.
+    ``target`` is ``None`` when nothing moves. Local."""
+    if mesh.device_type == "cpu":
+        return None, [], []
+    target = _mesh_device(mesh)
+    move_p = [] if offload else [p for p, _, _ in params if not isinstance(p, DTensor) and p.device.type == "cpu"]
+    move_b = []
+
+    def visit(mod: nn.Module, top: bool):
+        if not top and getattr(mod, "_raggedfsdp_state", None) is not None:
+            return
+        for name, b in mod._buffers.items():
+            if b is not None and not isinstance(b, DTensor) and b.device.type == "cpu":
+                move_b.append((mod, name))
+        for child in mod._modules.values():
+            if child is not None:
+                visit(child, False)
+
+    for m in modules:
+        visit(m, True)
+    if not move_p and not move_b:
+        return None, [], []
+    return target, move_p, move_b
+
+
+def _move_states_to_device(modules, params, mesh, offload: bool = False) -> None:
+    """Move what :func:`_states_to_move` names, in place in ``params``. A parameter keeps its identity
+    (``p.data`` is replaced, as FSDP2 does) where torch allows it (CPU -> CUDA); otherwise it is replaced
+    by a new ``nn.Parameter`` in every owning module and in ``params``. Local."""
+    target, move_p, move_b = _states_to_move(modules, params, mesh, offload)
+    if target is None:
+        return
+    ids = {id(p) for p in move_p}
+    with torch.no_grad():
+        for i, (p, fqn, owners) in enumerate(params):
+            if id(p) not in ids:
+                continue
+            moved, grad = p.data.to(target), (p.grad.to(target) if p.grad is not None else None)
+            try:
+                p.data = moved
+                if grad is not None:
+                    p.grad = grad
+            except RuntimeError:  # incompatible tensor types (e.g. CPU -> meta): a new parameter
+                new = nn.Parameter(moved, requires_grad=p.requires_grad)
+                new.grad = grad
+                for mod, name in owners:
+                    mod._parameters[name] = new
+                params[i] = (new, fqn, owners)
+        for mod, name in move_b:
+            mod._buffers[name] = mod._buffers[name].to(target)
+
+
 def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
     metas = [fqn for p, fqn, _ in params if p.device.type == "meta"]
     if metas and len(metas) != len(params):
@@ -142,9 +211,7 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
             f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; move the "
             f"module with module.to({mesh.device_type!r}) or build the mesh on the parameters' device"
         )
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+    return _mesh_device(mesh)
 
 
 def _granularity_fn(shard_placement_fn):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -119,6 +119,13 @@ class FSDPState:
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
+    def _compute_device(self) -> torch.device | None:
+        """The device of this root's units (the first unit with parameters), ``None`` if it has none."""
+        for st in self.root.all_states if self.root is not None else (self,):
+            if st.group is not None:
+                return st.group.device
+        return None
+
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
@@ -137,6 +144,8 @@ class FSDPState:
                 st._group_bwd_left, st._group_bwd_uncounted = 0, False
                 if st.group is not None and torch.is_grad_enabled():
                     st.group.release_unused_sharded_grads()  # after zero_grad(set_to_none=True)
+        if self.is_root and not in_bw:
+            args, kwargs = _inputs_to_device(args, kwargs, self._compute_device())
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
@@ -289,3 +298,13 @@ class FSDPState:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device | None) -> tuple[tuple, dict]:
+    """Root pre-forward: tensor inputs on another device are moved to the units' accelerator device, as
+    FSDP2's ``_root_pre_forward`` (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``, ``_to_kwargs``)
+    does. Nothing moves for a CPU (or unknown) compute device. Local."""
+    if device is None or device.type == "cpu":
+        return args, kwargs
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t,
+                    (args, kwargs))

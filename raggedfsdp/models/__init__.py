@@ -10,7 +10,14 @@ from raggedfsdp.models.hf import HF_PREFIX, HFCausalLM, HFModelConfig
 from raggedfsdp.models.hybrid import HYBRID_FLAVORS, Hybrid, HybridConfig
 from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
 from raggedfsdp.models.moe import MOE_FLAVORS, MoE, MoEConfig
-from raggedfsdp.models.parallelize import FSDP_UNITS, apply_ep, apply_fsdp, apply_tp, fsdp_unit_modules, make_mp_policy
+from raggedfsdp.models.parallelize import (
+    FSDP_UNITS,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    fsdp_unit_modules,
+    make_mp_policy,
+)
 
 MODELS: dict[str, tuple[type, type]] = {
     "llama": (LlamaConfig, Llama),
@@ -83,8 +90,8 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "apply_ep",
-    "apply_tp",
     "apply_fsdp",
+    "apply_tp",
     "aux_loss",
     "build_model",
     "build_model_config",

@@ -6,7 +6,7 @@
 ``forward(tokens) -> logits``, ``layers`` (the decoder layers, one FSDP unit each; the root unit owns
 the embedding, final norm and head), ``init_weights(seed)`` and a config with ``num_params()``.
 Needs ``transformers`` (``pip install 'raggedfsdp[hf]'``). Weights from a safetensors folder:
-``--model.init_from`` (LLaMA names, see ``raggedfsdp.train.convert``).
+``--model.init_from`` (LLaMA names, see ``raggedfsdp.checkpoint.hf``).
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     shard_placement_fn: Any = None,
     unit: str = "layer",
+    experts_mesh: Any = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``backend``'s ``fully_shard``: each of ``model.layers``, then the root.
 
@@ -121,6 +122,13 @@ def apply_fsdp(
             ``None`` is the default layout. Raises ``ValueError`` with the ``"torch"`` backend.
         unit: ``"layer"`` (one unit per block) or ``"superblock"`` (hybrid models: one unit per
             super-block), see :func:`fsdp_unit_modules`.
+        experts_mesh: expert parallel (after :func:`apply_ep`): the 1-D mesh of the data-parallel ranks
+            that hold the same experts (torchtitan's ``dp_shard_mod_ep``, e.g. ``world["dp"]`` of a
+            ``("dp", "ep")`` mesh, while ``mesh`` is the whole ``dp x ep`` group, e.g.
+            ``world["dp", "ep"]._flatten()``). Each block's expert stacks then get their own FSDP unit
+            over ``experts_mesh`` (sharded again along the dp dim, ``Shard(0)`` on ``ep`` kept), with
+            the gradient divided by ``mesh.size()``: the backward all-to-all already summed the expert
+            gradients over the EP group. Every other parameter is sharded over ``mesh``.
 
     Returns:
         ``model`` (now an FSDP module; its parameters are DTensors).
@@ -138,10 +146,30 @@ def apply_fsdp(
         kw["shard_placement_fn"] = shard_placement_fn
     *units, _root = fsdp_unit_modules(model, unit)
     for _, modules in units:
+        if experts_mesh is not None:
+            _shard_experts(modules, experts_mesh, mesh.size(), backend, fully_shard,
+                           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
         target = modules[0] if len(modules) == 1 else modules
         fully_shard(target, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, **kw)
     return model
+
+
+def _shard_experts(modules, experts_mesh, world: int, backend: str, fully_shard, **kw) -> None:
+    """One ``fully_shard`` per expert-parallel ``FusedExperts`` in ``modules``, over ``experts_mesh``."""
+    from raggedfsdp.models.moe import FusedExperts
+
+    experts = [m for mod in modules for m in mod.modules() if isinstance(m, FusedExperts)]
+    for ex in experts:
+        if ex.ep_mesh is None:
+            raise ValueError(
+                "apply_fsdp: experts_mesh is given but the experts are not expert-parallel; call "
+                "apply_ep(model, mesh['ep']) first, or drop experts_mesh"
+            )
+        fully_shard(ex, mesh=experts_mesh, **kw)
+        ex.set_gradient_divide_factor(float(world))  # grads are already summed over EP by the all-to-all
+        if backend == "torch":
+            ex.set_force_sum_reduction_for_comms(True)  # SUM, then divide: no PREMUL_SUM (gloo lacks it)
 
 
 def apply_ep(model: nn.Module, mesh: Any) -> nn.Module:

@@ -15,6 +15,7 @@ Memory per parameter element (eligible tensors): 2 bytes of codes + ``8 / (R*C)`
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 
 import torch
@@ -99,9 +100,16 @@ class AdamW8bit(Optimizer):
             st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             return
-        info = shard_info(p, f"#{self._index[id(p)]}")
+        info = shard_info(p, f"#{self._index[id(p)]}", tp="local")  # FSDP x TP: the TP-local tensor's pieces
+        lshape = info.shape
         r, c = block
-        ncols = shape[-1]
+        ncols = lshape[-1]
+        if lshape != shape and (lshape[-2] % r or ncols % c):
+            raise ValueError(
+                f"AdamW8bit: parameter #{self._index[id(p)]} of global shape {shape}: its tensor-parallel local "
+                f"block {lshape} cuts a {r}x{c} tile (tiles are global: the TP split must keep whole tiles); "
+                "use a TP degree that divides the tile rows/cols, or give this parameter to torch.optim.AdamW"
+            )
         tile = r * ncols  # elements in one row of tiles
         for q, (a, b) in enumerate(info.ranges):
             if a % tile or b % tile:
@@ -113,22 +121,32 @@ class AdamW8bit(Optimizer):
         ncb = -(-ncols // c)
         units = tuple((b - a) // tile for a, b in info.ranges)
         n_local = info.local.numel()
+        # the scale grid of the GLOBAL tensor: TP-split rows / columns of tiles become Shard(0) / Shard(1)
+        scale_shape = (math.prod(shape[:-1]) // r, -(-shape[-1] // c))
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             codes = torch.full((n_local,), zero_code(signed), dtype=torch.uint8, device=info.local.device)
             scale = torch.zeros(units[info.rank] * ncb, dtype=torch.float32, device=info.local.device)
             st[key + "_codes"] = self._wrap(p, codes, shape, None)
-            st[key + "_scale"] = self._wrap(p, scale, (sum(units), ncb), units)
+            st[key + "_scale"] = self._wrap(p, scale, scale_shape, units)
 
     @staticmethod
     def _wrap(p: Tensor, local: Tensor, shape, units) -> Tensor:
-        """``local`` as a DTensor like ``p`` (``units``: a ``RaggedShard((0,), units)`` scale tensor)."""
-        from torch.distributed.tensor import DTensor
+        """``local`` as a DTensor like ``p`` (``units``: a ``RaggedShard((0,), units)`` scale tensor of the
+        tile grid, whose TP placements split tile rows (``Shard(0)``) or tile columns (``Shard(1)``))."""
+        from torch.distributed.tensor import DTensor, Shard
 
         if not isinstance(p, DTensor):
             return local.view(shape)
+
+        def scale_pl(pl):
+            if isinstance(pl, RaggedShard):
+                return RaggedShard((0,), units)
+            if type(pl) is Shard:
+                return Shard(1 if pl.dim % p.ndim == p.ndim - 1 else 0)
+            return pl
+
         placements = tuple(
-            (RaggedShard((0,), units) if units is not None else pl) if isinstance(pl, RaggedShard) else pl
-            for pl in p.placements
+            (scale_pl(pl) if units is not None else pl) for pl in p.placements
         )
         shape = tuple(shape)
         stride = torch.empty(shape, device="meta").stride()
@@ -156,7 +174,7 @@ class AdamW8bit(Optimizer):
                 if "exp_avg" in st:
                     adamw_math(pl, gl, local_flat(st["exp_avg"]), local_flat(st["exp_avg_sq"]), step=t, **kw)
                     continue
-                ncols = p.shape[-1]
+                ncols = shard_info(p, tp="local").shape[-1]  # of the TP-local tensor (FSDP x TP)
                 ncb = -(-ncols // block[1])
                 codes = [local_flat(st[k]) for k in ("exp_avg_codes", "exp_avg_sq_codes")]
                 scales = [local_flat(st[k]) for k in ("exp_avg_scale", "exp_avg_sq_scale")]

@@ -45,7 +45,7 @@ from raggedfsdp.optim._newton_schulz import (
     newton_schulz,
     ns_flops,
 )
-from raggedfsdp.optim._shards import ShardInfo, local_flat, shard_info
+from raggedfsdp.optim._shards import ShardInfo, local_flat, matrix_to_tp_major, shard_info, tp_major_to_matrix
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -73,7 +73,9 @@ class Muon(Optimizer):
         betas: keyword-only, default AdamW betas of ``algorithm="adamw"`` groups.
 
     Parameters: plain 2-D/3-D tensors, or DTensors with placements ``(RaggedShard,)`` or
-    ``(Replicate(), RaggedShard)`` with any ``local_units`` (row- or element-granular, empty pieces).
+    ``(Replicate(), RaggedShard)`` with any ``local_units`` (row- or element-granular, empty pieces), and
+    FSDP x TP DTensors ``(RaggedShard, Shard(0) | Shard(1) of a matrix | Replicate())``: Newton-Schulz runs
+    on the full logical matrix, owners over the whole dp x tp world (``_shards.shard_info(tp="global")``).
     A 3-D ``(E, d, h)`` stack gets one Newton-Schulz per ``(d, h)`` expert (lr adjusted by ``(d, h)``).
     State: ``momentum_buffer`` (a DTensor sharded like the parameter), created at construction, so
     ``state_dict()`` and DCP (``get_optimizer_state_dict``) work before the first step and reshard
@@ -91,7 +93,8 @@ class Muon(Optimizer):
         ValueError: negative lr/momentum/weight_decay, unknown ``adjust_lr_fn`` or ``algorithm``, a Muon
             parameter that is not 2-D or 3-D (naming it and pointing to ``muon_param_groups``),
             ``pipeline_chunks`` not an int >= 1.
-        NotImplementedError: tensor-parallel (``Shard``) placements.
+        NotImplementedError: ``Partial`` placements, several ``Shard`` mesh dims, ``Shard(d)`` of a 3-D
+            stack with ``d > 0``.
     """
 
     def __init__(
@@ -165,7 +168,7 @@ class Muon(Optimizer):
     def _info(self, p: Tensor) -> ShardInfo:
         info = self._infos.get(id(p))
         if info is None or info.local.data_ptr() != local_flat(p).data_ptr():
-            info = self._infos[id(p)] = shard_info(p, f"#{self._index.get(id(p))}")
+            info = self._infos[id(p)] = shard_info(p, f"#{self._index.get(id(p))}", tp="global")
         return info
 
     # -- step --------------------------------------------------------------------------------
@@ -195,7 +198,8 @@ class Muon(Optimizer):
                 buf.lerp_(g, 1 - mu)
                 update = g.lerp(buf, mu) if group["nesterov"] else buf
                 info.local.mul_(1 - lr * wd)
-                key = info.world if info.group is not None else ("local", id(p))
+                # one plan per layout of the world (FSDP x TP pieces differ from the replicated ones)
+                key = (info.world, info.holders) if info.group is not None else ("local", id(p))
                 buckets[key].append((p, info, group, update))
         for key in sorted(buckets, key=str):
             self._orthogonalize(buckets[key], stats)
@@ -271,9 +275,10 @@ class Muon(Optimizer):
                 group_ = items[m.item][2]
                 src = [piece_of(j, lo, hi) if me in hs else received[(j, lo)] for hs, lo, hi in m.parts]
                 src = src[0] if len(src) == 1 else torch.cat([x.to(dt) for x in src])
-                o = self._ns(src.view(m.rows, m.cols), group_["ns_coefficients"], group_["ns_steps"],
-                             group_["eps"], dt)
-                ortho[j] = o.reshape(-1)
+                tp_cols = items[m.item][1].tp_cols  # FSDP x TP rowwise: TP-major parts -> the matrix
+                o = self._ns(tp_major_to_matrix(src, m.rows, m.cols, tp_cols), group_["ns_coefficients"],
+                             group_["ns_steps"], group_["eps"], dt)
+                ortho[j] = matrix_to_tp_major(o, tp_cols)
                 stats["ns_calls"] += 1
                 stats["ns_flops"] += ns_flops(m.rows, m.cols, group_["ns_steps"])
                 stats["ns_matrices"].append((self._index[id(items[m.item][0])], m.start // m.numel))

@@ -150,6 +150,8 @@ class MemoryEstimate:
     weights and gradients, at ``recipe.param``/``recipe.grad`` bytes per element. 0 without shapes."""
     units: tuple[tuple[str, int, int], ...] = field(default=())
     """``(unit name, numel, shard size)`` per unit when shapes are known."""
+    ep: int = 1
+    """Expert-parallel size: ``<layer>.experts`` units are sharded over ``shard_world / ep`` ranks."""
 
     @property
     def shard_world(self) -> int:
@@ -169,6 +171,8 @@ class MemoryEstimate:
             "world_size": self.world_size,
             "replicate": self.replicate,
             "shard_world": self.shard_world,
+            "ep": self.ep,
+            "experts_shard_world": self.shard_world // self.ep,
             "recipe": self.recipe.name,
             "bytes_per_param": {
                 "params": self.recipe.param,
@@ -213,6 +217,7 @@ def estimate_memory(
     replicate: int = 1,
     policy: Any = None,
     align: int | None = None,
+    ep: int = 1,
 ) -> MemoryEstimate:
     """Persistent memory per rank for ZeRO stages 0, 1, 2 and 3.
 
@@ -229,13 +234,17 @@ def estimate_memory(
             ``orig_param_policy``); default ``row`` for matrices, ``element`` for vectors.
         align: shard-size multiple in elements; default 16 bytes at the narrowest of the recipe's
             param dtype and fp32, as ``fully_shard`` does (4 for fp32, 8 with bf16).
+        ep: expert-parallel size (needs ``units``; :mod:`raggedfsdp.planner.ep`): each rank keeps 1/ep of
+            every MoE layer's routed experts, sharded over ``M / ep`` ranks (their units are reported
+            as ``<layer>.experts``); everything else over ``M``. ``num_params`` stays the whole model's.
 
     Returns:
         A :class:`MemoryEstimate` (bytes per rank per stage, padding, a ZeRO-3 working-set estimate).
 
     Raises:
         ValueError: neither or both of ``num_params``/``units``, a non-whole or negative count,
-            ``world_size < 1``, ``replicate`` not dividing ``world_size``, or an unknown recipe.
+            ``world_size < 1``, ``replicate`` not dividing ``world_size``, an unknown recipe, or ``ep > 1``
+            without ``units``, not dividing ``M``, or on a model without routed experts.
         TypeError: a non-integer ``world_size``/``replicate``.
     """
     world_size = _check_int("world_size", world_size, 1)
@@ -252,26 +261,41 @@ def estimate_memory(
     if (num_params is None) == (units is None):
         raise ValueError("estimate_memory: give exactly one of num_params (a count) or units (shapes)")
     m = world_size // replicate
+    ep = _check_int("ep", ep, 1)
     unit_rows: list[tuple[str, int, int]] = []
     working = 0.0
+    groups = [(units, m)]
+    if ep > 1:
+        from raggedfsdp.planner.ep import split_units_for_ep
+
+        if units is None:
+            raise ValueError("estimate_memory: ep > 1 needs units (shapes: --model), not a bare parameter count")
+        if m % ep:
+            raise ValueError(f"estimate_memory: ep={ep} must divide the FSDP group size {m} (world / replicate)")
+        dense, experts = split_units_for_ep(units, ep)
+        groups = [(dense, m), (experts, m // ep)]
     if units is not None:
         if align is None:
             align = 8 if recipe.param_dtype == "bf16" else 4
         pol = make_policy(policy or "row") if policy is None or isinstance(policy, str) else policy
         cache: dict = {}
         plans: dict[tuple, int] = {}
-        for u in units:
-            shapes = tuple(s for _, s in u.params)
-            if shapes not in plans:
-                grans, _, _ = resolve_unit_blocks(u, pol, cache)
-                numels = [math.prod(s) for s in shapes]
-                plans[shapes] = plan_layout(
-                    numels, grans, m, align=align, order="best", shapes=shapes
-                ).shard_size
-            unit_rows.append((u.name, u.numel, plans[shapes]))
-        count = sum(n for _, n, _ in unit_rows)
+        gathered = []  # (elements all-gathered, unit row)
+        count = 0
+        for group_units, g in groups:
+            for u in group_units:
+                shapes = tuple(s for _, s in u.params)
+                if (shapes, g) not in plans:
+                    grans, _, _ = resolve_unit_blocks(u, pol, cache)
+                    numels = [math.prod(s) for s in shapes]
+                    plans[shapes, g] = plan_layout(
+                        numels, grans, g, align=align, order="best", shapes=shapes
+                    ).shard_size
+                unit_rows.append((u.name, u.numel, plans[shapes, g]))
+                gathered.append(g * plans[shapes, g])
+                count += u.numel * (m // g)  # an experts unit: every EP rank holds its own 1/ep
         shard = sum(s for _, _, s in unit_rows)
-        biggest = sorted((m * s for _, _, s in unit_rows), reverse=True)[:2]
+        biggest = sorted(gathered, reverse=True)[:2]
         working = sum(biggest) * (recipe.param + recipe.grad)
     else:
         if isinstance(num_params, float):
@@ -282,7 +306,7 @@ def estimate_memory(
             num_params = int(num_params)
         count = _check_int("num_params", num_params, 0)
         shard = -(-count // m)
-    full = float(count)
+    full = float(count if ep == 1 else sum(n for _, n, _ in unit_rows))  # EP: a rank's replica has 1/ep experts
     sh = float(shard)
     r = recipe
     stages = (
@@ -302,6 +326,7 @@ def estimate_memory(
         shapes_known=units is not None,
         working_bytes=working,
         units=tuple(unit_rows),
+        ep=ep,
     )
 
 
@@ -321,6 +346,8 @@ def format_report(est: MemoryEstimate, *, label: str = "") -> str:
     r = est.recipe
     m = est.shard_world
     hsdp = f" (HSDP: {est.replicate} replicas x {m} ranks)" if est.replicate > 1 else ""
+    if est.ep > 1:
+        hsdp += f", EP {est.ep} (routed experts sharded over {m // est.ep} ranks, the rest over {m})"
     src = f"{label}: " if label else ""
     lines = [
         f"{src}{est.num_params:,} params ({_count(est.num_params)}), world size {est.world_size}{hsdp}",

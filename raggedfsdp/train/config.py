@@ -330,8 +330,7 @@ class TrainConfig:
         too small for the held-out split; see :func:`raggedfsdp.train.data.check_data`). Returns the
         corpus size in bytes. Cheap: file sizes only (no tokenization).
         """
-        from raggedfsdp.train.data import check_data
-        from raggedfsdp.train.tokens import is_token_bin, token_bin_info
+        from raggedfsdp.train.data import check_data, is_token_bin, token_bin_info
 
         d = self.data
         if is_token_bin(d.path):
@@ -463,10 +462,12 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
 
 
 def load_config(
-    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
+    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None, *, validate: bool = True
 ) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` or the preset of that name (if any; see
-    :mod:`raggedfsdp.train.presets`), then ``overrides``; validated (no world size)."""
+    :mod:`raggedfsdp.train.presets`), then ``overrides``; validated (no world size) unless
+    ``validate=False`` (the launcher and the worker validate once, for the world size, in
+    ``train.run_dir.prepare``)."""
     if path:
         from raggedfsdp.train.presets import PRESETS, trainable_config
 
@@ -487,7 +488,8 @@ def load_config(
     else:
         cfg = TrainConfig()
     apply_overrides(cfg, overrides or {})
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg
 
 

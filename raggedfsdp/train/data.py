@@ -22,10 +22,20 @@ model never trains on, is held out for evaluation.
 Sampling (see ``BatchSampler``): a batch is a set of random windows of ``seq_len + 1`` bytes. The
 window offsets of optimizer step ``s`` are a pure function of ``(seed, s)``, so a run can resume at
 any step, and runs at different world sizes see exactly the same global batch.
+
+Pre-tokenized data: a flat ``.bin`` of token ids (nanoGPT / Megatron style), memory-mapped. Format:
+the token ids of the whole corpus, concatenated, as little-endian ``uint16`` (vocabularies up to
+65,536) or ``uint32``, no header -- the file nanoGPT's ``prepare.py`` writes. A sidecar
+``NAME.bin.json`` (written by ``raggedfsdp tokenize``, :mod:`raggedfsdp.commands.tokenize`) records
+``dtype``, ``vocab_size``, ``num_tokens`` and the tokenizer; without it the dtype is ``uint16``. The
+file is opened with ``numpy.memmap``: nothing is read until a batch needs its windows, so corpora
+larger than memory work. Sampling is the byte corpus's (``BatchSampler``); the tail ``val_fraction``
+of the token stream is held out.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sysconfig
@@ -39,6 +49,7 @@ __all__ = [
     "BatchSampler",
     "Corpus",
     "DataError",
+    "TokenArray",
     "batch_id",
     "check_batch",
     "check_data",
@@ -48,6 +59,10 @@ __all__ = [
     "parse_batch_id",
     "reproduce_batch",
     "stdlib_source_files",
+    "is_token_bin",
+    "load_token_corpus",
+    "token_bin_info",
+    "write_token_bin",
 ]
 
 FILE_ORDER_SEED = 1234
@@ -107,10 +122,8 @@ class Corpus:
 def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: float = 0.05) -> Corpus:
     """Read the corpus (see the module docstring) and split off the tail as validation data.
 
-    A ``.bin`` path is pre-tokenized data (:mod:`raggedfsdp.train.tokens`), memory-mapped;
+    A ``.bin`` path is pre-tokenized data (see the module docstring), memory-mapped;
     ``max_bytes`` then caps the bytes of the token file used."""
-    from raggedfsdp.train.tokens import is_token_bin, load_token_corpus, token_bin_info
-
     if is_token_bin(path):
         cap = max_bytes // (2 if token_bin_info(path).dtype == "uint16" else 4) if max_bytes else 0
         return load_token_corpus(path, max_tokens=cap, val_fraction=val_fraction)
@@ -176,8 +189,6 @@ def check_data(path: str = "", *, max_bytes: int, val_fraction: float, seq_len: 
     user folder also the first 8 KiB and last byte of each file, stopping at ``max_bytes``.
     """
     total, cap = 0, max_bytes or None
-    from raggedfsdp.train.tokens import is_token_bin, token_bin_info
-
     if is_token_bin(path):  # pre-tokenized: sizes in tokens
         info = token_bin_info(path)
         item = 2 if info.dtype == "uint16" else 4
@@ -420,3 +431,112 @@ def reproduce_batch(sampler: BatchSampler, text: str, *, limit: int = 400) -> st
         chunk = bytes(sampler.tokens[o : o + min(sampler.seq_len + 1, limit)].tolist())
         out.append(f"--- step {step}, global row {r}, corpus offset {o}:\n{chunk.decode('utf-8', 'replace')}")
     return "\n".join(out)
+
+
+# -- pre-tokenized .bin corpora ----------------------------------------------------------------
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def is_token_bin(path: str) -> bool:
+    return bool(path) and str(path).endswith(".bin")
+
+
+@dataclass(frozen=True)
+class TokenBinInfo:
+    path: Path
+    dtype: str
+    num_tokens: int
+    vocab_size: int | None
+    tokenizer: str | None
+
+
+def token_bin_info(path: str | os.PathLike) -> TokenBinInfo:
+    """Size, dtype and vocabulary of a ``.bin`` (from its sidecar JSON if any); ``ValueError`` naming
+    the path for a missing, empty or truncated file or a bad sidecar."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"token file {str(path)!r} not found")
+    meta: dict = {}
+    side = Path(f"{p}.json")
+    if side.is_file():
+        try:
+            meta = json.loads(side.read_text())
+        except ValueError as e:
+            raise ValueError(f"token file sidecar {str(side)!r} is not valid JSON ({e})") from None
+    dtype = meta.get("dtype", "uint16")
+    if dtype not in DTYPES:
+        raise ValueError(f"{str(side)!r}: dtype {dtype!r} must be one of {sorted(DTYPES)}")
+    size = p.stat().st_size
+    item = np.dtype(DTYPES[dtype]).itemsize
+    if size == 0 or size % item:
+        raise ValueError(
+            f"token file {str(path)!r} has {size} bytes: not a whole number of {dtype} tokens "
+            f"({item} bytes each){' (empty)' if size == 0 else ''}"
+        )
+    n = size // item
+    if "num_tokens" in meta and int(meta["num_tokens"]) != n:
+        raise ValueError(
+            f"token file {str(path)!r} holds {n} tokens but its sidecar says {meta['num_tokens']}"
+        )
+    vocab = meta.get("vocab_size")
+    return TokenBinInfo(p, dtype, n, int(vocab) if vocab is not None else None, meta.get("tokenizer"))
+
+
+class TokenArray:
+    """A read-only 1-D view of memory-mapped token ids; ``tokens[idx]`` gives an int64 tensor."""
+
+    def __init__(self, mm: np.ndarray) -> None:
+        self._mm = mm
+
+    def __len__(self) -> int:
+        return len(self._mm)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return TokenArray(self._mm[idx])
+        if isinstance(idx, torch.Tensor):
+            idx = idx.numpy()
+        return torch.from_numpy(np.asarray(self._mm[idx], dtype=np.int64))
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self._mm, dtype=np.int64).tolist()
+
+    def max(self) -> int:
+        return int(self._mm.max()) if len(self._mm) else -1
+
+
+def load_token_corpus(path: str, *, max_tokens: int = 0, val_fraction: float = 0.05):
+    """A :class:`Corpus` over a ``.bin`` (memory-mapped; ``max_tokens`` caps it)."""
+    info = token_bin_info(path)
+    mm = np.memmap(info.path, dtype=np.dtype(DTYPES[info.dtype]).newbyteorder("<"), mode="r")
+    if max_tokens:
+        mm = mm[:max_tokens]
+    n_val = int(len(mm) * val_fraction)
+    if len(mm) - n_val < 2 or n_val < 2:
+        raise ValueError(f"token file {path!r} is too small ({len(mm)} tokens) to split into train/val")
+    arr = TokenArray(mm)
+    return Corpus(
+        train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1
+    )
+
+
+def write_token_bin(out: str | os.PathLike, ids, *, vocab_size: int, tokenizer: str | None = None) -> Path:
+    """Write token ids (an iterable of int sequences) to ``out`` and its sidecar; returns the path."""
+    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(out, "wb") as fh:
+        for seq in ids:
+            arr = np.asarray(seq, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise ValueError(f"token id {int(arr.max())} outside the vocabulary of {vocab_size}")
+            fh.write(arr.astype(np.dtype(DTYPES[dtype]).newbyteorder("<")).tobytes())
+            n += arr.size
+    meta = {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": n, "tokenizer": tokenizer}
+    Path(f"{out}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+# -- raggedfsdp tokenize -----------------------------------------------------------------------

@@ -95,6 +95,13 @@ class FaultPlan:
         """The fault, if any, of the checkpoint save of ``step``: ``enospc``, ``eacces``, ``slowsave``, ``""``."""
         return next((k for k in ("enospc", "eacces", "slowsave") if self.take(k, step)), "")
 
+    def save_writer_factory(self, step: int):
+        """``folder -> StorageWriter`` for ``checkpoint.dcp.save_checkpoint(writer_factory=...)``
+        when the save of ``step`` has a fault, else None (DCP's own ``FileSystemWriter``)."""
+        inject = self.save_fault(step)
+        return (lambda path: fault_writer(path, inject)) if inject else None
+
+
     def inject_forward(self, step: int) -> None:
         """Inside step N's forward: ``oom``."""
         if self.take("oom", step):
@@ -121,3 +128,30 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
                 continue
             raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank/fail_step)")
+
+
+def fault_writer(path, inject: str):
+    """A DCP ``FileSystemWriter`` for ``path`` that fails like a full disk (``enospc``), a denied
+    write (``eacces``) or stalls like a slow disk mid-save (``slowsave``: sleeps ``SLEEP_ENV``
+    seconds, default 5, after this rank's shard files are written). Test-only."""
+    import errno
+    import logging
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class _FaultWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if inject == "slowsave":
+                fut = super().write_data(plan, planner)  # this rank's shard files are on disk
+                fut.wait()
+                deadline = time.monotonic() + float(os.environ.get(SLEEP_ENV) or 5.0)
+                logging.getLogger(__name__).warning("debug: slow save: sleeping in the middle of %s", path)
+                while time.monotonic() < deadline:  # short sleeps: a signal handler runs at once
+                    time.sleep(0.05)
+                return fut
+            code = errno.ENOSPC if inject == "enospc" else errno.EACCES
+            target = str(path / "__fault.distcp")
+            raise (OSError if inject == "enospc" else PermissionError)(code, os.strerror(code), target)
+
+    return _FaultWriter(str(path))

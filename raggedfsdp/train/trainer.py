@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
-from raggedfsdp.train import ckpt_integrity as integrity
-from raggedfsdp.train.checkpoint import (
-    config_hash,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-)
+from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
+from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
@@ -69,14 +63,26 @@ class Trainer:
     """Owns everything of one run. Needs an initialised default process group.
 
     ``watchdog`` / ``interrupts``: from ``train.watchdog`` (the worker passes them); without them
-    there is no hang detection and signals keep their default action."""
+    there is no hang detection and signals keep their default action. ``run``: what
+    ``train.run_dir.prepare`` found in this process (the worker passes it); without it the Trainer
+    prepares the run itself (rank 0 checks, every rank learns the outcome)."""
 
-    def __init__(self, cfg: TrainConfig, *, device: torch.device, watchdog=None, interrupts=None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, device: torch.device, watchdog=None, interrupts=None,
+        run: run_dir.PreparedRun | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        cfg.validate(world_size=self.world_size)
+        if run is None:  # not prepared in this process (a Trainer built directly)
+            cfg.validate(world_size=self.world_size)
+            run = self._on_rank0(
+                lambda: run_dir.prepare(cfg, self.world_size, validate=False, check_data=False)
+            )
+            cfg.job.out = str(run.out)  # rank 0's choice when --out was empty
+        self.run = run
+        self._lock = run.lock if self.rank == 0 else None
         self.out_dir = Path(cfg.job.out)
         self.watchdog = watchdog or NoWatchdog()
         self.interrupts = interrupts
@@ -140,7 +146,7 @@ class Trainer:
             model.to(device)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
-            from raggedfsdp.train.convert import load_hf_weights
+            from raggedfsdp.checkpoint.hf import load_hf_weights
 
             load_hf_weights(model, cfg.model.init_from)
         self.model = model
@@ -193,29 +199,16 @@ class Trainer:
             self.metrics.close()
 
     def _setup_run(self) -> str:
-        """The run id; rank 0 checks the ``--out`` policy, takes its lock, writes ``OUT/run.json``."""
-        return self._on_rank0(self._setup_run_rank0)
-
-    def _setup_run_rank0(self) -> str:
-        cfg, c = self.cfg, self.cfg.checkpoint
-        integrity.check_out_dir(
-            cfg.job.out, str(self.ckpt_folder), resume=c.resume, overwrite=cfg.job.overwrite
-        )
-        if os.environ.get(integrity.LOCK_HELD_ENV) != str(Path(cfg.job.out).resolve()):
-            self._lock = integrity.OutLock(cfg.job.out).acquire()  # held until the process exits
-        run_id = integrity.read_run_id(self.out_dir) if c.resume else None
-        if c.resume and c.resume != "auto":  # continue the run that saved the given checkpoint
-            path = resolve_resume(c.resume, self.ckpt_folder, verify=c.verify)
-            man = integrity.read_manifest(path) if path is not None else None
-            run_id = (man or {}).get("run_id") or run_id
-        run_id = run_id or integrity.new_run_id()
-        integrity.write_run_file(self.out_dir, run_id, config_hash=config_hash(cfg.to_dict()))
-        return run_id
+        """The run id; rank 0 writes ``OUT/run.json`` (the run was prepared: ``train/run_dir.py``)."""
+        return self._on_rank0(lambda: run_dir.start_run(self.cfg, self.run))
 
     def _resolve_resume(self) -> Path | None:
-        """Rank 0 picks the step folder (so that every rank loads the same one), others follow."""
+        """Rank 0 picks the step folder (so that every rank loads the same one), others follow. An
+        explicit ``--resume PATH`` was resolved and verified once, by ``run_dir.prepare``."""
 
         def pick():
+            if self.cfg.checkpoint.resume != "auto":
+                return self.run.resume_path
             notes: list[str] = []
             path = resolve_resume(
                 self.cfg.checkpoint.resume,
@@ -317,7 +310,7 @@ class Trainer:
                 "config": self.cfg.to_dict(),
             },
             run_id=self.run_id,
-            inject=self.faults.save_fault(step),
+            writer_factory=self.faults.save_writer_factory(step),
         )
 
     # -- steps -------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ def _roundtrip(rank, ws, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     from raggedfsdp.models import apply_fsdp, build_model
-    from raggedfsdp.train.checkpoint import save_checkpoint
-    from raggedfsdp.train.convert import load_hf_weights, read_dcp_model, write_safetensors
+    from raggedfsdp.checkpoint.dcp import save_checkpoint
+    from raggedfsdp.checkpoint.hf import load_hf_weights, read_dcp_model, write_safetensors
 
     mesh = init_device_mesh("cpu", (ws,))
     model = build_model("llama", "debug")
@@ -88,7 +88,7 @@ def test_tied_model_and_errors(tmp_path, capsys):
 
     from raggedfsdp.cli import main
     from raggedfsdp.models import build_model
-    from raggedfsdp.train.convert import write_safetensors
+    from raggedfsdp.checkpoint.hf import write_safetensors
 
     ours = build_model("llama", "debug", tie_embeddings=True)
     ours.init_weights(1)

@@ -83,7 +83,7 @@ def _ep_parity(rank, ws, n_experts, meshes):
             model = apply_ep(_build(n_experts, case), mesh["ep"])
             logits, loss = _loss(model, data[rank])
             loss.backward()
-            torch.testing.assert_close(logits, ref_out[rank][0], rtol=1e-5, atol=1e-6, msg=lambda m: f"{tag}: {m}")
+            torch.testing.assert_close(logits, ref_out[rank][0], rtol=1e-5, atol=1e-6, msg=lambda m, tag=tag: f"{tag}: {m}")
             torch.testing.assert_close(model.aux_loss, ref_out[rank][1], rtol=1e-5, atol=1e-7)
             assert torch.equal(model.expert_counts, ref_counts[rank]), tag
             want = dict(ref.named_parameters())
@@ -100,7 +100,7 @@ def _ep_parity(rank, ws, n_experts, meshes):
                     g = g.clone()
                     dist.all_reduce(g)
                     w = want[name].grad
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=name: f"{tag} {k}: {m}")
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=name, tag=tag: f"{tag} {k}: {m}")
 
     # bad input, before any collective
     with pytest.raises(ValueError, match="experts='fused'"):

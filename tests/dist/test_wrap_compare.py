@@ -12,13 +12,13 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from raggedfsdp.train.wrap_compare import format_wrap_report, recommend
+from raggedfsdp.bench.wrap_compare import format_wrap_report, recommend
 
 
 def _compare(rank, ws):
     from raggedfsdp.models import model_units
     from raggedfsdp.planner.memory_estimate import estimate_memory
-    from raggedfsdp.train.wrap_compare import compare_wraps, hybrid_wraps
+    from raggedfsdp.bench.wrap_compare import compare_wraps, hybrid_wraps
 
     build, wraps = hybrid_wraps("hybrid", "debug", ["layer", "superblock"])
     r = compare_wraps(build, wraps, device=torch.device("cpu"), steps=2, warmup=0, batch=2, seq=32)
@@ -61,7 +61,7 @@ def test_recommend_rule():
 
 
 def _gathers(rank, ws):
-    from raggedfsdp.train.wrap_compare import compare_wraps, hybrid_wraps
+    from raggedfsdp.bench.wrap_compare import compare_wraps, hybrid_wraps
 
     out = {}
     for backend in ("torch", "ragged"):

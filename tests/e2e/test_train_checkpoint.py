@@ -108,7 +108,7 @@ def test_crash_then_resume_auto_at_1_rank_and_resume_path_at_3_ranks(reference, 
 
     # Resume where it stopped, at 1 rank (a plain process), into the same OUT.
     proc, _ = _run(
-        [sys.executable, "-m", "raggedfsdp.train.worker", *ARGS, "--out", str(out), "--resume", "auto"]
+        [sys.executable, "-m", "raggedfsdp.launch.worker", *ARGS, "--out", str(out), "--resume", "auto"]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"resumed from {out / 'checkpoints' / 'step-4'}: step 4" in proc.stderr

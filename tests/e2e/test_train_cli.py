@@ -110,12 +110,12 @@ def test_backends_agree(two_rank_runs):
 
 
 def test_single_process_worker_matches_two_ranks(two_rank_runs, tmp_path):
-    """`python -m raggedfsdp.train.worker` (no torchrun, world size 1) sees the same global batches."""
+    """`python -m raggedfsdp.launch.worker` (no torchrun, world size 1) sees the same global batches."""
     proc, _ = _run(
         [
             sys.executable,
             "-m",
-            "raggedfsdp.train.worker",
+            "raggedfsdp.launch.worker",
             *SMALL,
             "--backend",
             "torch",
@@ -201,7 +201,7 @@ def test_failure_report_blames_the_root_cause(tmp_path):
     real failure (and on a lower rank) is not blamed; tracebacks are reduced to one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from raggedfsdp.train.cli import failure_report
+    from raggedfsdp.launch.failures import failure_report
 
     def failure(rank, exitcode, message=None):
         path = tmp_path / f"error_{rank}.json"
@@ -212,7 +212,7 @@ def test_failure_report_blames_the_root_cause(tmp_path):
         return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
     err = ChildFailedError(
-        "raggedfsdp.train.worker",
+        "raggedfsdp.launch.worker",
         {
             0: failure(0, -15, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"),
             1: failure(1, 1, "ValueError: real problem"),

@@ -82,8 +82,8 @@ def _cases(rank, world, tmp):
     import torch
     import torch.distributed as dist
 
-    from raggedfsdp.train import ckpt_integrity as integrity
-    from raggedfsdp.train.checkpoint import CheckpointError, resolve_resume
+    from raggedfsdp.checkpoint import integrity
+    from raggedfsdp.checkpoint.dcp import CheckpointError, resolve_resume
     from raggedfsdp.train.guard import DivergenceError, FaultError, NonFiniteError
 
     tmp = Path(tmp)
@@ -402,7 +402,7 @@ def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_pa
 def test_prelaunch_refusals(tmp_path, capsys):
     """No launch: a byte-flipped --resume PATH, a second job on a locked --out, a fresh run into an
     --out that holds one, --resume auto without --out: one line each, exit 2."""
-    from raggedfsdp.train.ckpt_integrity import OutLock
+    from raggedfsdp.train.run_dir import OutLock
 
     out = tmp_path / "o"
     step = out / "checkpoints" / "step-2"
@@ -412,7 +412,7 @@ def test_prelaunch_refusals(tmp_path, capsys):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from raggedfsdp.train.ckpt_integrity import file_digest, write_manifest
+    from raggedfsdp.checkpoint.integrity import file_digest, write_manifest
 
     dcp.save({"model": {"w": torch.ones(3)}, "train": {"step": torch.tensor(2)}}, checkpoint_id=str(step),
              no_dist=True)  # fmt: skip
@@ -472,8 +472,8 @@ def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_p
     2. ``--resume auto`` resumes step-2 and repeats steps 3-4 bit for bit (same losses); a single Ctrl-C
        during its save of step 4 lets that save complete, then the job stops (exit 130) instead of
        training on; step-4 verifies and the stale ``step-4.tmp`` is gone."""
-    from raggedfsdp.train import ckpt_integrity as integrity
-    from raggedfsdp.train.checkpoint import resolve_resume
+    from raggedfsdp.checkpoint import integrity
+    from raggedfsdp.checkpoint.dcp import resolve_resume
 
     out = tmp_path / "o"
     ck = out / "checkpoints"

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from raggedfsdp.train.checkpoint import CheckpointError, config_hash, resolve_resume
+from raggedfsdp.checkpoint.dcp import CheckpointError, config_hash, resolve_resume
 from raggedfsdp.train.config import TrainConfig, add_config_args, load_config, overrides_from_args
 
 

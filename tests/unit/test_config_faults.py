@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from raggedfsdp.train import ckpt_integrity as integrity
-from raggedfsdp.train.checkpoint import compare_keys
+from raggedfsdp.checkpoint import integrity
+from raggedfsdp.train import run_dir
+from raggedfsdp.checkpoint.dcp import compare_keys
 from raggedfsdp.train.config import TrainConfig, load_config
 from raggedfsdp.train.data import BatchSampler, DataError, batch_id, check_batch, reproduce_batch
 from raggedfsdp.train.faults import Fault, FaultPlan, parse_faults
@@ -140,17 +141,17 @@ def test_manifest_verification(tmp_path):
 
 
 def test_out_lock_and_policy(tmp_path):
-    lock = integrity.OutLock(tmp_path).acquire()
+    lock = run_dir.OutLock(tmp_path).acquire()
     with pytest.raises(ValueError, match=rf"--out {tmp_path} is in use by another job \(pid \d+ on "):
-        integrity.OutLock(tmp_path).acquire()
+        run_dir.OutLock(tmp_path).acquire()
     lock.release()
-    integrity.OutLock(tmp_path).acquire().release()
-    integrity.check_out_dir(str(tmp_path), str(tmp_path / "checkpoints"), resume="", overwrite=False)
-    integrity.write_run_file(tmp_path, "abc")
+    run_dir.OutLock(tmp_path).acquire().release()
+    run_dir.check_out_dir(str(tmp_path), str(tmp_path / "checkpoints"), resume="", overwrite=False)
+    run_dir.write_run_file(tmp_path, "abc")
     with pytest.raises(ValueError, match="already holds a run \\(run abc\\); continue it with --resume auto"):
-        integrity.check_out_dir(str(tmp_path), str(tmp_path / "checkpoints"), resume="", overwrite=False)
-    integrity.check_out_dir(str(tmp_path), str(tmp_path / "c"), resume="", overwrite=True)
-    integrity.check_out_dir(str(tmp_path), str(tmp_path / "c"), resume="auto", overwrite=False)
+        run_dir.check_out_dir(str(tmp_path), str(tmp_path / "checkpoints"), resume="", overwrite=False)
+    run_dir.check_out_dir(str(tmp_path), str(tmp_path / "c"), resume="", overwrite=True)
+    run_dir.check_out_dir(str(tmp_path), str(tmp_path / "c"), resume="auto", overwrite=False)
 
 
 def test_config_validation_of_the_fault_options():

@@ -1,5 +1,6 @@
-"""Imports inside the package go one way: placement -> planner -> buffer -> fsdp -> optim/checkpoint
--> models -> train/cli. A module may import its own layer or lower layers only (checked with ast)."""
+"""Imports inside the package go one way: placement -> planner -> buffer -> fsdp -> optim -> models ->
+checkpoint -> train/launch -> bench -> commands/cli. A module may import its own layer or lower layers
+only (checked with ast)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ LAYER = {
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,
-    "optim": 4, "checkpoint": 4,
+    "optim": 4,
     "models": 5,
-    "train": 6, "cli": 6, "__main__": 6, "bench": 6,
+    "checkpoint": 6,
+    "train": 7, "launch": 7,
+    "bench": 8,
+    "commands": 9, "cli": 9,
 }
 
 

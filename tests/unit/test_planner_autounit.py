@@ -14,7 +14,7 @@ import pytest
 
 from raggedfsdp.planner.archs import model_units
 from raggedfsdp.planner.autounit import choose_unit_size
-from raggedfsdp.planner.cli import main as plan_main
+from raggedfsdp.commands.plan import main as plan_main
 from raggedfsdp.planner.modelplan import gcd_fallback, plan_model
 
 TARGET = 0.03

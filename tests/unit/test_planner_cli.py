@@ -10,7 +10,7 @@ import pytest
 
 from raggedfsdp.planner import plan_layout
 from raggedfsdp.planner.archs import model_units
-from raggedfsdp.planner.cli import main as plan_main
+from raggedfsdp.commands.plan import main as plan_main
 from raggedfsdp.planner.modelplan import fsdp1_padding, fsdp2_padding, plan_model
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raggedfsdp.train.data import BatchSampler, check_data, load_corpus
-from raggedfsdp.train.tokens import token_bin_info, write_token_bin
+from raggedfsdp.train.data import token_bin_info, write_token_bin
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
 
@@ -108,7 +108,7 @@ def test_tokenize_and_train(tmp_path):
         [
             sys.executable,
             "-m",
-            "raggedfsdp.train.worker",
+            "raggedfsdp.launch.worker",
             "--config",
             "debug",
             "--data",

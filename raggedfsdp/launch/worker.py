@@ -2,11 +2,11 @@
 
 Run it under torchrun (this is what ``raggedfsdp train --nproc N`` does)::
 
-    torchrun --standalone --nproc_per_node 2 -m raggedfsdp.train.worker --config configs/tiny_cpu.toml
+    torchrun --standalone --nproc_per_node 2 -m raggedfsdp.launch.worker --config configs/tiny_cpu.toml
 
 or as one process (world size 1, no torchrun needed)::
 
-    python -m raggedfsdp.train.worker --steps 50
+    python -m raggedfsdp.launch.worker --steps 50
 
 Rank, world size and the rendezvous come from torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``); without them the worker is
@@ -32,57 +32,18 @@ from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from raggedfsdp.launch.env import set_threads
+from raggedfsdp.launch.failures import ONE_LINE, PEER_FAILURE_HINTS
+from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
-
-# Substrings of collective errors that are consequences of a failure elsewhere.
-_PEER_FAILURE_HINTS = ("closed by peer", "reset by peer", "Timed out", "Broken pipe", "Connection refused")
-
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog or "python -m raggedfsdp.train.worker",
+        prog=prog or "python -m raggedfsdp.launch.worker",
         description="Train a small LLaMA-style model with FSDP (one process per rank; launch with torchrun).",
     )
     add_config_args(parser)
     return parser
-
-
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _set_threads(local_world_size: int) -> int:
-    """One share of the cores per local rank (respecting an explicit OMP_NUM_THREADS)."""
-    import torch
-
-    n = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, _available_cpus() // local_world_size)
-    torch.set_num_threads(n)
-    return n
-
-
-def default_out() -> str:
-    """A fresh ``outputs/run-...`` folder: a timestamp (launcher, single process) or, under a bare
-    torchrun, its run id (the same on every rank)."""
-    import time
-
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return os.path.join("outputs", f"run-torchrun-{run[:12]}")
-    base = os.path.join("outputs", time.strftime("run-%Y%m%d-%H%M%S"))
-    out, n = base, 1
-    while os.path.exists(out):
-        n += 1
-        out = f"{base}-{n}"
-    return out
-
-
-# Errors the trainer explains in their message: one line, no traceback (still recorded for torchrun).
-_ONE_LINE = (
-    "FaultError", "NonFiniteError", "DivergenceError", "CheckpointError", "DataError", "HangError", "ResourceError",
-)  # fmt: skip
 
 
 @record
@@ -92,21 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     set_parent_death_signal()  # die with the launcher (no orphans); see train/watchdog.py
     parser = build_parser()
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, overrides_from_args(args))
-        if not cfg.job.out:
-            cfg.job.out = default_out()
-        cfg.check_data()
-        if int(os.environ.get("RANK", "0")) == 0:
-            from raggedfsdp.train.cli import _check_resume
-
-            _check_resume(cfg)
-    except ValueError as e:  # a config error, not a usage error: one line, no usage text
+        cfg = load_config(args.config, overrides_from_args(args), validate=False)
+        run = run_dir.prepare(cfg, world_size, rank=rank)  # the config validated once per process
+    except (ValueError, OSError) as e:  # a config error (or an unwritable --out): one line, no usage text
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
 
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     tag = f"[rank {rank}/{world_size}]"
@@ -121,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     interrupts = Interrupts(tag, announce=rank == 0).install()
     try:
-        return _run(cfg, rank, world_size, local_rank, local_world_size, interrupts)
+        return _run(cfg, run, rank, world_size, local_rank, local_world_size, interrupts)
     except Interrupted as e:  # every rank, at the same step boundary: one line (rank 0), 128 + signum
         if rank == 0:
             print(f"{tag} {e}", file=sys.stderr, flush=True)
@@ -136,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
             time.sleep(1.0)  # let a culprit rank fail first: the launcher names the first failure
         get_error_handler().record_exception(e)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
-        peer = world_size > 1 and any(s in str(e) for s in _PEER_FAILURE_HINTS)
+        peer = world_size > 1 and any(s in str(e) for s in PEER_FAILURE_HINTS)
         msg = f"{tag} error: {type(e).__name__}: {e}"
-        if type(e).__name__ in _ONE_LINE:
+        if type(e).__name__ in ONE_LINE:
             pass
         elif peer:
             msg += (
@@ -152,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int, interrupts=None) -> int:
+def _run(cfg, run, rank: int, world_size: int, local_rank: int, local_world_size: int, interrupts=None) -> int:
     import torch
     import torch.distributed as dist
 
     from raggedfsdp.train.trainer import Trainer
 
-    _set_threads(local_world_size)
+    set_threads(local_world_size)
     use_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", local_rank)
@@ -182,13 +137,13 @@ def _run(cfg, rank: int, world_size: int, local_rank: int, local_world_size: int
         interrupts=interrupts,
         store=heartbeat_store() if world_size > 1 else None,
     ).start()
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
     from raggedfsdp.train.trainer import Interrupted
 
     ok = False
     try:
         try:
-            Trainer(cfg, device=device, watchdog=watchdog, interrupts=interrupts).train()
+            Trainer(cfg, device=device, watchdog=watchdog, interrupts=interrupts, run=run).train()
         except Interrupted:  # raised on every rank at the same step: still tear down together
             ok = True
             raise

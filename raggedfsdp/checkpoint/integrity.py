@@ -1,4 +1,4 @@
-"""Checkpoint integrity and run identity: manifests, verification, the ``--out`` lock and policy.
+"""Checkpoint integrity: manifests, verification, and picking the step folder to resume from.
 
 Manifest: every ``step-N/`` folder ends with ``manifest.json`` (written last, before the folder is
 renamed from ``step-N.tmp``)::
@@ -8,18 +8,16 @@ renamed from ``step-N.tmp``)::
 
 The ``.distcp`` files are hashed by the ranks in parallel (file ``i`` of the sorted listing by rank
 ``i % W``) right after DCP wrote them, and rank 0 writes the manifest. :func:`verify_step_folder`
-re-checks every listed file's size and SHA-256 and that no ``.distcp`` file is missing or extra; it
-is run by the launcher for an explicit ``--resume PATH`` (a one-line error before any rank starts)
-and by rank 0 of the job (the result is broadcast) before every load.
+re-checks every listed file's size and SHA-256 and that no ``.distcp`` file is missing or extra. An
+explicit ``--resume PATH`` is verified once per job, by ``train/run_dir.prepare`` (in the launcher,
+a one-line error before any rank starts; under a bare torchrun on rank 0), and ``--resume auto``'s
+pick verifies its candidates once on rank 0 (the result is broadcast).
 
-Run identity: ``OUT/run.json`` holds the run id (a random hex string) of the run that owns ``OUT``;
-each manifest carries the id of the run that saved it. ``--resume auto`` considers only checkpoints
-of the run recorded in ``OUT/run.json``, newest first, and takes the first that verifies (naming the
-ones it skipped and why); pruning (``checkpoint.keep_latest``) deletes only the run's own
-checkpoints. A fresh run (no ``--resume``) into an ``OUT`` that already holds a run is refused
-unless ``--job.overwrite true``. An exclusive ``fcntl.flock`` on ``OUT/.lock`` (held by the launcher,
-or by rank 0 under a bare torchrun) stops a second job from using the same ``OUT``; the kernel drops
-it when the holder dies, so a crash never leaves a stale lock.
+Run identity: each manifest carries the id of the run that saved it (``OUT/run.json``, the ``--out``
+lock and the fresh/resume policy are in :mod:`raggedfsdp.train.run_dir`). ``--resume auto``
+(:func:`pick_resume`) considers only checkpoints of the run recorded in ``OUT/run.json``, newest
+first, and takes the first that verifies (naming the ones it skipped and why); pruning
+(``checkpoint.keep_latest``) deletes only the run's own checkpoints.
 """
 
 from __future__ import annotations
@@ -28,34 +26,20 @@ import hashlib
 import json
 import os
 import re
-import secrets
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "MANIFEST",
-    "OutLock",
-    "check_out_dir",
     "file_digest",
-    "new_run_id",
     "pick_resume",
     "read_manifest",
-    "read_run_id",
     "verify_step_folder",
     "write_manifest",
 ]
 
 MANIFEST = "manifest.json"
-RUN_FILE = "run.json"
-LOCK_FILE = ".lock"
-LOCK_HELD_ENV = "RAGGEDFSDP_OUT_LOCK_HELD"  # set by the launcher that holds OUT/.lock
 _STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-def new_run_id() -> str:
-    return secrets.token_hex(6)
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -158,70 +142,3 @@ def own_step_folders(folder: Path, run_id: str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_run_id(out: Path) -> str | None:
-    try:
-        return json.loads((out / RUN_FILE).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def write_run_file(out: Path, run_id: str, **extra: Any) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps({"run_id": run_id, "created": time.time(), **extra}, indent=1))
-    os.replace(tmp, out / RUN_FILE)
-
-
-def check_out_dir(out: str, ckpt_folder: str, *, resume: str, overwrite: bool) -> None:
-    """Pre-launch policy check of ``--out`` (reads only). ``ValueError`` with the fix."""
-    o = Path(out)
-    if resume:
-        return
-    held = []
-    if (o / RUN_FILE).exists():
-        held.append(f"run {read_run_id(o)}")
-    if (o / "metrics.jsonl").exists():
-        held.append("metrics.jsonl")
-    steps = [p.name for _, p in step_candidates(Path(ckpt_folder))]
-    if steps:
-        held.append("checkpoints " + ", ".join(sorted(steps)))
-    if held and not overwrite:
-        raise ValueError(
-            f"--out {out} already holds a run ({'; '.join(held)}); continue it with --resume auto, "
-            "start a new run in it with --job.overwrite true (other runs' checkpoints are kept and "
-            "ignored), or choose another --out"
-        )
-
-
-class OutLock:
-    """An exclusive, non-blocking ``flock`` on ``OUT/.lock`` (released when the process exits)."""
-
-    def __init__(self, out: str | os.PathLike) -> None:
-        self.path = Path(out) / LOCK_FILE
-        self._fd: int | None = None
-
-    def acquire(self) -> OutLock:
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise ValueError(
-                f"--out {self.path.parent} is in use by another job ({holder}); wait for it to end "
-                "or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

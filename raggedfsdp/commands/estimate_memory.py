@@ -7,6 +7,7 @@ Examples::
     raggedfsdp estimate-memory --model llama3-8b --world-size 64 --replicate 8 --json
     raggedfsdp estimate-memory --model path/to/config.json --world-size 32
     raggedfsdp estimate-memory --model hybrid:tiny --unit superblock --world-size 3 --recipe fp32
+    raggedfsdp estimate-memory --model gpt-oss-120b --world-size 256 --ep 8
 
 No GPU, no process group, nothing allocated (built-in models are built on the meta device). With
 ``--model`` the shapes are known and sharded state is the planner's real per-rank shard (padding
@@ -55,6 +56,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--replicate", type=int, default=1, help="HSDP replica groups (must divide the world size)"
     )
     p.add_argument("--unit", default="layer", help="FSDP unit with --model: layer | superblock (hybrids)")
+    p.add_argument(
+        "--ep", type=int, default=1,
+        help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N",
+    )
     p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (a list for several world sizes)"
@@ -135,10 +140,12 @@ def run(args: argparse.Namespace) -> int:
                     recipe=args.recipe,
                     replicate=args.replicate,
                     policy=args.granularity if units is not None else None,
+                    ep=args.ep,
                 )
             )
     except ValueError as exc:
-        return _error(str(exc))
+        msg = str(exc)
+        return _error(f"--ep {args.ep}: {msg}" if args.ep != 1 and "ep" in msg and not msg.startswith("--ep") else msg)
     if args.json:
         out = [dict(r.to_dict(), model=label or None) for r in results]
         text = json.dumps(out[0] if len(out) == 1 else out, indent=1)

@@ -1,10 +1,10 @@
-"""``raggedfsdp train`` (launch a training job through torchrun) and ``raggedfsdp plot``.
+"""``raggedfsdp train``: validate, prepare the run once, launch the ranks through torchrun.
 
 ``raggedfsdp train [--nproc N] [flags]`` validates the configuration, then starts N worker processes
 with torch's own launcher (``torch.distributed.run``, i.e. torchrun ``--standalone``) running
-``raggedfsdp.train.worker`` with the same flags. It is equivalent to::
+``raggedfsdp.launch.worker`` with the same flags. It is equivalent to::
 
-    OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N -m raggedfsdp.train.worker [flags]
+    OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N -m raggedfsdp.launch.worker [flags]
 
 Use torchrun directly for multi-node jobs or other launcher options.
 
@@ -21,8 +21,8 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 
+from raggedfsdp.launch.failures import STOPPED_CODES, failure_report
 from raggedfsdp.train.config import add_config_args, load_config, override_argv, overrides_from_args
 
 _TRAIN_EPILOG = """\
@@ -61,15 +61,15 @@ Every option is also a TOML key: --section.key in [section] (CLI > TOML > defaul
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register the ``train`` and ``plot`` subcommands."""
+    """Register the ``train`` subcommand."""
     p = sub.add_parser(
         "train",
         help="train a small LLaMA-style model with FSDP on N local ranks (torchrun)",
         description=(
-            "Validate the config, then launch N ranks of raggedfsdp.train.worker with torchrun\n"
+            "Validate the config, then launch N ranks of raggedfsdp.launch.worker with torchrun\n"
             "(torch.distributed.run --standalone). Same as:\n"
             "  OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N \\\n"
-            "      -m raggedfsdp.train.worker [flags]"
+            "      -m raggedfsdp.launch.worker [flags]"
         ),
         epilog=_TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -87,12 +87,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.set_defaults(func=run_train)
 
-    q = sub.add_parser("plot", help="plot loss and grad norm from metrics.jsonl files (needs matplotlib)")
-    q.add_argument("metrics", nargs="+", help="metrics.jsonl file(s); several are overlaid")
-    q.add_argument("-o", "--output", default="loss.png", help="image file to write (default: loss.png)")
-    q.add_argument("--title", default=None, help="figure title")
-    q.set_defaults(func=run_plot)
-
 
 def run_train(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
@@ -100,20 +94,17 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-        cfg = load_config(args.config, overrides)
-        if not cfg.job.out:  # a fresh folder per run, chosen once for every rank
-            from raggedfsdp.train.worker import default_out
+        cfg = load_config(args.config, overrides, validate=False)
+        from raggedfsdp.train import run_dir
 
-            cfg.job.out = overrides["job.out"] = default_out()
-        cfg.validate(world_size=args.nproc)
-        cfg.check_data()  # a bad --data fails here, not after the launch on every rank
-        if getattr(args, "reproduce_batch", None):
-            return _reproduce(cfg, args.reproduce_batch, args.nproc)
-        _check_resume(cfg)  # so does a missing or corrupt --resume path, or a taken --out
-        from raggedfsdp.train.ckpt_integrity import LOCK_HELD_ENV, OutLock
-
-        lock = OutLock(cfg.job.out).acquire()  # held by this process until the job ends
-        os.environ[LOCK_HELD_ENV] = str(Path(cfg.job.out).resolve())
+        # A bad config or --data fails here, not after the launch on every rank; so does a missing or
+        # corrupt --resume path (verified here, once for the whole job), or a taken --out.
+        reproduce = getattr(args, "reproduce_batch", None)
+        prepared = run_dir.prepare(cfg, args.nproc, check_out=not reproduce)
+        overrides["job.out"] = cfg.job.out  # the default --out (a fresh folder) is chosen once, here
+        if reproduce:
+            return _reproduce(cfg, reproduce, args.nproc)
+        run_dir.hand_to_workers(cfg, prepared)  # the ranks neither re-lock OUT nor re-hash --resume
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
         return 2
@@ -123,9 +114,9 @@ def run_train(args: argparse.Namespace) -> int:
               "user can write)", file=sys.stderr)  # fmt: skip
         return 2
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the local ranks
-        from raggedfsdp.train.worker import _available_cpus
+        from raggedfsdp.launch.env import available_cpus
 
-        os.environ["OMP_NUM_THREADS"] = str(max(1, _available_cpus() // args.nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, available_cpus() // args.nproc))
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -135,7 +126,7 @@ def run_train(args: argparse.Namespace) -> int:
         "--standalone",
         f"--nproc-per-node={args.nproc}",
         "--module",
-        "raggedfsdp.train.worker",
+        "raggedfsdp.launch.worker",
         *override_argv(args.config, overrides),
     ]
     print(
@@ -153,7 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if codes and codes <= set(_STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
+        if codes and codes <= set(STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
             print(f"raggedfsdp train: interrupted (exit code {min(codes)}); resume with --resume auto "
                   f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
             return min(codes)
@@ -162,25 +153,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(last_line, file=sys.stderr, flush=True)
         return 2 if "CheckpointError: cannot load" in last_line else 1
     finally:
-        lock.release()
+        if prepared.lock is not None:
+            prepared.lock.release()
     return 0
-
-
-def _check_resume(cfg) -> None:
-    """Pre-launch checks of ``--out`` and ``--resume`` (a ``ValueError`` naming the path and a fix):
-    a fresh run into an ``--out`` that holds another run, a missing or corrupt ``--resume PATH``
-    (verified against its manifest), an ``--out`` locked by a running job."""
-    from raggedfsdp.train import ckpt_integrity as integrity
-
-    c = cfg.checkpoint
-    folder = c.resolved_folder(cfg.job.out)
-    integrity.check_out_dir(cfg.job.out, folder, resume=c.resume, overwrite=cfg.job.overwrite)
-    if c.resume and c.resume != "auto":
-        from raggedfsdp.train.checkpoint import resolve_resume
-
-        resolve_resume(c.resume, folder, verify=c.verify)
-    if Path(cfg.job.out, integrity.LOCK_FILE).exists() and os.environ.get(integrity.LOCK_HELD_ENV) is None:
-        integrity.OutLock(cfg.job.out).acquire().release()  # raises if a running job holds it
 
 
 def _reproduce(cfg, text: str, nproc: int) -> int:
@@ -193,88 +168,4 @@ def _reproduce(cfg, text: str, nproc: int) -> int:
         corpus.train, seq_len=t.seq_len, global_batch_size=t.global_batch_size, seed=cfg.job.seed
     )
     print(reproduce_batch(sampler, text))
-    return 0
-
-
-def _one_line(failure) -> str:
-    """A failed rank's error in one line: the exception (not its traceback), exit code or signal."""
-    msg = failure.message
-    if isinstance(msg, dict):
-        msg = msg.get("message") or "<N/A>"
-    elif failure.exitcode < 0:
-        msg = f"killed by signal {-failure.exitcode} ({failure.signal_name()})"
-        if failure.signal_name() == "SIGKILL":
-            msg += ", e.g. by the out-of-memory killer"
-    elif failure.exitcode in _STOPPED_CODES and not _has_error_file(failure):
-        msg = f"stopped by {_STOPPED_CODES[failure.exitcode]} (exit code {failure.exitcode})"
-    elif not _has_error_file(failure):
-        msg = f"exited with code {failure.exitcode} without recording an error"
-    return str(msg)
-
-
-# Exit codes of a rank that stopped on a signal (train/watchdog.py: 128 + signum).
-_STOPPED_CODES = {129: "SIGHUP", 130: "SIGINT", 143: "SIGTERM"}
-
-
-def _has_error_file(failure) -> bool:
-    return bool(failure.error_file) and failure.error_file != "<N/A>"
-
-
-def _is_consequence(failure) -> bool:
-    """A rank stopped by torchrun, or one whose collective failed because a peer went away."""
-    from raggedfsdp.train.worker import _PEER_FAILURE_HINTS
-
-    if isinstance(failure.message, dict):  # the rank recorded an exception: judge by its message
-        return any(h in _one_line(failure) for h in _PEER_FAILURE_HINTS)
-    if failure.exitcode in _STOPPED_CODES:
-        return True
-    return failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT")
-
-
-def failure_report(err, world_size: int) -> tuple[str, str]:
-    """``(summary, last_line)`` for a failed job (a torchrun ``ChildFailedError``).
-
-    ``summary`` is torchrun's rank-tagged failure table with each traceback replaced by its one-line
-    error (the root-cause rank printed its traceback to stderr once; every traceback is also in the
-    ``error_file`` listed). The root cause is the first failure that is not a consequence of another
-    (a rank torchrun stopped, or a collective that lost its peer), so a rank that timed out in the
-    same second as the real failure is not blamed. ``last_line`` names that rank and its error and is
-    meant to be printed last.
-    """
-    import copy
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    failures = sorted(err.failures.items(), key=lambda rf: rf[1].timestamp)  # stable: rank order on ties
-    root_rank, root = next(((r, f) for r, f in failures if not _is_consequence(f)), failures[0])
-    short = {}
-    for rank, failure in [(root_rank, root)] + [(r, f) for r, f in failures if r != root_rank]:
-        f = copy.copy(failure)
-        f.message = _one_line(failure)
-        short[rank] = f
-    short[root_rank].timestamp = min(f.timestamp for f in short.values())  # shown as the root cause
-    summary = ChildFailedError(err.name, short).format_msg()
-    consequence = _is_consequence(root)
-    if isinstance(root.message, dict) and _has_error_file(root):
-        from raggedfsdp.train.worker import _ONE_LINE
-
-        above = "" if consequence or _one_line(root).split(":")[0] in _ONE_LINE else "above and "
-        where = f"traceback {above}in {root.error_file}"
-    else:
-        where = "see its output above"
-    last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {_one_line(root)} ({where})"
-    if consequence:
-        last_line += "; this usually means another rank failed or hung first"
-    return summary, last_line
-
-
-def run_plot(args: argparse.Namespace) -> int:
-    from raggedfsdp.train.plot import plot_metrics
-
-    try:
-        out = plot_metrics(args.metrics, args.output, title=args.title)
-    except (ImportError, ValueError, FileNotFoundError) as e:
-        print(f"raggedfsdp plot: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
     return 0

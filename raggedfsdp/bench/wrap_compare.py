@@ -22,13 +22,12 @@ Recommendation: the faster wrap when the step-time gap is larger than the measur
 larger of the two inter-quartile ranges, and at least 2%); otherwise the one with the smaller peak.
 Both wraps compute the same function: their final losses must agree (reported).
 
-Run it with ``raggedfsdp bench --model hybrid --wrap layer,superblock`` (or, without the bench,
-``torchrun --nproc-per-node N -m raggedfsdp.train.wrap_compare``).
+Run it with ``raggedfsdp wrap-bench --nproc 2 --wrap layer,superblock`` (or, without the bench,
+``torchrun --nproc-per-node N -m raggedfsdp.bench.wrap_compare``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -297,77 +296,7 @@ def format_wrap_report(r: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-# -- command line: `raggedfsdp wrap-bench` launches the torchrun entry below ---------------------
-
-
-def add_parser(subparsers):
-    """``raggedfsdp wrap-bench --nproc N [--flavor F] [--wrap layer,superblock] [--backend B] [--json]``."""
-    p = subparsers.add_parser(
-        "wrap-bench",
-        help="measure FSDP units side by side (hybrid: layer vs superblock) and recommend one",
-        description=__doc__.split("\n\n")[0],
-    )
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
-    for action in _build_parser()._actions:
-        if action.dest != "help":
-            p._add_action(action)
-    p.set_defaults(func=launch)
-    return p
-
-
-def launch(args) -> int:
-    """Run :func:`main` on ``args.nproc`` ranks through torch's launcher; 2 for a bad argument."""
-    if args.nproc < 1 or args.steps < 1 or len(args.wrap.split(",")) < 2:
-        print(
-            "raggedfsdp wrap-bench: error: need --nproc >= 1, --steps >= 1 and at least two units in --wrap "
-            f"(got --nproc {args.nproc}, --steps {args.steps}, --wrap {args.wrap!r})",
-            file=sys.stderr,
-        )
-        return 2
-    from torch.distributed.run import parse_args, run
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    argv = []
-    for key, val in vars(args).items():
-        if key in ("nproc", "func", "command") or val is None or val is False:
-            continue
-        argv += [f"--{key.replace('_', '-')}"] + ([] if val is True else [str(val)])
-    run(
-        parse_args(
-            [
-                "--standalone",
-                f"--nproc-per-node={args.nproc}",
-                "--module",
-                "raggedfsdp.train.wrap_compare",
-                *argv,
-            ]
-        )
-    )
-    return 0
-
-
 # -- standalone entry (torchrun) ------------------------------------------------------------
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m raggedfsdp.train.wrap_compare", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--model", default="hybrid", help="model family (default: hybrid)")
-    p.add_argument("--flavor", default="tiny", help="named size (default: tiny)")
-    p.add_argument(
-        "--wrap", default="layer,superblock", help="comma list of FSDP units (default: layer,superblock)"
-    )
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--backend", default="ragged", choices=["ragged", "torch"], help="whose fully_shard")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--json", action="store_true")
-    return p
 
 
 def hybrid_wraps(
@@ -399,7 +328,9 @@ def hybrid_wraps(
 def main(argv: list[str] | None = None) -> int:
     from datetime import timedelta
 
-    args = _build_parser().parse_args(argv)
+    from raggedfsdp.bench.options import wrap_bench_parser
+
+    args = wrap_bench_parser().parse_args(argv)
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",
@@ -415,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
-    from raggedfsdp.train.teardown import shutdown_process_group
+    from raggedfsdp.launch.teardown import shutdown_process_group
 
     ok = False
     try:

@@ -7,6 +7,7 @@ Examples::
     raggedfsdp plan --model path/to/config.json --world-size 64
     raggedfsdp plan --model hybrid-27b --world-size 512 --unit superblock
     raggedfsdp plan --model llama3-70b --world-size 10240 --unit auto [--padding-target 0.03]
+    raggedfsdp plan --model gpt-oss-120b --world-size 256 --ep 8
 
 Sizes are elements. ``--align`` defaults to 8 elements: 16 bytes of bf16 and 32 bytes of fp32,
 so every shard offset ``k*S`` of a bf16 or fp32 buffer is 16-byte aligned (paper-notes section 7.1).
@@ -15,6 +16,10 @@ padding is within ``--padding-target`` (embedding and head units stay separate) 
 ``K`` it chose, or that none reaches the target, with the best ``K`` and the order-free bound that
 proves it. The text report groups runs of identical units; ``--json`` prints one object with every unit and
 tensor (name, shape, granularity, offset, dims), enough to re-validate the plan from the output.
+``--ep N`` (expert parallel, ``raggedfsdp.planner.ep``): each of N EP ranks keeps 1/N of every MoE
+layer's routed experts, sharded over the ``world/N`` ranks holding the same experts; everything else is
+sharded over the whole world. The report gives both FSDP group sizes, both plans, the per-rank shard
+and the largest layer's all-gather (ours vs FSDP2's even ``Shard(0)``) in elements and bf16 bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 
 from raggedfsdp.planner.archs import BUILTIN, load_config, model_units
 from raggedfsdp.planner.autounit import DEFAULT_TARGET, UnitChoice, choose_unit_size
+from raggedfsdp.planner.ep import EPPlan, plan_model_ep
 from raggedfsdp.planner.modelplan import BlockError, ModelPlan, gcd_fallback, plan_model
 from raggedfsdp.planner.planner import ORDERS
 from raggedfsdp.planner.policy import BlockSpec
@@ -84,6 +90,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=("error", "gcd"),
         default="error",
         help="a rows:K/tile block that does not tile a tensor: raise (default) or use gcd(K, rows) rows",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: routed experts split over N EP ranks, FSDP-sharded over world/N (default 1)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with every unit and tensor")
     p.set_defaults(func=run)
@@ -147,6 +159,39 @@ def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str
     return "\n".join(lines)
 
 
+def _all_gather_line(plan: EPPlan) -> str:
+    """The layer with the largest all-gather (ours), ours vs FSDP2, elements and bf16 bytes."""
+    layers = [u.name for u in plan.dense.units if u.name.startswith("layers.")]
+    if not layers:
+        return ""
+    best = max(layers, key=lambda n: plan.layer_all_gather(n)[0])
+    ours, f2 = plan.layer_all_gather(best)
+    return (
+        f"largest all-gather ({best}{' + its experts' if plan.experts is not None else ''}): ours {ours:,} elements "
+        f"= {2 * ours / 1e9:.3g} GB bf16; FSDP2 Shard(0) {f2:,} = {2 * f2 / 1e9:.3g} GB ({f2 / ours:.2f}x)"
+    )
+
+
+def _ep_report(args, plan: EPPlan) -> str:
+    m, ep = plan.world_size, plan.ep
+    lines = [
+        (
+            f"EP {ep}: world {m} = {m // ep} x {ep}; routed experts sharded over FSDP groups of {m // ep} ranks "
+            f"(each holding 1/{ep} of the experts), everything else over all {m}"
+        ),
+        "-- non-expert units, FSDP group " + str(m),
+        _text_report(args, plan.dense),
+        f"-- expert units (EP-local, 1/{ep} of the experts), FSDP group {m // ep}",
+        _text_report(args, plan.experts),
+    ]
+    per = plan.shard_numel
+    lines.append(
+        f"per rank with EP {ep}: {per:,} elements = {2 * per / 1e9:.3g} GB of bf16 params; ZeRO-3 persistent "
+        f"state {16 * per / 1e9:.3g} GB at 16 B/param"
+    )
+    return "\n".join(lines)
+
+
 def _bad_config(args, exc: Exception) -> int:
     return _error(
         f"--model: {args.model!r} is not a supported Hugging Face config "
@@ -184,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, AttributeError) as exc:  # a config.json with unexpected values
         return _bad_config(args, exc)
     choice: UnitChoice | None = None
+    if args.ep != 1:
+        return _run_ep(args, units, spec)
     try:
         policy = gcd_fallback(spec) if args.on_indivisible == "gcd" else spec
         if auto:
@@ -224,6 +271,28 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         print(_text_report(args, plan, choice))
+        print(_all_gather_line(EPPlan(plan.world_size, 1, plan, None)))
+    return 0
+
+
+def _run_ep(args, units, spec) -> int:
+    """``--ep N``: the two plans of :func:`raggedfsdp.planner.ep.plan_model_ep`."""
+    if args.unit == "auto":
+        return _error(f"--unit auto with --ep {args.ep}: not supported; give --unit layer")
+    try:
+        policy = gcd_fallback(spec) if args.on_indivisible == "gcd" else spec
+        plan = plan_model_ep(units, args.world_size, args.ep, policy=policy, align=args.align, order=args.order)
+    except BlockError as exc:
+        return _error(f"--granularity {args.granularity}: {exc}")
+    except ValueError as exc:
+        return _error(str(exc) if str(exc).startswith("--ep") else f"--ep {args.ep}: {exc}")
+    if args.json:
+        d = plan.to_dict()
+        d.update(model=args.model, granularity=args.granularity, unit=args.unit)
+        sys.stdout.write(json.dumps(d, separators=(",", ":")) + "\n")
+    else:
+        print(_ep_report(args, plan))
+        print(_all_gather_line(plan))
     return 0
 
 

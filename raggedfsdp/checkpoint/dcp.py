@@ -3,7 +3,7 @@
 Layout: ``<checkpoint.folder>/step-N/`` is one DCP checkpoint (``.metadata`` plus one ``.distcp``
 file per rank that saved it) and a ``meta.json`` written by rank 0 for humans (step, world size,
 config hash, run id, the full config) and a ``manifest.json`` (size + SHA-256 of every file and the
-run id; see ``ckpt_integrity``). A step folder is written as ``step-N.tmp`` and renamed when every
+run id; see ``checkpoint/integrity.py``). A step folder is written as ``step-N.tmp`` and renamed when every
 rank has finished and the manifest is written, so a folder named ``step-N`` is always complete, and a
 load verifies it first (a flipped byte, a truncated or missing shard is an error, or is skipped by
 ``--resume auto``). Loads are strict (``load_checkpoint``): every key and shape must match.
@@ -32,12 +32,13 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raggedfsdp.train.ckpt_integrity import (
+from raggedfsdp.checkpoint.integrity import (
     file_digest,
     own_step_folders,
     pick_resume,
@@ -178,15 +179,16 @@ def save_checkpoint(
     keep_latest: int,
     meta: dict[str, Any],
     run_id: str = "",
-    inject: str = "",
+    writer_factory: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Save ``step-N`` under ``folder`` (collective: every rank calls it); prune to ``keep_latest``.
 
-    The files are hashed into ``manifest.json`` (see ``ckpt_integrity``) before the folder gets its
+    The files are hashed into ``manifest.json`` (see ``checkpoint/integrity.py``) before the folder gets its
     final name; pruning deletes only older checkpoints of ``run_id``, never the one just written.
     Any failure (a full disk, a permission error) raises ``CheckpointError`` on every rank with one
-    line naming the cause, the path and the rank. ``inject``: test-only (``RAGGEDFSDP_FAULT``: ``enospc``,
-    ``eacces``, ``slowsave``; see ``train/faults.py``).
+    line naming the cause, the path and the rank. ``writer_factory``: ``folder -> StorageWriter`` in
+    place of DCP's ``FileSystemWriter`` (the trainer hands in the test-only fault writer of
+    ``train/faults.py`` when ``RAGGEDFSDP_FAULT`` asks for ``enospc``, ``eacces`` or ``slowsave``).
 
     Interrupted saves: nothing is visible under ``step-N`` until every file is written and hashed
     (``step-N.tmp`` is renamed last), so a rank killed mid-save (a second Ctrl-C, SIGKILL, a power
@@ -219,7 +221,7 @@ def save_checkpoint(
         "seed": torch.tensor(seed, dtype=torch.int64),
     }
     try:
-        dcp.save(sd, storage_writer=_writer(tmp, inject))
+        dcp.save(sd, storage_writer=(writer_factory or _writer)(tmp))
     except (Exception, CheckpointException) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -271,31 +273,10 @@ def _os_error(e: OSError) -> str:
     return f"{text}: {e.filename!r}" if e.filename else text
 
 
-def _writer(path: Path, inject: str = ""):
+def _writer(path: Path):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    if not inject:
-        return FileSystemWriter(str(path))
-
-    class _FaultWriter(FileSystemWriter):  # test-only: a full disk, a denied write, a slow disk
-        def write_data(self, plan, planner):
-            import errno
-
-            if inject == "slowsave":
-                from raggedfsdp.train.faults import SLEEP_ENV
-
-                fut = super().write_data(plan, planner)  # this rank's shard files are on disk
-                fut.wait()
-                deadline = time.monotonic() + float(os.environ.get(SLEEP_ENV) or 5.0)
-                logger.warning("debug: slow save: sleeping in the middle of %s", path)
-                while time.monotonic() < deadline:  # short sleeps: a signal handler runs at once
-                    time.sleep(0.05)
-                return fut
-            code = errno.ENOSPC if inject == "enospc" else errno.EACCES
-            target = str(path / "__fault.distcp")
-            raise (OSError if inject == "enospc" else PermissionError)(code, os.strerror(code), target)
-
-    return _FaultWriter(str(path))
+    return FileSystemWriter(str(path))
 
 
 def _short(e: BaseException, load: bool = True) -> str:

@@ -1,0 +1,55 @@
+"""``raggedfsdp wrap-bench``: measure FSDP units side by side (hybrid: layer vs superblock) and
+recommend one; launches :mod:`raggedfsdp.bench.wrap_compare` on ``--nproc`` ranks with torchrun."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def add_parser(subparsers):
+    """``raggedfsdp wrap-bench --nproc N [--flavor F] [--wrap layer,superblock] [--backend B] [--json]``."""
+    from raggedfsdp.bench.options import WRAP_BENCH_DESCRIPTION, wrap_bench_parser
+
+    p = subparsers.add_parser(
+        "wrap-bench",
+        help="measure FSDP units side by side (hybrid: layer vs superblock) and recommend one",
+        description=WRAP_BENCH_DESCRIPTION,
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
+    for action in wrap_bench_parser()._actions:
+        if action.dest != "help":
+            p._add_action(action)
+    p.set_defaults(func=launch)
+    return p
+
+
+def launch(args) -> int:
+    """Run :func:`main` on ``args.nproc`` ranks through torch's launcher; 2 for a bad argument."""
+    if args.nproc < 1 or args.steps < 1 or len(args.wrap.split(",")) < 2:
+        print(
+            "raggedfsdp wrap-bench: error: need --nproc >= 1, --steps >= 1 and at least two units in --wrap "
+            f"(got --nproc {args.nproc}, --steps {args.steps}, --wrap {args.wrap!r})",
+            file=sys.stderr,
+        )
+        return 2
+    from torch.distributed.run import parse_args, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    argv = []
+    for key, val in vars(args).items():
+        if key in ("nproc", "func", "command") or val is None or val is False:
+            continue
+        argv += [f"--{key.replace('_', '-')}"] + ([] if val is True else [str(val)])
+    run(
+        parse_args(
+            [
+                "--standalone",
+                f"--nproc-per-node={args.nproc}",
+                "--module",
+                "raggedfsdp.bench.wrap_compare",
+                *argv,
+            ]
+        )
+    )
+    return 0
