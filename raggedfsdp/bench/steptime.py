@@ -57,8 +57,17 @@ def _worker(args: argparse.Namespace) -> None:
     shutdown_process_group()
 
 
-def measure_steps(model: str, flavor: str, nproc: int, *, batch: int = 2, seq: int = 128, steps: int = 6,
-                  warmup: int = 2, timeout: float = 600.0) -> float:
+def measure_steps(
+    model: str,
+    flavor: str,
+    nproc: int,
+    *,
+    batch: int = 2,
+    seq: int = 128,
+    steps: int = 6,
+    warmup: int = 2,
+    timeout: float = 600.0,
+) -> float:
     """Median step seconds (slowest rank) of ``nproc`` gloo ranks training ``model``/``flavor``.
 
     Raises:
@@ -66,11 +75,31 @@ def measure_steps(model: str, flavor: str, nproc: int, *, batch: int = 2, seq: i
     """
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "steps.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "raggedfsdp.bench.steptime", "--model", model, "--flavor", flavor, "--batch", str(batch),
-               "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "raggedfsdp.bench.steptime",
+            "--model",
+            model,
+            "--flavor",
+            flavor,
+            "--batch",
+            str(batch),
+            "--seq",
+            str(seq),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--out",
+            out,
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
         if r.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"measure_steps: {' '.join(cmd)} exited {r.returncode}: {r.stderr[-2000:]}")
         with open(out) as f:

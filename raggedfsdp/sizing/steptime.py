@@ -43,111 +43,22 @@ from typing import Any
 
 from raggedfsdp.planner.planner import plan_layout
 from raggedfsdp.planner.policy import make_policy
+from raggedfsdp.sizing.clusters import CLUSTERS, Cluster
 
 __all__ = [
     "CLUSTERS",
     "Cluster",
     "Parallel",
     "StepTime",
+    "builtin_cfg",
     "calibrate",
     "estimate_time",
     "format_time_report",
-    "builtin_cfg",
     "rank_configs",
 ]
 
 OPT_BYTES_PER_ELEM = 30.0
 """AdamW step: read fp32 master, grad, two moments; write master, two moments, a bf16 param copy."""
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """One accelerator kind and its interconnect. All per device; bandwidths are achievable bus
-    bandwidths (bytes/s, what NCCL's ``busbw`` reports), not link maxima."""
-
-    name: str
-    peak_flops: float
-    """Dense bf16 FLOP/s per device (datasheet)."""
-    hbm_bw: float
-    """Memory bandwidth per device, bytes/s."""
-    hbm_bytes: float
-    """Device memory, bytes."""
-    intra_bw: float
-    """Collective bus bandwidth within a node, bytes/s per device."""
-    inter_bw: float
-    """Collective bus bandwidth across nodes, bytes/s per device (its NIC share)."""
-    intra_lat: float = 5e-6
-    """Per ring step inside a node, seconds."""
-    inter_lat: float = 15e-6
-    """Per ring step across nodes, seconds."""
-    devices_per_node: int = 8
-    mfu: float = 0.5
-    """Achieved fraction of ``peak_flops`` on the model's matmuls (calibrated, or a typical value)."""
-    host_s_per_unit: float = 60e-6
-    """CPU time per FSDP unit per phase (hooks, launches), seconds."""
-    overlap: bool = True
-    """Whether communication overlaps compute (False on CPU: gloo and compute share the cores)."""
-    shared_devices: int = 0
-    """CPU boxes: ranks time-share this many cores, so with more ranks than cores every phase of a
-    rank slows by ``world / shared_devices`` (0: one device per rank, as on GPUs)."""
-    source: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-CLUSTERS: dict[str, Cluster] = {
-    c.name: c
-    for c in (
-        Cluster(
-            "h100",
-            peak_flops=989e12,
-            hbm_bw=3.35e12,
-            hbm_bytes=80e9,
-            intra_bw=360e9,
-            inter_bw=45e9,
-            source="NVIDIA H100 SXM datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB); NVLink 4 "
-            "450 GB/s per direction, ~360 GB/s NCCL busbw; 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU, "
-            "~45 GB/s busbw (nccl-tests on DGX H100)",
-        ),
-        Cluster(
-            "h200",
-            peak_flops=989e12,
-            hbm_bw=4.8e12,
-            hbm_bytes=141e9,
-            intra_bw=360e9,
-            inter_bw=45e9,
-            source="NVIDIA H200 SXM datasheet (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB); same "
-            "NVLink 4 and NICs as DGX H100",
-        ),
-        Cluster(
-            "b200",
-            peak_flops=2.25e15,
-            hbm_bw=8e12,
-            hbm_bytes=180e9,
-            intra_bw=720e9,
-            inter_bw=45e9,
-            source="NVIDIA HGX B200 datasheet (2.25 PFLOP/s dense bf16, 8 TB/s HBM3e, 180 GB); NVLink 5 "
-            "900 GB/s per direction, ~720 GB/s busbw; 400 Gb/s NIC per GPU",
-        ),
-        Cluster(
-            "cpu",
-            peak_flops=50e9,
-            hbm_bw=10e9,
-            hbm_bytes=24e9,
-            intra_bw=1e9,
-            inter_bw=0.1e9,
-            intra_lat=50e-6,
-            inter_lat=200e-6,
-            devices_per_node=2,
-            shared_devices=2,
-            mfu=1.0,
-            host_s_per_unit=200e-6,
-            overlap=False,
-            source="placeholder for a CPU box with gloo (a device is a core); fit it with calibrate()",
-        ),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -257,7 +168,9 @@ def _unit_flops(params, cfg: dict, seq: int) -> tuple[float, int, int]:
     heads = int(cfg.get("num_attention_heads") or 0)
     hd = int(cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // max(heads, 1)))
     if cfg.get("v_head_dim"):  # MLA: scores over qk_nope + qk_rope dims, values over v_head_dim
-        hd = (int(cfg.get("qk_nope_head_dim", 0)) + int(cfg.get("qk_rope_head_dim", 0)) + int(cfg["v_head_dim"])) // 2
+        hd = (
+            int(cfg.get("qk_nope_head_dim", 0)) + int(cfg.get("qk_rope_head_dim", 0)) + int(cfg["v_head_dim"])
+        ) // 2
     flops = 0.0
     attn, moe = 0, set()
     for name, s in params:
@@ -280,8 +193,14 @@ def builtin_cfg(name: str, flavor: str, **overrides) -> dict:
     from raggedfsdp.models import build_model_config
 
     c = build_model_config(name, flavor, **overrides)
-    out = {"hidden_size": c.dim, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-           "head_dim": c.dim // c.n_heads, "vocab_size": c.vocab_size, "model_type": name}
+    out = {
+        "hidden_size": c.dim,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.dim // c.n_heads,
+        "vocab_size": c.vocab_size,
+        "model_type": name,
+    }
     if getattr(c, "n_experts", 0):
         out.update(num_experts=c.n_experts, num_experts_per_tok=c.top_k)
     return out
@@ -298,8 +217,20 @@ def _shard_size(numels, grans, shapes, m: int, align: int) -> int:
     return plan_layout(numels, grans, m, align=align, order="best", shapes=shapes).shard_size
 
 
-def _costs(units, cfg, c: Cluster, par: Parallel, *, layout: str, tokens: int, seq: int,
-           param_bytes: int, reduce_bytes: int, policy: str, align: int) -> list[_UnitCost]:
+def _costs(
+    units,
+    cfg,
+    c: Cluster,
+    par: Parallel,
+    *,
+    layout: str,
+    tokens: int,
+    seq: int,
+    param_bytes: int,
+    reduce_bytes: int,
+    policy: str,
+    align: int,
+) -> list[_UnitCost]:
     from raggedfsdp.planner.modelplan import resolve_unit_blocks
 
     H = int(cfg.get("hidden_size", 0))
@@ -337,7 +268,9 @@ def _costs(units, cfg, c: Cluster, par: Parallel, *, layout: str, tokens: int, s
             if layout == "ours":
                 shapes = tuple(s for _, s in ps)
                 grans, _, _ = resolve_unit_blocks(type(u)(u.name, tuple(ps)), pol, cache)
-                grans = [max(1, g // (T if len(s) >= 2 else 1)) if g > 1 else g for g, s in zip(grans, shapes)]
+                grans = [
+                    max(1, g // (T if len(s) >= 2 else 1)) if g > 1 else g for g, s in zip(grans, shapes)
+                ]
                 key = (tuple(numels), tuple(grans), m)
                 S = cache.get(key)
                 if S is None:
@@ -363,8 +296,23 @@ def _costs(units, cfg, c: Cluster, par: Parallel, *, layout: str, tokens: int, s
         exposed = n_attn * 2 * 2 * _coll(act, T, bw_tp, lat_tp) if T > 1 else 0.0  # 2 all-reduces / layer
         if EP > 1 and n_moe:
             exposed += n_moe * 2 * _coll(act * k, EP, bw_ep, lat_ep)  # dispatch + combine
-        out.append(_UnitCost(u.name, fwd, ag, rs, ar, exposed, copy_out, copy_in, rs_copy, grad_fold,
-                             shard_tot, padded_tot, numel_local))
+        out.append(
+            _UnitCost(
+                u.name,
+                fwd,
+                ag,
+                rs,
+                ar,
+                exposed,
+                copy_out,
+                copy_in,
+                rs_copy,
+                grad_fold,
+                shard_tot,
+                padded_tot,
+                numel_local,
+            )
+        )
     return out
 
 
@@ -486,8 +434,19 @@ def estimate_time(
     c = cluster
     tokens = batch * seq_len
     align = 8 if param_bytes == 2 else 4
-    costs = _costs(units, cfg, c, parallel, layout=layout, tokens=tokens, seq=seq_len,
-                   param_bytes=param_bytes, reduce_bytes=reduce_bytes, policy=policy, align=align)
+    costs = _costs(
+        units,
+        cfg,
+        c,
+        parallel,
+        layout=layout,
+        tokens=tokens,
+        seq=seq_len,
+        param_bytes=param_bytes,
+        reduce_bytes=reduce_bytes,
+        policy=policy,
+        align=align,
+    )
     end, compute, host = _simulate(costs, c, activation_checkpointing)
     f = parallel.world / c.shared_devices if c.shared_devices and parallel.world > c.shared_devices else 1.0
     end, compute, host = end * f, compute * f, host * f  # f > 1: ranks time-share the cores
@@ -496,8 +455,12 @@ def estimate_time(
     if optimizer == "muon":
         from raggedfsdp.optim._newton_schulz import ns_flops
 
-        ns = sum(ns_flops(min(s[-2:]), max(s[-2:])) * math.prod(s[:-2])
-                 for u in units for _, s in u.params if len(s) >= 2)
+        ns = sum(
+            ns_flops(min(s[-2:]), max(s[-2:])) * math.prod(s[:-2])
+            for u in units
+            for _, s in u.params
+            if len(s) >= 2
+        )
         optim += ns / parallel.world / (c.peak_flops * c.mfu)
     optim *= f
     step = end + optim
@@ -524,8 +487,17 @@ def estimate_time(
     )
 
 
-def rank_configs(units_by_unit: dict[str, Sequence[Any]], cfg: dict, *, cluster, world: int, batch: int,
-                 seq_len: int, fits=None, **kw) -> list[tuple[dict[str, Any], StepTime]]:
+def rank_configs(
+    units_by_unit: dict[str, Sequence[Any]],
+    cfg: dict,
+    *,
+    cluster,
+    world: int,
+    batch: int,
+    seq_len: int,
+    fits=None,
+    **kw,
+) -> list[tuple[dict[str, Any], StepTime]]:
     """Every (unit, granularity, dp_replicate, tp, ep) with ``world`` ranks, fastest first (ours).
 
     ``units_by_unit`` maps a unit vocabulary word (``layer``, ``layers:2``, ...) to its units;
@@ -542,12 +514,29 @@ def rank_configs(units_by_unit: dict[str, Sequence[Any]], cfg: dict, *, cluster,
                     continue
                 for rep in [r for r in (1, 2, 4, 8, 16) if (world // tp) % r == 0]:
                     m = world // tp // rep
-                    for ep in [e for e in (1, 2, 4, 8, 16, 32) if m % e == 0 and (e == 1 or (E and E % e == 0))]:
-                        conf = dict(unit=unit, granularity=gran, dp_shard=m, dp_replicate=rep, tp=tp, ep=ep)
+                    for ep in [
+                        e for e in (1, 2, 4, 8, 16, 32) if m % e == 0 and (e == 1 or (E and E % e == 0))
+                    ]:
+                        conf = {
+                            "unit": unit,
+                            "granularity": gran,
+                            "dp_shard": m,
+                            "dp_replicate": rep,
+                            "tp": tp,
+                            "ep": ep,
+                        }
                         if fits is not None and not fits(conf):
                             continue
-                        st = estimate_time(units, cfg, cluster=cluster, parallel=Parallel(m, rep, tp, ep),
-                                           batch=batch * tp, seq_len=seq_len, policy=gran, **kw)
+                        st = estimate_time(
+                            units,
+                            cfg,
+                            cluster=cluster,
+                            parallel=Parallel(m, rep, tp, ep),
+                            batch=batch * tp,
+                            seq_len=seq_len,
+                            policy=gran,
+                            **kw,
+                        )
                         rows.append((conf, st))
     rows.sort(key=lambda r: r[1].step_s)
     return rows
@@ -567,10 +556,18 @@ def calibrate(samples: Sequence[dict[str, Any]], base: Cluster) -> Cluster:
     def err(cl: Cluster) -> float:
         e = 0.0
         for s in samples:
-            p = estimate_time(s["units"], s["cfg"], cluster=cl, parallel=s["parallel"], batch=s["batch"],
-                              seq_len=s["seq_len"], layout=s.get("layout", "ours"),
-                              param_bytes=s.get("param_bytes", 4), reduce_bytes=s.get("reduce_bytes", 4),
-                              optimizer=s.get("optimizer", "adamw")).step_s
+            p = estimate_time(
+                s["units"],
+                s["cfg"],
+                cluster=cl,
+                parallel=s["parallel"],
+                batch=s["batch"],
+                seq_len=s["seq_len"],
+                layout=s.get("layout", "ours"),
+                param_bytes=s.get("param_bytes", 4),
+                reduce_bytes=s.get("reduce_bytes", 4),
+                optimizer=s.get("optimizer", "adamw"),
+            ).step_s
             e += ((p - s["measured_s"]) / s["measured_s"]) ** 2
         return e
 
@@ -587,17 +584,28 @@ def calibrate(samples: Sequence[dict[str, Any]], base: Cluster) -> Cluster:
                 if e < best[0]:
                     best = (e, v0 * f)
             cur = replace(cur, **{name: best[1]})
-        span = span ** 0.5
-    return replace(cur, inter_bw=cur.intra_bw, inter_lat=cur.intra_lat,
-                   source=f"calibrated on {len(samples)} measured steps from {base.name}")
+        span = span**0.5
+    return replace(
+        cur,
+        inter_bw=cur.intra_bw,
+        inter_lat=cur.intra_lat,
+        source=f"calibrated on {len(samples)} measured steps from {base.name}",
+    )
 
 
 def format_time_report(ours: StepTime, fsdp2: StepTime, *, label: str = "") -> str:
     """A short table: ours vs FSDP2's layout, milliseconds and ratios."""
     rows = [
-        ("step", "step_s"), ("compute", "compute_s"), ("exposed comm+copy+host", "exposed_comm_s"),
-        ("all-gather (total)", "ag_s"), ("reduce-scatter (total)", "rs_s"), ("HSDP all-reduce", "ar_s"),
-        ("TP/EP collectives", "tp_ep_s"), ("copies", "copy_s"), ("optimizer", "optim_s"), ("host", "host_s"),
+        ("step", "step_s"),
+        ("compute", "compute_s"),
+        ("exposed comm+copy+host", "exposed_comm_s"),
+        ("all-gather (total)", "ag_s"),
+        ("reduce-scatter (total)", "rs_s"),
+        ("HSDP all-reduce", "ar_s"),
+        ("TP/EP collectives", "tp_ep_s"),
+        ("copies", "copy_s"),
+        ("optimizer", "optim_s"),
+        ("host", "host_s"),
     ]
     out = [label] if label else []
     out.append(f"{'':26s}{'ours':>12s}{'fsdp2':>12s}")
@@ -605,6 +613,8 @@ def format_time_report(ours: StepTime, fsdp2: StepTime, *, label: str = "") -> s
         out.append(f"{text:26s}{getattr(ours, key) * 1e3:10.2f}ms{getattr(fsdp2, key) * 1e3:10.2f}ms")
     out.append(f"{'tokens/s':26s}{ours.tokens_per_s:12.4g}{fsdp2.tokens_per_s:12.4g}")
     out.append(f"{'MFU':26s}{ours.mfu:12.1%}{fsdp2.mfu:12.1%}")
-    out.append(f"{'all-gather buffer':26s}{ours.allgather_bytes / 1e9:10.3f}GB{fsdp2.allgather_bytes / 1e9:10.3f}GB")
+    out.append(
+        f"{'all-gather buffer':26s}{ours.allgather_bytes / 1e9:10.3f}GB{fsdp2.allgather_bytes / 1e9:10.3f}GB"
+    )
     out.append(f"speed-up vs fsdp2 layout: {fsdp2.step_s / ours.step_s:.3f}x")
     return "\n".join(out)

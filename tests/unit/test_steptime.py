@@ -83,7 +83,9 @@ def test_fsdp2_layout_padding_is_fsdp2s():
     cfg["num_hidden_layers"] = 2
     units = model_units(cfg)
     for m in (8, 256):
-        st = estimate_time(units, cfg, cluster="h100", parallel=Parallel(m), batch=1, seq_len=128, layout="fsdp2")
+        st = estimate_time(
+            units, cfg, cluster="h100", parallel=Parallel(m), batch=1, seq_len=128, layout="fsdp2"
+        )
         numel = sum(u.numel for u in units)
         shard = sum(-(-(u.numel + fsdp2_padding([s for _, s in u.params], m)) // m) for u in units)
         assert st.padding_ratio == pytest.approx(1 - numel / (m * shard), rel=1e-12)
@@ -102,7 +104,7 @@ def test_gpt_oss_at_256_fsdp2_doubles_the_allgather_buffer():
     stacks to 256 rows (2x); the planner's rows do not. EP 8 shrinks both."""
     cfg = load_config("gpt-oss-120b")
     units = model_units(cfg)
-    kw = dict(cluster="h100", batch=1, seq_len=4096)
+    kw = {"cluster": "h100", "batch": 1, "seq_len": 4096}
     ours = estimate_time(units, cfg, parallel=Parallel(256), **kw)
     f2 = estimate_time(units, cfg, parallel=Parallel(256), layout="fsdp2", **kw)
     assert 1.9 < f2.allgather_bytes / ours.allgather_bytes < 2.1

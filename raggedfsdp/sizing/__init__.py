@@ -1,0 +1,1 @@
+"""Offline what-if on real-size models: nothing allocated, no process group (memory, step time)."""
