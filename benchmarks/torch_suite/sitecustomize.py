@@ -8,7 +8,8 @@ patches as the parent. Does nothing unless ``RAGGEDFSDP_TORCH_SUITE`` is set:
 * CPU ranks for GPU-only test classes: ``skip_if_lt_x_gpu(n)`` no longer skips, and
   ``torch.cuda/cpu/accelerator.device_count()`` (``current_accelerator()`` is the CPU) and common_fsdp's ``DEVICE_COUNT``
   report ``RAGGEDFSDP_TORCH_SUITE_RANKS`` (default 2), so ``world_size`` properties give that many gloo
-  ranks. Tests that hard-code ``"cuda"`` still fail (classified "environment" in the report).
+  ranks; the DDP reference ``replicate(cpu_module, device_ids=[rank])`` drops ``device_ids`` (DDP refuses
+  them for CPU modules). Tests that hard-code ``"cuda"`` still fail (classified "environment").
 """
 
 import os
@@ -40,6 +41,17 @@ if _impl:
         return deco
 
     _cd.skip_if_lt_x_gpu = _skip_if_lt_x_gpu
+    import torch.distributed._composable as _comp
+
+    _orig_replicate = _comp.replicate
+
+    @functools.wraps(_orig_replicate)
+    def _replicate(module, *args, **kwargs):  # the DDP reference: CPU modules take no device_ids
+        if kwargs.get("device_ids") is not None and all(p.device.type == "cpu" for p in module.parameters()):
+            kwargs["device_ids"] = None
+        return _orig_replicate(module, *args, **kwargs)
+
+    _comp.replicate = _replicate
     import torch.testing._internal.common_fsdp as _cf
 
     if _cf.DEVICE_TYPE == "cpu":

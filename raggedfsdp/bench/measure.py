@@ -116,11 +116,16 @@ def padding_bytes(model: torch.nn.Module, backend: str, world_size: int) -> int:
             elem = torch.empty((), dtype=getattr(g, "orig_dtype", torch.float32)).element_size()
             total += int(g.layout.padding) * elem
         return total
+    from torch.distributed.tensor import DTensor, Shard
+
     total = 0
     for p in model.parameters():
-        d0 = p.shape[0]
-        rows = -(-d0 // world_size) * world_size
-        total += (rows - d0) * (math.prod(p.shape) // max(d0, 1)) * p.element_size()
+        d0, m = p.shape[0], world_size
+        if isinstance(p, DTensor) and p.device_mesh.ndim > 1:  # FSDP dim 0, then EP/TP Shard(0) dims
+            m = p.device_mesh.size(0)
+            d0 //= math.prod(p.device_mesh.size(j) for j, pl in enumerate(p.placements) if j and pl == Shard(0))
+        rows = -(-d0 // m) * m
+        total += (rows - d0) * (math.prod(p.shape) // max(p.shape[0], 1)) * p.element_size()
     return total
 
 

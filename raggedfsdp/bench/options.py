@@ -17,6 +17,9 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="MoE expert storage (default: the flavor's, 'separate' for moe-small)")
     p.add_argument("--n-experts", dest="n_experts", type=int, default=None, help="MoE: routed experts per block")
     p.add_argument("--top-k", dest="top_k", type=int, default=None, help="MoE: experts per token")
+    p.add_argument("--ep", type=int, default=1,
+                   help="MoE: expert-parallel size (experts split over N ranks, all-to-all dispatch, experts "
+                        "FSDP-sharded over nproc/N, the rest over nproc; both systems; implies --experts fused)")
     p.add_argument("--wrap", default=None, help="FSDP wrapping policy of the model family (default: its first, 'layer')")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per system (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first (default: 2)")
@@ -54,6 +57,19 @@ def validate(args) -> None:
         raise ValueError(f"--wrap {args.wrap!r} is not a policy of model {args.model!r}; choose one of {sorted(spec.wraps)}")
     if args.model != "moe" and (args.experts or args.n_experts or args.top_k):
         raise ValueError(f"--experts/--n-experts/--top-k apply to --model moe only, not {args.model!r}")
+    if args.ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {args.ep}")
+    if args.ep > 1:
+        if args.model != "moe":
+            raise ValueError(f"--ep {args.ep} applies to --model moe only, not {args.model!r}")
+        if args.experts == "separate":
+            raise ValueError(f"--ep {args.ep} splits fused expert stacks; drop --experts separate")
+        if args.nproc % args.ep:
+            raise ValueError(f"--ep {args.ep} must divide --nproc {args.nproc} (the world is (nproc/ep) x ep)")
+        if args.wrap not in (None, "layer"):
+            raise ValueError(f"--ep {args.ep} needs --wrap layer (experts get their own unit per block)")
+        args.experts = "fused"
+        args.floor = False  # the collective replay runs on the whole group: not the EP sub-groups
     if args.device == "cuda":
         import torch
 

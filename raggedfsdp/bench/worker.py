@@ -67,12 +67,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(args, spec, backend, mesh, device):
-    from raggedfsdp.models import make_mp_policy
+def _build(args, spec, backend, mesh, device, world=None):
+    from raggedfsdp.models import apply_ep, apply_fsdp, make_mp_policy
 
     model = spec.build(args).to(device)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    spec.wraps[args.wrap](model, mesh, backend, mp)
+    if world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
+        apply_ep(model, world["ep"])
+        apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"])
+    else:
+        spec.wraps[args.wrap](model, mesh, backend, mp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.foreach)
     return model, opt
 
@@ -104,8 +108,14 @@ def run(args: argparse.Namespace) -> dict | None:
     spec = get_bench_model(args.model)
     args.flavor = args.flavor or spec.default_flavor
     args.wrap = args.wrap or next(iter(spec.wraps))
-    mesh = init_device_mesh(device.type, (ws,))
-    systems = {name: _build(args, spec, backend, mesh, device) for name, backend in SYSTEMS.items()}
+    ep = getattr(args, "ep", 1)
+    world = None
+    if ep > 1:
+        world = init_device_mesh(device.type, (ws // ep, ep), mesh_dim_names=("dp", "ep"))
+        mesh = world["dp", "ep"]._flatten("dp_ep")
+    else:
+        mesh = init_device_mesh(device.type, (ws,))
+    systems = {name: _build(args, spec, backend, mesh, device, world) for name, backend in SYSTEMS.items()}
     timed = dict(systems)
     if args.floor:  # the same model, no FSDP, no communication: the floor of the step time
         floor_model = spec.build(args).to(device)
@@ -160,7 +170,8 @@ def run(args: argparse.Namespace) -> dict | None:
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
-        counts[n] = dict(copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
+        counts[n] = dict(all_to_all_bytes=sum(b for op, b in sc.bytes.items() if "alltoall" in op),
+                         copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
                          backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
                          collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
                          host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
@@ -232,7 +243,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                        for n in names},
         )
     return dict(**floor,
-        model=args.model, flavor=args.flavor, wrap=args.wrap,
+        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep,
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
@@ -345,7 +356,8 @@ def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
     lines = [
-        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} params={r['num_params']:,} | "
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} "
+        f"params={r['num_params']:,} | "
         f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
         f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
         f"{r['steps']} alternated steps after {r['warmup']} warm-up",
@@ -360,6 +372,8 @@ def format_report(r: dict) -> str:
         f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",
         f"{'collectives / step':22s}{a['collectives']:16d}{b['collectives']:16d}",
         f"{'collective bytes/step':22s}{a['collective_bytes']:16,d}{b['collective_bytes']:16,d}",
+        (f"{'  of it all-to-all':22s}{a.get('all_to_all_bytes', 0):16,d}{b.get('all_to_all_bytes', 0):16,d}"
+         "   (EP token dispatch + combine, fwd + bwd)"),
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",

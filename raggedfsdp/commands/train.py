@@ -6,7 +6,11 @@ with torch's own launcher (``torch.distributed.run``, i.e. torchrun ``--standalo
 
     OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N -m raggedfsdp.launch.worker [flags]
 
-Use torchrun directly for multi-node jobs or other launcher options.
+Several nodes: one ``raggedfsdp train --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` per node
+(torchrun's static rendezvous: ``--nnodes N --node-rank R --rdzv-backend static``), ``--out`` on a
+file system all nodes share: node 0's launcher checks and locks it, every rank writes its own
+checkpoint shards, rank 0 the manifest. Under SLURM the node flags come from its environment.
+Use torchrun directly for other launcher options.
 
 Before launching, the config is validated, including the data source (missing, empty, too small for
 ``seq_len``) and the batch split over ``--nproc``: such errors are one line and exit code 2. When a
@@ -48,6 +52,11 @@ checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
   (--checkpoint.allow_partial true loads only the matching keys); --resume auto takes the newest
   checkpoint of the run in OUT/run.json that verifies and names those it skipped.
 
+several nodes (one launcher per node, the same flags, --out on a shared file system):
+  raggedfsdp train --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500 --out /shared/run   # on node0
+  raggedfsdp train --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500 --out /shared/run   # on node1
+  srun --nodes 2 --ntasks-per-node 1 raggedfsdp train --nproc 8 --out /shared/run   # SLURM fills them in
+
 faults (see README; test-only injection: RAGGEDFSDP_FAULT=nan@step3:rank1, raggedfsdp/train/faults.py):
   --training.on_nonfinite stop|skip   NaN/Inf loss or gradient on any rank (default: stop, save nothing)
   --job.hang_timeout_s S              name a rank stuck outside a collective after S s (default 60)
@@ -77,6 +86,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--nproc", type=int, default=2, metavar="N", help="ranks (processes) to launch (default: 2)"
     )
+    nodes = p.add_argument_group(
+        "several nodes",
+        "run one `raggedfsdp train` per node with the same flags and --out on a shared file system; "
+        "rank = node_rank x nproc + local rank (torchrun's static rendezvous). Under SLURM "
+        "(srun, one task per node) --nnodes/--node-rank/--rdzv-id come from SLURM_NNODES/SLURM_NODEID/"
+        "SLURM_JOB_ID and the endpoint from MASTER_ADDR:MASTER_PORT or the first host of the node list",
+    )
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="nodes in the job (default: 1)")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node, 0..N-1 (default: 0)")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="node 0's address, the same on every node (required with --nnodes > 1)")
+    nodes.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by the nodes")
     p.add_argument(
         "--reproduce-batch",
         metavar="ID",
@@ -94,13 +115,21 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        from raggedfsdp.launch.env import node_options
+
+        node = node_options(getattr(args, "nnodes", None), getattr(args, "node_rank", None),
+                            getattr(args, "rdzv_endpoint", None), getattr(args, "rdzv_id", None))  # fmt: skip
         cfg = load_config(args.config, overrides, validate=False)
         from raggedfsdp.train import run_dir
 
+        if node.nnodes > 1 and not cfg.job.out:
+            raise ValueError(f"--nnodes {node.nnodes} needs --out: one folder on a file system every node shares")
         # A bad config or --data fails here, not after the launch on every rank; so does a missing or
-        # corrupt --resume path (verified here, once for the whole job), or a taken --out.
+        # corrupt --resume path (verified here, once for the whole job), or a taken --out. With several
+        # nodes, node 0's launcher checks and locks --out; the others only validate.
         reproduce = getattr(args, "reproduce_batch", None)
-        prepared = run_dir.prepare(cfg, args.nproc, check_out=not reproduce)
+        world = args.nproc * node.nnodes
+        prepared = run_dir.prepare(cfg, world, rank=node.node_rank, check_out=not reproduce)
         overrides["job.out"] = cfg.job.out  # the default --out (a fresh folder) is chosen once, here
         if reproduce:
             return _reproduce(cfg, reproduce, args.nproc)
@@ -123,14 +152,16 @@ def run_train(args: argparse.Namespace) -> int:
     from torch.distributed.run import parse_args, run
 
     torchrun_argv = [
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
+        *node.torchrun_argv(args.nproc),
         "--module",
         "raggedfsdp.launch.worker",
         *override_argv(args.config, overrides),
     ]
+    where = "--standalone" if node.nnodes == 1 else (
+        f"node {node.node_rank}/{node.nnodes}, ranks {node.node_rank * args.nproc}-"
+        f"{(node.node_rank + 1) * args.nproc - 1} of {world}, rendezvous {node.endpoint}")
     print(
-        f"raggedfsdp train: launching {args.nproc} rank(s) with torchrun --standalone "
+        f"raggedfsdp train: launching {args.nproc} rank(s) with torchrun {where} "
         f"(OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, backend {cfg.fsdp.backend}) -> {cfg.job.out}",
         file=sys.stderr,
         flush=True,
@@ -144,12 +175,13 @@ def run_train(args: argparse.Namespace) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
+        on = "" if node.nnodes == 1 else f" (node {node.node_rank} of {node.nnodes})"
         if codes and codes <= set(STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
-            print(f"raggedfsdp train: interrupted (exit code {min(codes)}); resume with --resume auto "
+            print(f"raggedfsdp train: interrupted (exit code {min(codes)}){on}; resume with --resume auto "
                   f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
             return min(codes)
-        summary, last_line = failure_report(e, args.nproc)
-        print(f"raggedfsdp train: the {args.nproc}-rank job failed\n{summary}", file=sys.stderr)
+        summary, last_line = failure_report(e, world)
+        print(f"raggedfsdp train: the {world}-rank job failed{on}\n{summary}", file=sys.stderr)
         print(last_line, file=sys.stderr, flush=True)
         return 2 if "CheckpointError: cannot load" in last_line else 1
     finally:

@@ -10,11 +10,16 @@ per-module state (Note [torch FSDPModule] in ``docs/fsdp.md``).
 
 from __future__ import annotations
 
+import sys
+
 import torch.distributed.fsdp as torch_fsdp
 
 from raggedfsdp.fsdp._common import FSDPDeepcopyError, FSDPTypeError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
+
+# where torch's disable_fsdp_module_new_init() keeps its flag (read with a default: private, version-dependent)
+_torch_fully_shard_mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
 
 
 class UnshardHandle(torch_fsdp.UnshardHandle):
@@ -35,7 +40,18 @@ class FSDPModule(torch_fsdp.FSDPModule):
     ``FSDPModule``; its ``__new__`` (indexing into a sharded ``ModuleList`` builds the original class)
     finds the original class at MRO index 3: ``[FSDP<Cls>, this, torch FSDPModule, Cls, ...]``."""
 
-    _orig_cls_mro_index: int = 3
+    _orig_cls_mro_index: int = 3  # read by torch >= 2.13's FSDPModule.__new__ (not relied on: see below)
+
+    def __new__(cls, *args, **kwargs):
+        # Indexing into e.g. a fully_shard'ed ModuleList builds the original class, not the FSDP one (as
+        # torch's __new__). Found by position after torch's FSDPModule, not by a torch-version-dependent
+        # index attribute (older torch hard-codes MRO index 2, which is torch's FSDPModule here).
+        mro = cls.__mro__
+        orig = mro[mro.index(torch_fsdp.FSDPModule) + 1]
+        self = orig.__new__(orig, *args, **kwargs)
+        if getattr(_torch_fully_shard_mod, "_enable_fsdp_module_new_init", True):
+            self.__init__(*args, **kwargs)
+        return self
 
     def _fsdp_state(self) -> FSDPState:
         return self._raggedfsdp_state  # type: ignore[attr-defined]

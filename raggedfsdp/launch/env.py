@@ -1,10 +1,11 @@
-"""The process environment of a launched rank: cores per rank."""
+"""The process environment of a launch: cores per rank, and where a node sits in a multi-node job."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-__all__ = ["available_cpus", "set_threads"]
+__all__ = ["NodeOptions", "available_cpus", "first_slurm_host", "node_options", "set_threads"]
 
 
 def available_cpus() -> int:
@@ -22,3 +23,84 @@ def set_threads(local_world_size: int) -> int:
     n = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, available_cpus() // local_world_size)
     torch.set_num_threads(n)
     return n
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """Where this launcher sits in a multi-node job (torchrun's static rendezvous).
+
+    ``nnodes`` launchers (one per node) each start ``nproc`` ranks; global rank = ``node_rank x
+    nproc + local rank``, so rank 0 is on node 0. ``endpoint`` (``HOST:PORT``) is node 0's address,
+    where torchrun's store listens.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str | None = None
+    rdzv_id: str = "raggedfsdp"
+
+    def torchrun_argv(self, nproc: int) -> list[str]:
+        """The torchrun flags placing this node (``--standalone`` for one node)."""
+        if self.nnodes == 1:
+            return ["--standalone", f"--nproc-per-node={nproc}"]
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", f"--nproc-per-node={nproc}",
+                "--rdzv-backend=static", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
+                "--max-restarts=0"]  # fmt: skip
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[03-05,09],cpu1`` -> ``gpu03``; ``a,b`` -> ``a``."""
+    head = nodelist.strip()
+    depth = 0
+    for i, ch in enumerate(head):  # cut at the first comma outside brackets
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            head = head[:i]
+            break
+    if "[" not in head:
+        return head
+    prefix, rng = head.split("[", 1)
+    first = rng.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def node_options(nnodes: int | None, node_rank: int | None, endpoint: str | None, rdzv_id: str | None,
+                 environ: dict | None = None) -> NodeOptions:  # fmt: skip
+    """Resolve the node flags of ``raggedfsdp train``, filling what is not given from SLURM
+    (``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``) or
+    ``MASTER_ADDR``/``MASTER_PORT``; pure (reads ``environ``, default ``os.environ``).
+
+    Raises:
+        ValueError: naming the flag, the value and the fix: ``--nnodes < 1``, ``--node-rank`` outside
+            ``[0, nnodes)``, or several nodes without an endpoint (or a malformed ``HOST:PORT``).
+    """
+    env = os.environ if environ is None else environ
+    slurm = "SLURM_JOB_ID" in env and int(env.get("SLURM_NNODES", "1") or 1) > 1
+    if nnodes is None:
+        nnodes = int(env["SLURM_NNODES"]) if slurm else 1
+    if node_rank is None:
+        node_rank = int(env.get("SLURM_NODEID", 0)) if slurm else 0
+    if rdzv_id is None:
+        rdzv_id = env.get("SLURM_JOB_ID", "raggedfsdp")
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank} must be in [0, {nnodes}) for --nnodes {nnodes}")
+    if nnodes == 1:
+        return NodeOptions(1, 0, None, rdzv_id)
+    if endpoint is None:
+        port = env.get("MASTER_PORT", "29500")
+        if env.get("MASTER_ADDR"):
+            endpoint = f"{env['MASTER_ADDR']}:{port}"
+        elif slurm and env.get("SLURM_JOB_NODELIST"):
+            endpoint = f"{first_slurm_host(env['SLURM_JOB_NODELIST'])}:{port}"
+        else:
+            raise ValueError(
+                f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address, the same on every "
+                "node), e.g. --rdzv-endpoint 10.0.0.1:29500"
+            )
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT with a port in 1-65535, e.g. node0:29500")
+    return NodeOptions(nnodes, node_rank, endpoint, rdzv_id)

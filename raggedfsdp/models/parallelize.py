@@ -231,7 +231,7 @@ def tp_plan_errors(cfg: Any, tp: int) -> list[str]:
     errs = []
     if tp < 1:
         return [f"tp={tp} must be >= 1"]
-    for name in ("n_heads", "n_kv_heads", "hidden_dim", "vocab_size", "dim"):
+    for name in ("n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
         v = getattr(cfg, name, None)
         if isinstance(v, int) and v % tp:
             errs.append(f"{name}={v} is not divisible by tp={tp}")

@@ -2,6 +2,7 @@
 
 * :class:`Muon` -- distributed Muon: one Newton-Schulz per matrix per step on one owner rank.
 * :class:`AdamW8bit` -- block-wise 8-bit AdamW with per-tile scales local to each rank.
+* :class:`Shampoo` -- block-diagonal Shampoo with AdamW grafting, whole blocks on their owner rank.
 * :func:`muon_param_groups` -- matrices to Muon, the rest to AdamW.
 * :mod:`raggedfsdp.optim.reference` -- single-device reference implementations (test oracles);
   the kernels they share with the distributed optimizers live in ``_newton_schulz`` and ``_quant``.
@@ -10,5 +11,6 @@
 from raggedfsdp.optim.adamw8bit import AdamW8bit, tile_placement_fn
 from raggedfsdp.optim.muon import Muon
 from raggedfsdp.optim.param_groups import muon_param_groups
+from raggedfsdp.optim.shampoo import Shampoo, shampoo_placement_fn
 
-__all__ = ["AdamW8bit", "Muon", "muon_param_groups", "tile_placement_fn"]
+__all__ = ["AdamW8bit", "Muon", "Shampoo", "muon_param_groups", "shampoo_placement_fn", "tile_placement_fn"]

@@ -196,3 +196,23 @@ def like_param(p: Tensor, local: Tensor) -> Tensor:
         return local.view(p.shape)
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                               stride=torch.empty(p.shape, device="meta").stride())
+
+
+def wrap_like(p: Tensor, local: Tensor, shape, units) -> Tensor:
+    """``local`` (flat) as a DTensor laid out like ``p`` with global ``shape``, or a plain view.
+
+    ``units=None``: ``p``'s own placements (state shaped like the parameter); else the ragged dim
+    becomes ``RaggedShard((0,), units)`` (dim-0 slabs per rank, e.g. AdamW8bit's tile rows or
+    Shampoo's bands), the replicate dims stay.
+    """
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(shape)
+    if not isinstance(p, DTensor):
+        return local.view(shape)
+    placements = tuple(
+        (RaggedShard((0,), units) if units is not None else pl) if isinstance(pl, RaggedShard) else pl
+        for pl in p.placements
+    )
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)

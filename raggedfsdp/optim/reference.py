@@ -9,6 +9,9 @@
   of a non-linear (dynamic-exponent) code book with one fp32 absmax scale per ``R x C`` tile of the
   matrix (:mod:`raggedfsdp.optim._quant`); tensors that are not eligible (decided from the *global*
   shape by ``tile_eligible``) keep fp32 moments.
+* :func:`shampoo_reference_step` -- block-diagonal Shampoo with AdamW grafting
+  (:mod:`raggedfsdp.optim._shampoo_math`: ``R_b x B`` blocks, ``L^-1/4 m R^-1/4`` rescaled to the
+  AdamW step's norm per block, roots by fp32 ``eigh`` every ``precondition_frequency`` steps).
 
 Each oracle steps a whole tensor on one device. The distributed optimizers run the very same
 kernels (``_newton_schulz``, ``_quant``) on their shards, which is why the tests can demand
@@ -29,6 +32,12 @@ from raggedfsdp.optim._newton_schulz import (
     newton_schulz,
 )
 from raggedfsdp.optim._quant import adamw_math, as_matrix, dequantize_tiles, quantize_tiles, tile_eligible
+from raggedfsdp.optim._shampoo_math import (
+    SHAMPOO_DEFAULTS,
+    band_geometry,
+    shampoo_state_shapes,
+    shampoo_update,
+)
 
 
 @torch.no_grad()
@@ -97,3 +106,38 @@ def adamw8bit_reference_step(
     else:
         adamw_math(param, grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=betas[0],
                    beta2=betas[1], eps=eps, weight_decay=weight_decay, step=state["step"])
+
+
+@torch.no_grad()
+def shampoo_reference_step(param: Tensor, grad: Tensor, state: dict, **hp) -> None:
+    """One block-diagonal Shampoo step with AdamW grafting on a full ``param`` (``_shampoo_math``).
+
+    ``state`` (a dict, empty at first) is updated in place: ``step`` (int), fp32 ``exp_avg`` /
+    ``exp_avg_sq`` (``param``'s shape) and, for 2-D/3-D parameters, the statistics ``L``, ``R``,
+    ``L_root``, ``R_root`` (:func:`shampoo_state_shapes`). Other parameters get plain AdamW
+    (``_quant.adamw_math``). ``hp``: any of :data:`SHAMPOO_DEFAULTS`.
+    """
+    bad = set(hp) - set(SHAMPOO_DEFAULTS)
+    if bad:
+        raise TypeError(f"shampoo_reference_step: unknown hyperparameters {sorted(bad)}")
+    h = {**SHAMPOO_DEFAULTS, **hp}
+    shape = tuple(param.shape)
+    shapes = shampoo_state_shapes(shape, h["block_size"])
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        for k, s in (shapes or {}).items():
+            state[k] = torch.zeros(s, dtype=torch.float32, device=param.device)
+    state["step"] += 1
+    b1, b2 = h["betas"]
+    if shapes is None:
+        adamw_math(param, grad, state["exp_avg"], state["exp_avg_sq"], lr=h["lr"], beta1=b1, beta2=b2, eps=h["eps"],
+                   weight_decay=h["weight_decay"], step=state["step"])
+        return
+    r_b = band_geometry(shape, h["block_size"])[0]
+    shampoo_update(as_matrix(param, shape), as_matrix(grad, shape), as_matrix(state["exp_avg"], shape),
+                   as_matrix(state["exp_avg_sq"], shape), state, block=h["block_size"], r_b=r_b, lr=h["lr"],
+                   beta1=b1, beta2=b2, eps=h["eps"], weight_decay=h["weight_decay"], step=state["step"],
+                   shampoo_beta=h["shampoo_beta"], precondition_frequency=h["precondition_frequency"],
+                   matrix_eps=h["matrix_eps"])

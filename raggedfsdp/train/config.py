@@ -119,7 +119,8 @@ class OptimizerConfig:
     name: str = _f(
         "adamw",
         "adamw (torch.optim.AdamW) | muon (raggedfsdp.optim.Muon + AdamW for embeddings/head/norms) | "
-        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout); also picks the layout",
+        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout) | shampoo (raggedfsdp.optim.Shampoo, "
+        "128-row-band layout); also picks the layout",
         flag="--optim",
     )
     lr: float = _f(3e-3, "peak learning rate", flag="--lr")
@@ -146,6 +147,22 @@ class FSDPConfig:
         "attention layers); compare them with raggedfsdp bench --model hybrid --wrap layer,superblock",
     )
 
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = _f(1, "tensor-parallel degree: attention heads and SwiGLU split column/row-wise (llama only)")
+    dp_replicate: int = _f(
+        1, "HSDP replicas: the dp ranks are dp_replicate x dp_shard (dp_shard = nproc / (dp_replicate * tp))"
+    )
+
+    def dp_shard(self, world_size: int) -> int:
+        return world_size // (self.tp * self.dp_replicate)
+
+    ep: int = _f(
+        1,
+        "expert-parallel size (moe): each MoE layer's routed experts split over this many ranks, tokens "
+        "exchanged by all-to-all, experts FSDP-sharded over world/ep ranks; implies --model.experts fused",
+    )
 
 @dataclass(kw_only=True)
 class MetricsConfig:
@@ -200,6 +217,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -211,7 +229,10 @@ class TrainConfig:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
                 "experts", "n_experts", "top_k", "aux_loss_coef", "vocab_size")
-        return {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+        out = {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+        if self.parallel.ep > 1 and self.model.experts is None:
+            out["experts"] = "fused"  # expert parallelism splits fused (X, D, F) stacks (same numbers)
+        return out
 
     def validate(self, world_size: int | None = None) -> None:
         """Cross-field checks; with ``world_size`` also the batch split. Raises ``ValueError``."""
@@ -245,7 +266,7 @@ class TrainConfig:
         if not 0.0 <= o.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         choices = {
-            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit")),
+            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit", "shampoo")),
             "optimizer.schedule": (o.schedule, ("cosine", "constant")),
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
@@ -309,12 +330,63 @@ class TrainConfig:
                 f"model.name={self.model.name!r} has plain layers: use --fsdp.unit layer or "
                 "--model.name hybrid"
             )
+        ep = self.parallel.ep
+        if ep < 1:
+            raise ValueError(f"parallel.ep must be >= 1, got {ep}")
+        if ep > 1:
+            if self.model.name != "moe":
+                raise ValueError(
+                    f"parallel.ep={ep} needs a MoE model (--model.name moe), got {self.model.name!r}"
+                )
+            if mcfg.experts != "fused":
+                raise ValueError(
+                    f"parallel.ep={ep} splits fused expert stacks; drop --model.experts {mcfg.experts} "
+                    "(or give --model.experts fused)"
+                )
+            if mcfg.n_experts % ep:
+                raise ValueError(
+                    f"parallel.ep={ep} must divide the {mcfg.n_experts} experts per layer "
+                    f"(--model.n_experts); use one of "
+                    f"{[d for d in range(1, mcfg.n_experts + 1) if mcfg.n_experts % d == 0]}"
+                )
+            if world_size is not None and world_size % ep:
+                raise ValueError(
+                    f"parallel.ep={ep} must divide the number of ranks ({world_size}, --nproc): the world is "
+                    f"(nproc/ep) x ep; use --nproc {ep * max(1, world_size // ep)}"
+                )
+            if self.model.init_device == "meta":
+                raise ValueError(
+                    f"parallel.ep={ep}: use --model.init_device cpu (meta init with EP is not supported yet)"
+                )
         if t.seq_len > mcfg.max_seq_len:
             raise ValueError(
                 f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={mcfg.max_seq_len} "
                 f"(flavor {self.model.flavor!r})"
             )
+        par = self.parallel
+        if par.tp < 1 or par.dp_replicate < 1:
+            raise ValueError(f"parallel.tp={par.tp} and parallel.dp_replicate={par.dp_replicate} must be >= 1")
+        if par.ep > 1 and (par.tp > 1 or par.dp_replicate > 1):
+            raise ValueError(
+                f"parallel.ep={par.ep} with parallel.tp={par.tp} / parallel.dp_replicate={par.dp_replicate}: "
+                "combining expert parallel with TP or HSDP in the job is not supported yet; use one of them"
+            )
+        if world_size is not None and world_size % (par.tp * par.dp_replicate):
+            raise ValueError(
+                f"parallel.dp_replicate * parallel.tp = {par.dp_replicate} * {par.tp} does not divide "
+                f"--nproc {world_size}: the mesh is dp_replicate x dp_shard x tp = nproc ranks"
+            )
+        if par.tp > 1:
+            from raggedfsdp.models.parallelize import tp_plan_errors
+
+            if self.model.name != "llama":
+                raise ValueError(f"parallel.tp={par.tp} has a TP plan for model.name='llama' only, "
+                                 f"got {self.model.name!r}; use --parallel.tp 1")
+            errs = tp_plan_errors(mcfg, par.tp)
+            if errs:
+                raise ValueError(f"parallel.tp={par.tp}: " + "; ".join(errs) + " (pick a tp that divides them)")
         if world_size is not None:
+            world_size //= par.tp  # data-parallel ranks: the tp ranks of a group share one batch
             denom = world_size * t.grad_accum
             if t.global_batch_size % denom != 0:
                 raise ValueError(

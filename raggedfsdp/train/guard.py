@@ -102,11 +102,13 @@ class StepStats:
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, float]:
     """``(local tensor, weight)``: the weight is 1 / (number of ranks holding the same piece), so
     that summing ``weight * local`` over all ranks counts every element once (a DTensor replicated
-    over some mesh dims, e.g. HSDP's replicate dim, counts 1/size on each of those ranks)."""
+    over some mesh dims, e.g. HSDP's replicate dim, counts 1/size on each of those ranks; so does one
+    whose mesh leaves out ranks that hold the same values, e.g. the tp ranks of an FSDP x TP job)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(t, DTensor):
-        copies = 1
+        # ranks outside the tensor's mesh hold copies too (a dp-only param under FSDP x TP: every tp rank)
+        copies = dist.get_world_size() // t.device_mesh.size()
         for dim, p in enumerate(t.placements):
             if isinstance(p, Replicate):
                 copies *= t.device_mesh.size(dim)

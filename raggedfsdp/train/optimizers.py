@@ -1,4 +1,4 @@
-"""The training job's optimizers: ``adamw`` | ``muon`` | ``adamw8bit``, each with the layout it needs.
+"""The training job's optimizers: ``adamw`` | ``muon`` | ``adamw8bit`` | ``shampoo``, each with the layout it needs.
 
 ``--optimizer.name`` (``--optim``) picks both the optimizer and the ``shard_placement_fn`` given to
 ``fully_shard``, so a user never has to know about granularity:
@@ -10,6 +10,9 @@ adamw      ``torch.optim.AdamW`` (foreach)         default (element-wise optimiz
 muon       ``raggedfsdp.optim.Muon``: matrices;    default: owners gather split matrices
            AdamW for embeddings, head, norms       (2 all-to-alls per step)
 adamw8bit  ``raggedfsdp.optim.AdamW8bit``          ``AdamW8bit.shard_placement_fn`` (32x32 tiles)
+shampoo    ``raggedfsdp.optim.Shampoo`` (blocks of  ``Shampoo.shard_placement_fn`` (whole
+           128x128, roots every 10 steps, AdamW    128-row bands)
+           grafting; AdamW for vectors)
 ========== ======================================= ==========================================
 
 Muon runs Newton-Schulz in bfloat16 on accelerators and in float32 on CPU (see ``_ns_dtype``). It uses
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon", "adamw8bit")
+OPTIMIZERS = ("adamw", "muon", "adamw8bit", "shampoo")
 
 
 def shard_placement_fn_for(name: str):
@@ -34,6 +37,10 @@ def shard_placement_fn_for(name: str):
         from raggedfsdp.optim import AdamW8bit
 
         return AdamW8bit.shard_placement_fn
+    if name == "shampoo":
+        from raggedfsdp.optim import Shampoo
+
+        return Shampoo.shard_placement_fn
     return None
 
 
@@ -72,6 +79,10 @@ def build_optimizer(o: Any, model: nn.Module) -> torch.optim.Optimizer:
         from raggedfsdp.optim import AdamW8bit
 
         return AdamW8bit(groups, lr=o.lr, betas=betas, eps=o.eps)
+    if o.name == "shampoo":
+        from raggedfsdp.optim import Shampoo
+
+        return Shampoo(groups, lr=o.lr, betas=betas, eps=o.eps)
     return torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, foreach=True)
 
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_fsdp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
+from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, aux_loss, build_model, build_model_config, make_mp_policy
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
@@ -46,9 +46,9 @@ from raggedfsdp.train.guard import (
     signal_name,
 )
 from raggedfsdp.train.lr_schedule import lr_at
-from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
+from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class Trainer:
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # data parallel = the ranks of one tp group share a batch (--parallel.tp; global rank = dp * tp + t)
+        self.tp = cfg.parallel.tp
+        self.dp_size, self.dp_rank = self.world_size // self.tp, self.rank // self.tp
         if run is None:  # not prepared in this process (a Trainer built directly)
             cfg.validate(world_size=self.world_size)
             run = self._on_rank0(
@@ -115,15 +118,25 @@ class Trainer:
             self.corpus.train,
             seq_len=t.seq_len,
             global_batch_size=t.global_batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
+            world_size=self.dp_size,
+            rank=self.dp_rank,
             grad_accum=t.grad_accum,
             seed=cfg.job.seed,
         )
 
         # Model + FSDP.
         self.model_cfg = build_model_config(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
-        mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",))
+        ep = cfg.parallel.ep
+        tp_mesh = None
+        ep_kw: dict[str, Any] = {}
+        if ep > 1:  # (dp, ep): experts over "ep", their FSDP over "dp", everything else over both
+            world_mesh = init_device_mesh(
+                device.type, (self.world_size // ep, ep), mesh_dim_names=("dp", "ep")
+            )
+            mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
+            ep_kw["experts_mesh"] = world_mesh["dp"]
+        else:
+            mesh, tp_mesh = self._meshes(device)  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -133,10 +146,13 @@ class Trainer:
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
             unit=cfg.fsdp.unit,
+            **ep_kw,
         )
         if cfg.model.init_device == "meta":
             with torch.device("meta"):
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
+            if tp_mesh is not None:
+                apply_tp(model, tp_mesh)
             apply_fsdp(model, mesh, **fsdp_kw)
             model.to_empty(device=device)
             model.init_weights(cfg.job.seed)
@@ -144,6 +160,10 @@ class Trainer:
             model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             model.init_weights(cfg.job.seed)
             model.to(device)
+            if tp_mesh is not None:
+                apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
+            if ep > 1:
+                apply_ep(model, world_mesh["ep"])
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.checkpoint.hf import load_hf_weights
@@ -328,7 +348,19 @@ class Trainer:
 
     def batch_ids(self, step: int, micro: int = 0) -> dict[int, str]:
         """``{rank: batch id}`` of a micro-step (a pure function of the step: no communication)."""
-        return {r: batch_id(self.sampler, step, micro, r) for r in range(self.world_size)}
+        return {r: batch_id(self.sampler, step, micro, r // self.tp) for r in range(self.world_size)}
+
+    def _meshes(self, device: torch.device):
+        """``(dp mesh, tp mesh or None)``: 1-D ``("dp",)`` without TP / HSDP, else the 3-D
+        ``(dp_replicate, dp_shard, tp)`` mesh's dp part (``(dp_replicate, dp_shard)`` for HSDP) and its tp dim."""
+        par = self.cfg.parallel
+        if par.tp == 1 and par.dp_replicate == 1:
+            return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
+        shard = par.dp_shard(self.world_size)
+        mesh = init_device_mesh(device.type, (par.dp_replicate, shard, par.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
+        return dp, (mesh["tp"] if par.tp > 1 else None)
 
     def _batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
@@ -406,8 +438,8 @@ class Trainer:
         t = self.cfg.training
         count = self.cfg.metrics.eval_batches * t.global_batch_size
         offsets = eval_windows(len(self.corpus.val), seq_len=t.seq_len, count=count)
-        per_rank = count // self.world_size
-        mine = offsets[self.rank * per_rank : (self.rank + 1) * per_rank]
+        per_rank = count // self.dp_size
+        mine = offsets[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         b = self.sampler.micro_batch_size
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)

@@ -34,7 +34,7 @@ def _tensors(args):
 
 def _case(rank, ws):
     from raggedfsdp.bench import measure, worker
-    from raggedfsdp.bench.cli import build_arg_parser
+    from raggedfsdp.bench.options import build_arg_parser
 
     on_device: dict = {}  # id -> weakref of the tensors to_comm_device returned
     calls = {"bench": 0}

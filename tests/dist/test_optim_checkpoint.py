@@ -1,6 +1,7 @@
 """DCP: optimizer state saved at 4 ranks loads at 3 and at 1 rank (other layouts) and continues bit-exactly.
 
-Muon (momentum, plus an AdamW group) and AdamW8bit (uint8 codes + fp32 tile scales) state tensors
+Muon (momentum, plus an AdamW group), AdamW8bit (uint8 codes + fp32 tile scales) and Shampoo
+(per-band block statistics and inverse roots, RaggedShard over bands) state tensors
 are DTensors laid out like the parameters; DCP writes each rank's piece without a gather and
 reshards on load. The oracle is the single-device run of all 4 steps.
 """
@@ -10,6 +11,13 @@ from _dist import run_distributed
 
 M_SHAPES = [(64, 48), (2, 32, 24), (48,)]   # Muon: matrix, expert stack, and a vector for the AdamW group
 Q_SHAPES = [(64, 80), (96, 65), (300,)]     # AdamW8bit: two tiled matrices and an fp32-state vector
+S_SHAPES = [(32, 24), (2, 16, 12), (40,)]   # Shampoo (block 8): 8-row bands, an expert stack, an AdamW vector
+S_HP = {"lr": 1e-2, "weight_decay": 0.05, "block_size": 8, "precondition_frequency": 2}  # roots at steps 2, 4
+WHICH = ("muon", "adamw8bit", "shampoo")
+
+
+def _shapes(which):
+    return {"muon": M_SHAPES, "adamw8bit": Q_SHAPES, "shampoo": S_SHAPES}[which]
 STEPS = 4
 
 
@@ -24,8 +32,10 @@ def _inits(shapes):
 
 
 def _make_opt(which, params):
-    from raggedfsdp.optim import AdamW8bit, Muon
+    from raggedfsdp.optim import AdamW8bit, Muon, Shampoo
 
+    if which == "shampoo":
+        return Shampoo(params, **S_HP)
     if which == "muon":
         groups = [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw", "lr": 3e-3, "eps": 1e-8,
                                                    "betas": (0.9, 0.95), "weight_decay": 0.0}]
@@ -35,9 +45,13 @@ def _make_opt(which, params):
 
 def _reference(which):
     """Parameters after STEPS single-device steps (torch.optim.Muon / AdamW / the 8-bit reference)."""
-    from raggedfsdp.optim.reference import adamw8bit_reference_step, muon_reference_step
+    from raggedfsdp.optim.reference import (
+        adamw8bit_reference_step,
+        muon_reference_step,
+        shampoo_reference_step,
+    )
 
-    shapes = M_SHAPES if which == "muon" else Q_SHAPES
+    shapes = _shapes(which)
     ps = [torch.nn.Parameter(f) for f in _inits(shapes)]
     if which == "muon":
         tm = torch.optim.Muon([ps[0]], lr=0.02)
@@ -51,6 +65,9 @@ def _reference(which):
             tm.step()
             ta.step()
             muon_reference_step(ps[1].data, gs[1], buf, lr=0.02)
+        elif which == "shampoo":
+            for p, gr, st in zip(ps, gs, states):
+                shampoo_reference_step(p.data, gr, st, **S_HP)
         else:
             for p, gr, st in zip(ps, gs, states):
                 adamw8bit_reference_step(p.data, gr, st, lr=1e-2, weight_decay=0.05)
@@ -62,6 +79,7 @@ def _build(which, rank, ws, seed, fulls):
     from torch.distributed.device_mesh import init_device_mesh
 
     from raggedfsdp.optim._quant import tile_eligible
+    from raggedfsdp.optim._shampoo_math import band_geometry
 
     mesh = init_device_mesh("cpu", (ws,))
     model = torch.nn.Module()
@@ -70,6 +88,9 @@ def _build(which, rank, ws, seed, fulls):
         if which == "muon":
             kind = ("element", "row")[(seed + i) % 2] if f.ndim > 1 else "element"
             rs = layout(kind, f.shape, ws, seed + i)
+        elif which == "shampoo":
+            br = band_geometry(tuple(f.shape), 8)[0] if f.ndim > 1 else 1
+            rs = layout("row" if f.ndim > 1 else "element", f.shape, ws, seed + i, block_rows=br)
         else:
             br = 32 if tile_eligible(tuple(f.shape)) else 1
             rs = layout("row" if f.ndim > 1 else "element", f.shape, ws, seed + i, block_rows=br)
@@ -94,8 +115,8 @@ def _save(rank, ws, path):
 
     import raggedfsdp  # noqa: F401
 
-    for which in ("muon", "adamw8bit"):
-        shapes = M_SHAPES if which == "muon" else Q_SHAPES
+    for which in WHICH:
+        shapes = _shapes(which)
         model, params = _build(which, rank, ws, 11, _inits(shapes))
         opt = _make_opt(which, params)
         _run_steps(params, opt, shapes, range(STEPS // 2), rank)
@@ -115,8 +136,8 @@ def _load(rank, ws, path):
 
     import raggedfsdp  # noqa: F401
 
-    for which in ("muon", "adamw8bit"):
-        shapes = M_SHAPES if which == "muon" else Q_SHAPES
+    for which in WHICH:
+        shapes = _shapes(which)
         model, params = _build(which, rank, ws, 23 + ws, [torch.zeros(s) for s in shapes])
         opt = _make_opt(which, params)
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}

@@ -1,4 +1,4 @@
-"""Distributed Muon and AdamW8bit vs their single-device references at world sizes 1, 2, 3, 5 (+ HSDP, 8 ranks).
+"""Distributed Muon, AdamW8bit and Shampoo vs their single-device references at world sizes 1, 2, 3, 5 (+ HSDP, 8 ranks).
 
 Muon:
 For the same gradients the sharded parameters must equal the reference **bitwise** (the owner runs
@@ -13,6 +13,10 @@ mean on a 24-matrix model.
 AdamW8bit: bit-identical to ``reference.adamw8bit_reference_step`` (hence across world sizes) on
 tile-aligned uneven layouts with empty ranks, 0 collectives; fp32 state for small / 1-D tensors
 decided from the global shape; a layout that cuts a tile raises a ValueError naming the parameter.
+
+Shampoo: bit-identical to ``reference.shampoo_reference_step`` on band-aligned uneven layouts with
+empty ranks (statistics and roots of each block on the rank holding it), 0 collectives; a layout
+that cuts a band raises.
 """
 
 import pytest
@@ -132,6 +136,57 @@ def _check_adamw8bit(rank, ws, mesh, rank_in_dim, seed):
             raise AssertionError("a tile-cutting layout was accepted")
 
 
+S_SHAPES = [(24, 20), (2, 12, 10), (5, 8), (30,)]  # band rows (block 8): 8, 6, 5; a vector gets AdamW
+S_HP = {"lr": 0.01, "betas": (0.9, 0.99), "weight_decay": 0.05, "block_size": 8, "precondition_frequency": 2}
+
+
+def _check_shampoo(rank, ws, mesh, rank_in_dim, seed):
+    """Shampoo == its reference bitwise on band-aligned uneven layouts (empty ranks), 0 collectives,
+    state laid out per band; a band-cutting layout raises naming the parameter and the fix."""
+    from _optim_cases import full, layout, make_param, set_grad
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from raggedfsdp import RaggedShard
+    from raggedfsdp.optim import Shampoo
+    from raggedfsdp.optim._shampoo_math import band_geometry
+    from raggedfsdp.optim.reference import shampoo_reference_step
+
+    nshard = mesh.size(mesh.ndim - 1)
+    g = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(s, generator=g) for s in S_SHAPES]
+    params = []
+    for i, f in enumerate(fulls):
+        br = band_geometry(tuple(f.shape), 8)[0] if f.ndim > 1 else 1
+        rs = layout("row" if f.ndim > 1 else "element", f.shape, nshard, seed + i, block_rows=br)
+        params.append(make_param(f, mesh, (rs,) if mesh.ndim == 1 else (Replicate(), rs), rank_in_dim))
+    refs, states = [f.clone() for f in fulls], [{} for _ in fulls]
+    opt = Shampoo(params, **S_HP)
+    for _ in range(5):  # roots at steps 2 and 4
+        grads = [torch.randn(f.shape, generator=g) for f in fulls]
+        for p, gr in zip(params, grads):
+            set_grad(p, gr, rank_in_dim)
+        with CommDebugMode() as comm:
+            opt.step()
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        for r, gr, st in zip(refs, grads, states):
+            shampoo_reference_step(r, gr, st, **S_HP)
+    for i, (p, r, st) in enumerate(zip(params, refs, states)):
+        assert torch.equal(full(p), r), ("shampoo", i, S_SHAPES[i], (full(p) - r).abs().max())
+        if "L" in st:
+            assert torch.equal(full(opt.state[p]["R_root"]), st["R_root"])
+    if nshard > 1:  # pieces of 4 rows cut the 8-row bands of (24, 20)
+        units = (1,) * (nshard - 1) + (6 - (nshard - 1),)
+        bad = make_param(fulls[0], mesh, ((RaggedShard((0,), units),) if mesh.ndim == 1 else
+                                          (Replicate(), RaggedShard((0,), units))), rank_in_dim)
+        try:
+            Shampoo([bad], block_size=8)
+        except ValueError as e:
+            assert "cuts a 8-row Shampoo band" in str(e) and "shard_placement_fn" in str(e), e
+        else:
+            raise AssertionError("a band-cutting layout was accepted")
+
+
 def _muon_1d(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -145,6 +200,7 @@ def _muon_1d(rank, ws):
     _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw={"balance_slack": None})
     _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2)
     _check_adamw8bit(rank, ws, mesh, rank, 4)
+    _check_shampoo(rank, ws, mesh, rank, 12)
     if ws == 3:
         _check_grad_accumulation(rank, ws)
 
@@ -223,6 +279,7 @@ def _muon_hsdp(rank, ws):
     _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS[::-1], 8)
     _check_world_balance(rank, ws, mesh)
     _check_adamw8bit(rank, ws, mesh, mesh.get_local_rank(1), 6)
+    _check_shampoo(rank, ws, mesh, mesh.get_local_rank(1), 14)
 
 
 def _check_world_balance(rank, ws, mesh):

@@ -54,8 +54,30 @@ def test_bench_json_smoke_moe_two_ranks():
     assert a["collectives_by_op"]["_allgather_base_"] == b["collectives_by_op"]["_allgather_base_"]
 
 
+@pytest.mark.slow
+def test_bench_json_moe_ep2_four_ranks():
+    """``--ep 2``: both systems run the same expert-parallel model (dp 2 x ep 2): same losses, the same
+    all-to-alls (per MoE layer 3 in forward: counts, dispatch, combine; 2 in backward), no floor/replay."""
+    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--flavor", "moe-debug", "--ep", "2",
+           "--nproc", "4", "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "16", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    a, b = r["raggedfsdp"], r["torch"]
+    assert r["ep"] == 2 and r["experts"] == "fused" and "local_floor" not in r
+    assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
+    for sysr in (a, b):
+        assert sysr["collectives_by_op"]["alltoall_base_"] == 5 * 2, sysr["collectives_by_op"]  # 2 MoE layers
+        assert sysr["all_to_all_bytes"] > 0
+    assert a["all_to_all_bytes"] == b["all_to_all_bytes"]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--model", "sparse"], "invalid choice"),
+    (["--model", "dense", "--ep", "2"], "applies to --model moe only"),
+    (["--ep", "3"], "must divide --nproc 4"),
+    (["--ep", "2", "--experts", "separate"], "splits fused expert stacks"),
     (["--model", "dense", "--experts", "fused"], "apply to --model moe only"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--model", "moe", "--flavor", "huge"], "unknown moe flavor 'huge'"),

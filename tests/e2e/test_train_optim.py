@@ -1,4 +1,4 @@
-"""`raggedfsdp train --optim muon|adamw8bit` through the README's command path (2 gloo ranks, debug model)."""
+"""`raggedfsdp train --optim muon|adamw8bit|shampoo` through the README's command path (2 gloo ranks, debug model)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from test_train_cli import SMALL, _cli, _records, _run
 from raggedfsdp.cli import main as cli_main
 
 
-@pytest.mark.parametrize("optim", ["muon", "adamw8bit"])
+@pytest.mark.parametrize("optim", ["muon", "adamw8bit", "shampoo"])
 def test_train_with_structure_aware_optimizer(optim, tmp_path):
     proc, _ = _run([*_cli(), "train", "--nproc", "2", *SMALL, "--optim", optim, "--out", str(tmp_path)], 240)
     assert proc.returncode == 0, f"{optim} run failed:\n{proc.stdout}\n{proc.stderr}"
