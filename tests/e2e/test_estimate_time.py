@@ -12,6 +12,7 @@ from raggedfsdp.bench.steptime import measure_steps
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path):
     """The issue's bar: fit compute / network / host constants on world sizes 1-2 of this machine
     (``--calibrate``, the --help example), then predict 3-4 (dense and MoE; more ranks than cores
