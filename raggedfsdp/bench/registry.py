@@ -19,32 +19,21 @@ if TYPE_CHECKING:  # no torch at import: ``raggedfsdp bench --help`` lists the m
 WrapFn = Callable[["nn.Module", Any, str, Any], "nn.Module"]
 
 
-def wrap_per_layer(model: nn.Module, mesh: Any, backend: str, mp_policy: Any) -> nn.Module:
-    """One FSDP unit per ``model.layers[i]``, then the root (``raggedfsdp.models.apply_fsdp``)."""
-    from raggedfsdp.models import apply_fsdp
-
-    return apply_fsdp(model, mesh, backend=backend, mp_policy=mp_policy)
-
-
-def wrap_every(k: int) -> WrapFn:
-    """``k`` consecutive blocks per FSDP unit (``fully_shard([blocks...])``: one all-gather and one
-    reduce-scatter for all ``k``), then the root: fewer, larger collectives than ``wrap_per_layer``."""
+def wrap_units(unit: str) -> WrapFn:
+    """Wrap with :func:`raggedfsdp.models.apply_fsdp` and FSDP unit ``unit`` (the one vocabulary of
+    ``models/parallelize.py``: ``layer | superblock | layers:K``), then the root. ``layers:K`` makes one
+    ``fully_shard([blocks...])`` per ``K`` blocks: fewer, larger collectives than ``layer``."""
 
     def wrap(model: nn.Module, mesh: Any, backend: str, mp_policy: Any) -> nn.Module:
-        from raggedfsdp.models.parallelize import _backend_api
+        from raggedfsdp.models import apply_fsdp
 
-        fully_shard, _ = _backend_api(backend)
-        blocks = list(model.layers)
-        for i in range(0, len(blocks), k):
-            fully_shard(blocks[i : i + k], mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
-        return model
+        return apply_fsdp(model, mesh, backend=backend, mp_policy=mp_policy, unit=unit)
 
     return wrap
 
 
 def _default_wraps() -> dict[str, WrapFn]:
-    return {"layer": wrap_per_layer, "layers:2": wrap_every(2), "layers:4": wrap_every(4)}
+    return {u: wrap_units(u) for u in ("layer", "layers:2", "layers:4")}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Examples::
 No GPU, no process group, nothing allocated (built-in models are built on the meta device). With
 ``--model`` the shapes are known and sharded state is the planner's real per-rank shard (padding
 included); with ``--params`` it is ``ceil(P / M)``. Figures are decimal (1 GB = 1e9 bytes).
-See :mod:`raggedfsdp.planner.memory_estimate` for the arithmetic.
+See :mod:`raggedfsdp.sizing.memory_estimate` for the arithmetic.
 """
 
 from __future__ import annotations
@@ -83,37 +83,8 @@ def _parse_count(text: str) -> int:
     return int(value)
 
 
-def resolve_units(model: str, unit: str):
-    """``(label, units)`` for a built-in model (``name:flavor`` or ``name-flavor``), or a planner table /
-    ``config.json``. Raises ``ValueError`` naming the model and the choices."""
-    from raggedfsdp.models import MODELS, model_units
-    from raggedfsdp.train.presets import PRESETS
-
-    if model in PRESETS:  # a shipped preset: its training model, else its planner table
-        preset = PRESETS[model]
-        m = preset.config.get("model", {})
-        if m.get("name") in MODELS and not preset.arch:
-            return model, model_units(m["name"], m.get("flavor", "tiny"), unit)
-        if preset.arch:
-            model = preset.arch
-    name, sep, flavor = model.partition(":")
-    if not sep:
-        name, sep, flavor = model.partition("-")
-    if sep and name in MODELS:
-        return f"{name}:{flavor}", model_units(name, flavor, unit)
-    from raggedfsdp.planner.archs import load_config
-    from raggedfsdp.planner.archs import model_units as arch_units
-
-    try:
-        cfg = load_config(model)
-    except ValueError as exc:
-        ours = ", ".join(f"{n}:FLAVOR" for n in sorted(MODELS))
-        raise ValueError(f"{exc}; or a built-in model ({ours}, e.g. llama:tiny)") from None
-    return model, arch_units(cfg, unit)
-
-
 def run(args: argparse.Namespace) -> int:
-    from raggedfsdp.planner.memory_estimate import estimate_memory, format_report
+    from raggedfsdp.sizing.memory_estimate import estimate_memory, format_report
 
     try:
         sizes = [int(s) for s in str(args.world_size).split(",") if s.strip()]
@@ -125,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
         if args.params is not None:
             label, units, count = "", None, _parse_count(args.params)
         else:
-            label, units = resolve_units(args.model, args.unit)
+            from raggedfsdp.sizing.registry import resolve
+
+            source = resolve(args.model)
+            label, units = source.label, source.units(args.unit)
             count = None
     except ValueError as exc:
         return _error(f"--model {args.model!r}: {exc}" if args.model else str(exc))

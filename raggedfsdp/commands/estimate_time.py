@@ -82,8 +82,8 @@ def resolve_model(name: str, unit: str):
         if fam in MODELS:
             units = model_units(fam, flavor, unit)
             return units[-1:] + units[:-1], builtin_cfg(fam, flavor)  # the root unit gathers first
-    from raggedfsdp.planner.archs import load_config
-    from raggedfsdp.planner.archs import model_units as table_units
+    from raggedfsdp.sizing.archs import load_config
+    from raggedfsdp.sizing.archs import model_units as table_units
 
     cfg = load_config(name)
     return table_units(cfg, unit), cfg

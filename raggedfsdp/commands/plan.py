@@ -16,7 +16,7 @@ padding is within ``--padding-target`` (embedding and head units stay separate) 
 ``K`` it chose, or that none reaches the target, with the best ``K`` and the order-free bound that
 proves it. The text report groups runs of identical units; ``--json`` prints one object with every unit and
 tensor (name, shape, granularity, offset, dims), enough to re-validate the plan from the output.
-``--ep N`` (expert parallel, ``raggedfsdp.planner.ep``): each of N EP ranks keeps 1/N of every MoE
+``--ep N`` (expert parallel, ``raggedfsdp.sizing.ep``): each of N EP ranks keeps 1/N of every MoE
 layer's routed experts, sharded over the ``world/N`` ranks holding the same experts; everything else is
 sharded over the whole world. The report gives both FSDP group sizes, both plans, the per-rank shard
 and the largest layer's all-gather (ours vs FSDP2's even ``Shard(0)``) in elements and bf16 bytes.
@@ -28,10 +28,10 @@ import argparse
 import json
 import sys
 
-from raggedfsdp.planner.archs import BUILTIN, load_config, model_units
-from raggedfsdp.planner.autounit import DEFAULT_TARGET, UnitChoice, choose_unit_size
-from raggedfsdp.planner.ep import EPPlan, plan_model_ep
-from raggedfsdp.planner.modelplan import BlockError, ModelPlan, gcd_fallback, plan_model
+from raggedfsdp.sizing.archs import BUILTIN
+from raggedfsdp.sizing.autounit import DEFAULT_TARGET, UnitChoice, choose_unit_size
+from raggedfsdp.sizing.ep import EPPlan, plan_model_ep
+from raggedfsdp.sizing.modelplan import BlockError, ModelPlan, gcd_fallback, plan_model
 from raggedfsdp.planner.planner import ORDERS
 from raggedfsdp.planner.policy import BlockSpec
 
@@ -48,7 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help=f"built-in table ({', '.join(BUILTIN)}), a Hugging Face config.json, or a folder with one",
+        help=f"built-in table ({', '.join(BUILTIN)}), a preset, a trainable model name:flavor (llama:tiny), "
+        "a Hugging Face config.json, or a folder with one (one resolver: raggedfsdp.sizing.registry)",
     )
     p.add_argument(
         "--world-size", "-m", type=int, required=True, help="FSDP group size M (ranks per shard group)"
@@ -195,7 +196,7 @@ def _ep_report(args, plan: EPPlan) -> str:
 def _bad_config(args, exc: Exception) -> int:
     return _error(
         f"--model: {args.model!r} is not a supported Hugging Face config "
-        f"({type(exc).__name__}: {exc}); see raggedfsdp.planner.archs for the supported model types"
+        f"({type(exc).__name__}: {exc}); see raggedfsdp.sizing.archs for the supported model types"
     )
 
 
@@ -208,10 +209,13 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print; returns 0, or 2 with one line on stderr (naming the argument) for bad input."""
     if args.world_size < 1:
         return _error(f"--world-size {args.world_size}: the FSDP group size must be >= 1")
+    from raggedfsdp.sizing.registry import resolve
+
     try:
-        cfg = load_config(args.model)
+        source = resolve(args.model)  # preset | table | name:flavor | name-flavor | config.json
     except ValueError as exc:
         return _error(f"--model: {exc}")
+    cfg = source.config
     try:
         spec = BlockSpec.parse(args.granularity)
     except ValueError as exc:
@@ -221,8 +225,13 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"--padding-target {args.padding_target}: must be a padding ratio >= 0 (e.g. 0.03)")
     if auto and args.max_k is not None and args.max_k < 1:
         return _error(f"--max-k {args.max_k}: must be >= 1")
+    if auto and cfg is None:
+        return _error(
+            f"--unit auto: --model {args.model} is a trainable model; the unit search needs a real-size "
+            "table or a config.json (or give --unit layer | superblock | layers:K)"
+        )
     try:
-        units = model_units(cfg, "layer" if auto else args.unit)  # auto: checks the config up front
+        units = source.units("layer" if auto else args.unit)  # auto: checks the config up front
     except ValueError as exc:
         arg = f"--unit {args.unit}" if "unit=" in str(exc) else f"--model {args.model}"
         return _error(f"{arg}: {exc}")
@@ -276,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ep(args, units, spec) -> int:
-    """``--ep N``: the two plans of :func:`raggedfsdp.planner.ep.plan_model_ep`."""
+    """``--ep N``: the two plans of :func:`raggedfsdp.sizing.ep.plan_model_ep`."""
     if args.unit == "auto":
         return _error(f"--unit auto with --ep {args.ep}: not supported; give --unit layer")
     try:

@@ -51,32 +51,6 @@ def build_model(name: str, flavor: str, **overrides) -> Llama | Hybrid:
     return MODELS[name][1](cfg)
 
 
-def model_units(name: str, flavor: str, unit: str = "layer", **overrides):
-    """The FSDP units of a built-in model as planner ``Unit``s (shapes only: built on the meta device).
-
-    One unit per ``fully_shard`` call that :func:`apply_fsdp` makes with this ``unit``, holding the
-    parameters that call manages, in registration order (the root unit last) -- the input of
-    :func:`raggedfsdp.planner.memory_estimate.estimate_memory` and of the planner.
-    """
-    import torch
-
-    from raggedfsdp.planner.archs import Unit
-
-    with torch.device("meta"):
-        model = build_model(name, flavor, **overrides)
-    out, seen = [], set()
-    for label, modules in fsdp_unit_modules(model, unit):
-        params = []
-        for i, mod in enumerate(modules):
-            prefix = f"{i}." if len(modules) > 1 else ""
-            for pname, p in mod.named_parameters(prefix=prefix.rstrip(".")):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append((pname, tuple(p.shape)))
-        out.append(Unit(label, tuple(params)))
-    return out
-
-
 __all__ = [
     "FSDP_UNITS",
     "HYBRID_FLAVORS",
@@ -97,5 +71,4 @@ __all__ = [
     "build_model_config",
     "fsdp_unit_modules",
     "make_mp_policy",
-    "model_units",
 ]

@@ -4,7 +4,7 @@ Shape legend: B batch, T sequence, D model dim, Hk / Hv linear-attention key / v
 (``Hv % Hk == 0``; query/key heads are repeated to ``Hv``), Dk / Dv their head dims, C chunk length,
 V vocab.
 
-Structure (Qwen3-Next-style, parameter names as in ``raggedfsdp.planner.archs._gated_deltanet`` so
+Structure (Qwen3-Next-style, parameter names as in ``raggedfsdp.sizing.archs._gated_deltanet`` so
 that ``raggedfsdp plan --model hybrid-27b`` describes the same tensors):
 
     Hybrid

@@ -27,25 +27,39 @@ import torch
 from torch import nn
 
 BACKENDS = ("ragged", "torch")
-FSDP_UNITS = ("layer", "superblock")
+FSDP_UNITS = ("layer", "superblock", "layers:K")
+"""The one FSDP-unit vocabulary, used by ``--fsdp.unit``, ``raggedfsdp plan / estimate-memory --unit``,
+``raggedfsdp bench --wrap`` and the real-size tables of ``raggedfsdp.sizing``: ``layer`` (one unit per
+block of ``model.layers``), ``superblock`` (hybrid models: one unit per super-block of
+``superblock_size`` layers) or ``layers:K`` (one unit per ``K`` consecutive blocks)."""
+
+
+def parse_unit(unit: str) -> int | None:
+    """Blocks per FSDP unit: 1 for ``"layer"``, ``K`` for ``"layers:K"``, None for ``"superblock"`` (the
+    model's own ``superblock_size``). ``ValueError`` naming ``unit`` and the vocabulary otherwise."""
+    if unit == "layer":
+        return 1
+    if unit == "superblock":
+        return None
+    if unit.startswith("layers:") and unit[7:].isdigit() and int(unit[7:]) >= 1:
+        return int(unit[7:])
+    raise ValueError(
+        f"unknown FSDP unit {unit!r} (unit=, --fsdp.unit, --unit); choose one of layer | superblock | "
+        "layers:K (K >= 1)"
+    )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _backend_api(backend: str) -> tuple[Any, type]:
+def backend_api(backend: str) -> tuple[Any, type]:
     """``(fully_shard, MixedPrecisionPolicy)`` of ``backend``."""
     if backend == "torch":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         return fully_shard, MixedPrecisionPolicy
     if backend == "ragged":
-        try:
-            from raggedfsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError as e:
-            raise ImportError(
-                "backend 'ragged' needs raggedfsdp.fully_shard, which this installation does not "
-                f"provide ({e}); use backend 'torch' (--backend torch) meanwhile"
-            ) from e
+        from raggedfsdp import MixedPrecisionPolicy, fully_shard
+
         return fully_shard, MixedPrecisionPolicy
     raise ValueError(f"unknown FSDP backend {backend!r}; choose one of {BACKENDS}")
 
@@ -64,7 +78,7 @@ def make_mp_policy(backend: str, *, param_dtype: str = "fp32", reduce_dtype: str
     dtype of the all-gathered parameters used in forward/backward; ``reduce_dtype`` the dtype of
     the gradient reduce-scatter. fp32/fp32 is the default policy (no casts at all).
     """
-    _, policy_cls = _backend_api(backend)
+    _, policy_cls = backend_api(backend)
     pd, rd = parse_dtype(param_dtype), parse_dtype(reduce_dtype)
     if pd == torch.float32 and rd == torch.float32:
         return policy_cls()
@@ -78,15 +92,14 @@ def fsdp_unit_modules(model: nn.Module, unit: str = "layer") -> list[tuple[str, 
         ValueError: ``unit`` not in :data:`FSDP_UNITS`, no ``model.layers`` ``ModuleList``, or
             ``"superblock"`` on a model without ``superblock_size`` (not a hybrid model).
     """
-    if unit not in FSDP_UNITS:
-        raise ValueError(f"unknown FSDP unit {unit!r} (--fsdp.unit); choose one of {FSDP_UNITS}")
+    k = parse_unit(unit)
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"apply_fsdp expects model.layers to be an nn.ModuleList, got {type(layers)}")
-    if unit == "layer":
+    if k == 1:
         units = [(f"layers.{i}", [block]) for i, block in enumerate(layers)]
     else:
-        k = getattr(model, "superblock_size", None)
+        k = k or getattr(model, "superblock_size", None)
         if not k:
             raise ValueError(
                 f"--fsdp.unit superblock needs a hybrid model (one with super-blocks); "
@@ -120,8 +133,8 @@ def apply_fsdp(
             re-gathered in backward) or keep them until backward (ZeRO-2-like, more memory).
         shard_placement_fn: ``"ragged"`` only: the block policy (e.g. ``AdamW8bit.shard_placement_fn``);
             ``None`` is the default layout. Raises ``ValueError`` with the ``"torch"`` backend.
-        unit: ``"layer"`` (one unit per block) or ``"superblock"`` (hybrid models: one unit per
-            super-block), see :func:`fsdp_unit_modules`.
+        unit: ``"layer"`` (one unit per block), ``"superblock"`` (hybrid models: one unit per
+            super-block) or ``"layers:K"`` (``K`` blocks per unit), see :func:`fsdp_unit_modules`.
         experts_mesh: expert parallel (after :func:`apply_ep`): the 1-D mesh of the data-parallel ranks
             that hold the same experts (torchtitan's ``dp_shard_mod_ep``, e.g. ``world["dp"]`` of a
             ``("dp", "ep")`` mesh, while ``mesh`` is the whole ``dp x ep`` group, e.g.
@@ -133,7 +146,7 @@ def apply_fsdp(
     Returns:
         ``model`` (now an FSDP module; its parameters are DTensors).
     """
-    fully_shard, policy_cls = _backend_api(backend)
+    fully_shard, policy_cls = backend_api(backend)
     if mp_policy is None:
         mp_policy = policy_cls()
     kw: dict[str, Any] = {}

@@ -231,7 +231,7 @@ def _costs(
     policy: str,
     align: int,
 ) -> list[_UnitCost]:
-    from raggedfsdp.planner.modelplan import resolve_unit_blocks
+    from raggedfsdp.sizing.modelplan import resolve_unit_blocks
 
     H = int(cfg.get("hidden_size", 0))
     k = _top_k(cfg)

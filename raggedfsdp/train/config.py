@@ -144,7 +144,7 @@ class FSDPConfig:
     unit: str = _f(
         "layer",
         "FSDP unit: layer (one per block) | superblock (hybrid models: one per 3 linear + 1 full "
-        "attention layers); compare them with raggedfsdp bench --model hybrid --wrap layer,superblock",
+        "attention layers) | layers:K (K blocks per unit); compare them with raggedfsdp wrap-bench",
     )
 
 
@@ -271,12 +271,14 @@ class TrainConfig:
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
-            "fsdp.unit": (f.unit, ("layer", "superblock")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
             "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
             "training.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
         }
+        from raggedfsdp.models.parallelize import parse_unit
+
+        parse_unit(f.unit)  # the one unit vocabulary: layer | superblock | layers:K
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}, got {value!r}")

@@ -1,7 +1,7 @@
 """Shipped configurations: ``raggedfsdp train --config NAME`` (a TOML path works as before).
 
 A preset is the same nested ``{section: {key: value}}`` a TOML file holds, plus, for real-size
-models, the planner table (``raggedfsdp.planner.archs.BUILTIN``) that ``raggedfsdp plan`` and
+models, the planner table (``raggedfsdp.sizing.archs.BUILTIN``) that ``raggedfsdp plan`` and
 ``raggedfsdp estimate-memory --model NAME`` use without allocating anything.
 ``raggedfsdp train --config list`` prints them. Command-line options override a preset's values.
 """

@@ -16,8 +16,8 @@ from raggedfsdp.bench.wrap_compare import format_wrap_report, recommend
 
 
 def _compare(rank, ws):
-    from raggedfsdp.models import model_units
-    from raggedfsdp.planner.memory_estimate import estimate_memory
+    from raggedfsdp.sizing.registry import model_units
+    from raggedfsdp.sizing.memory_estimate import estimate_memory
     from raggedfsdp.bench.wrap_compare import compare_wraps, hybrid_wraps
 
     build, wraps = hybrid_wraps("hybrid", "debug", ["layer", "superblock"])

@@ -17,7 +17,7 @@ LAYER = {
     "models": 5,
     "checkpoint": 6,
     "train": 7, "launch": 7,
-    "bench": 8, "sizing": 8,
+    "sizing": 8, "bench": 8,
     "commands": 9, "cli": 9,
 }
 

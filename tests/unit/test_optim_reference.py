@@ -78,8 +78,8 @@ def test_eligibility_and_policy_use_the_global_shape():
 
 
 def _llama_matrices(ws, policy):
-    from raggedfsdp.planner.archs import model_units
-    from raggedfsdp.planner.modelplan import plan_model
+    from raggedfsdp.sizing.archs import model_units
+    from raggedfsdp.sizing.modelplan import plan_model
 
     mats = []
     for up in plan_model(model_units("llama3-8b"), ws, policy=policy).units:
@@ -184,8 +184,8 @@ def test_fast_encoder_equals_bucketize_nearest_code():
 
 
 def _hsdp_matrices(model, reps, shards):
-    from raggedfsdp.planner.archs import model_units
-    from raggedfsdp.planner.modelplan import plan_model
+    from raggedfsdp.sizing.archs import model_units
+    from raggedfsdp.sizing.modelplan import plan_model
 
     holders = tuple(tuple(r * shards + s for r in range(reps)) for s in range(shards))
     mats = []

@@ -1,4 +1,4 @@
-"""Planning with expert parallelism (planner/ep.py) against independent references: the local shapes
+"""Planning with expert parallelism (sizing/ep.py) against independent references: the local shapes
 ``apply_ep`` really gives our MoE (fake 8-rank process group), brute-force FSDP2 ``Shard(0)`` padding, the
 expert counts of the public configs; and the paper's GPT-OSS-120B observation at 256 ranks."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.planner.archs import model_units
-from raggedfsdp.planner.ep import plan_model_ep, split_units_for_ep
+from raggedfsdp.sizing.archs import model_units
+from raggedfsdp.sizing.ep import plan_model_ep, split_units_for_ep
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_split_matches_apply_ep_local_shapes(fake_world8, ep):
     from torch.distributed.tensor import DTensor
 
     from raggedfsdp.models import apply_ep, build_model
-    from raggedfsdp.models import model_units as our_units
+    from raggedfsdp.sizing.registry import model_units as our_units
 
     world = init_device_mesh("cpu", (8 // ep, ep), mesh_dim_names=("dp", "ep"))
     kw = {"experts": "fused", "n_experts": 8, "n_dense_layers": 1}
@@ -115,7 +115,7 @@ def test_plan_cli_ep(capsys):
 
 def test_estimate_memory_ep_matches_the_ep_plan(capsys):
     from raggedfsdp.cli import main as top_main
-    from raggedfsdp.planner.memory_estimate import estimate_memory
+    from raggedfsdp.sizing.memory_estimate import estimate_memory
 
     units = model_units("gpt-oss-120b")
     plan = plan_model_ep(units, 256, 8, align=8, order="best")

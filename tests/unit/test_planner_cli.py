@@ -9,9 +9,9 @@ import math
 import pytest
 
 from raggedfsdp.planner import plan_layout
-from raggedfsdp.planner.archs import model_units
+from raggedfsdp.sizing.archs import model_units
 from raggedfsdp.commands.plan import main as plan_main
-from raggedfsdp.planner.modelplan import fsdp1_padding, fsdp2_padding, plan_model
+from raggedfsdp.sizing.modelplan import fsdp1_padding, fsdp2_padding, plan_model
 
 
 def _plan_json(capsys, *argv):
@@ -260,7 +260,7 @@ def test_text_report_and_toplevel_cli(capsys):
 def test_moe_2_4t_plans_each_distinct_unit_once(monkeypatch):
     """Whole-model planning of the 2.4T MoE at M=1024 costs one plan_layout per *distinct* unit, not
     per unit (the speed itself is a benchmark: benchmarks/README.md planner table 8, not a timed test)."""
-    import raggedfsdp.planner.modelplan as mp
+    import raggedfsdp.sizing.modelplan as mp
 
     calls = []
     real = mp.plan_layout

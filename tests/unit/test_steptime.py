@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from raggedfsdp.planner.archs import load_config, model_units
-from raggedfsdp.planner.memory_estimate import estimate_memory
-from raggedfsdp.planner.modelplan import fsdp2_padding
+from raggedfsdp.sizing.archs import load_config, model_units
+from raggedfsdp.sizing.memory_estimate import estimate_memory
+from raggedfsdp.sizing.modelplan import fsdp2_padding
 from raggedfsdp.sizing.steptime import CLUSTERS, Parallel, _coll, estimate_time, rank_configs
 
 H100 = CLUSTERS["h100"]

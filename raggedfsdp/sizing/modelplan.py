@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from raggedfsdp.planner.archs import Unit
+from raggedfsdp.sizing.archs import Unit
 from raggedfsdp.planner.layout import Layout
 from raggedfsdp.planner.planner import plan_layout, shard_size_lower_bound
 from raggedfsdp.planner.policy import BlockSpec, Policy, granularity_for, make_policy

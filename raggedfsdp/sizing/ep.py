@@ -24,8 +24,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raggedfsdp.planner.archs import Shape, Unit
-from raggedfsdp.planner.modelplan import ModelPlan, plan_model
+from raggedfsdp.sizing.archs import Shape, Unit
+from raggedfsdp.sizing.modelplan import ModelPlan, plan_model
 
 __all__ = ["EPPlan", "plan_model_ep", "split_units_for_ep"]
 

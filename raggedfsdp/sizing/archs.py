@@ -342,18 +342,18 @@ def layer_params(cfg: dict, i: int) -> list[tuple[str, Shape]]:
 
 
 def layers_per_unit(cfg: dict, unit: str) -> int:
-    """Decoder layers per FSDP unit for ``unit`` = ``layer`` | ``superblock`` | ``layers:K``."""
-    if unit == "layer":
-        return 1
-    if unit == "superblock":
-        mt = str(cfg.get("model_type", "llama"))
-        # transformers 5 writes layer_types for dense models too: hybrid only with linear-attention layers
-        if mt not in _HYBRID_TYPES and "linear_attention" not in (cfg.get("layer_types") or ()):
-            raise ValueError(f"unit='superblock' needs a hybrid model; model_type={mt!r} has plain layers")
-        return int(cfg.get("full_attention_interval", 4))
-    if unit.startswith("layers:") and unit[7:].isdigit() and int(unit[7:]) >= 1:
-        return int(unit[7:])
-    raise ValueError(f"unit={unit!r} must be 'layer', 'superblock' or 'layers:K' (K >= 1)")
+    """Decoder layers per FSDP unit for ``unit`` = ``layer`` | ``superblock`` | ``layers:K`` (the one
+    vocabulary of :func:`raggedfsdp.models.parallelize.parse_unit`)."""
+    from raggedfsdp.models.parallelize import parse_unit
+
+    k = parse_unit(unit)
+    if k is not None:
+        return k
+    mt = str(cfg.get("model_type", "llama"))
+    # transformers 5 writes layer_types for dense models too: hybrid only with linear-attention layers
+    if mt not in _HYBRID_TYPES and "linear_attention" not in (cfg.get("layer_types") or ()):
+        raise ValueError(f"unit='superblock' needs a hybrid model; model_type={mt!r} has plain layers")
+    return int(cfg.get("full_attention_interval", 4))
 
 
 def model_units(model: str | dict, unit: str = "layer") -> list[Unit]:

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from raggedfsdp.planner.archs import _req, layers_per_unit, load_config, model_units
-from raggedfsdp.planner.modelplan import ModelPlan, as_policy, plan_model, resolve_unit_blocks
+from raggedfsdp.sizing.archs import _req, layers_per_unit, load_config, model_units
+from raggedfsdp.sizing.modelplan import ModelPlan, as_policy, plan_model, resolve_unit_blocks
 from raggedfsdp.planner.planner import lower_bound_from_items
 from raggedfsdp.planner.policy import BlockSpec, Policy
 
@@ -47,7 +47,7 @@ class UnitChoice:
     ``k`` is the chosen number of base blocks (layers, or super-blocks for ``base="superblock"``)
     per unit: the smallest meeting the target, or -- when none does (``met`` False) -- the one with
     the least planned padding. ``plan`` is the whole-model plan at ``k``; ``unit`` the equivalent
-    explicit spec (``"layers:N"``) for :func:`~raggedfsdp.planner.archs.model_units` and the CLI.
+    explicit spec (``"layers:N"``) for :func:`~raggedfsdp.sizing.archs.model_units` and the CLI.
     ``min_bound_ratio`` is the smallest order-free bound over ``K = 1 .. max_k`` (at
     ``min_bound_k``): above ``target`` it proves that no ``K`` can meet it.
     """
@@ -139,7 +139,7 @@ def choose_unit_size(
 
     Args:
         model: built-in name, ``config.json`` path or config dict (as :func:`model_units`).
-        world_size, policy, align, order: as :func:`~raggedfsdp.planner.modelplan.plan_model`.
+        world_size, policy, align, order: as :func:`~raggedfsdp.sizing.modelplan.plan_model`.
         target: whole-model padding ratio to reach (padding / padded buffer elements).
         max_k: largest ``K`` tried (default: every base block in one unit).
         base: ``"layer"``, ``"superblock"`` (hybrid models: ``K`` counts super-blocks of

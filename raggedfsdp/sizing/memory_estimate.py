@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raggedfsdp.planner.archs import Unit
-from raggedfsdp.planner.modelplan import resolve_unit_blocks
+from raggedfsdp.sizing.archs import Unit
+from raggedfsdp.sizing.modelplan import resolve_unit_blocks
 from raggedfsdp.planner.planner import plan_layout
 from raggedfsdp.planner.policy import make_policy
 
@@ -223,7 +223,7 @@ def estimate_memory(
 
     Args:
         num_params: parameter count (e.g. ``27e9``; must be a whole number). Give this or ``units``.
-        units: FSDP units with shapes (:func:`raggedfsdp.planner.archs.model_units`, or
+        units: FSDP units with shapes (:func:`raggedfsdp.sizing.archs.model_units`, or
             :func:`raggedfsdp.models.model_units` for the built-in models): sharded state is then the
             planner's per-rank shard of each unit (``order="best"``, default ``row`` blocks), padding
             included, exactly what ``raggedfsdp.fully_shard`` allocates.
@@ -234,7 +234,7 @@ def estimate_memory(
             ``orig_param_policy``); default ``row`` for matrices, ``element`` for vectors.
         align: shard-size multiple in elements; default 16 bytes at the narrowest of the recipe's
             param dtype and fp32, as ``fully_shard`` does (4 for fp32, 8 with bf16).
-        ep: expert-parallel size (needs ``units``; :mod:`raggedfsdp.planner.ep`): each rank keeps 1/ep of
+        ep: expert-parallel size (needs ``units``; :mod:`raggedfsdp.sizing.ep`): each rank keeps 1/ep of
             every MoE layer's routed experts, sharded over ``M / ep`` ranks (their units are reported
             as ``<layer>.experts``); everything else over ``M``. ``num_params`` stays the whole model's.
 
@@ -266,7 +266,7 @@ def estimate_memory(
     working = 0.0
     groups = [(units, m)]
     if ep > 1:
-        from raggedfsdp.planner.ep import split_units_for_ep
+        from raggedfsdp.sizing.ep import split_units_for_ep
 
         if units is None:
             raise ValueError("estimate_memory: ep > 1 needs units (shapes: --model), not a bare parameter count")
