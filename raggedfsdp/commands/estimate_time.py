@@ -72,21 +72,16 @@ def _error(msg: str) -> int:
 
 
 def resolve_model(name: str, unit: str):
-    """``(units, cfg)`` of a planner table / config.json or a built-in ``name:flavor``."""
+    """``(units, cfg)`` for ``--model`` through the one sizing resolver (``sizing.registry.resolve``):
+    a preset, a planner table, a built-in ``name:flavor`` or a ``config.json``."""
+    from raggedfsdp.sizing.registry import resolve
     from raggedfsdp.sizing.steptime import builtin_cfg
 
-    if ":" in name and not name.endswith(".json"):
-        from raggedfsdp.models import MODELS, model_units
-
-        fam, flavor = name.split(":", 1)
-        if fam in MODELS:
-            units = model_units(fam, flavor, unit)
-            return units[-1:] + units[:-1], builtin_cfg(fam, flavor)  # the root unit gathers first
-    from raggedfsdp.sizing.archs import load_config
-    from raggedfsdp.sizing.archs import model_units as table_units
-
-    cfg = load_config(name)
-    return table_units(cfg, unit), cfg
+    src = resolve(name)
+    units = src.units(unit)
+    if src.config is not None:
+        return units, src.config
+    return units[-1:] + units[:-1], builtin_cfg(src.family, src.flavor)  # the root unit gathers first
 
 
 def _load_cluster(text: str):
