@@ -44,6 +44,29 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
 }
 
 
+# --cuda-to-cpu: textual rewrites of a copy of each file (the tests that hard-code CUDA)
+_CUDA_TO_CPU = [
+    (r'torch\.device\("cuda",\s*\d+\)', 'torch.device("cpu")'),
+    (r'torch\.device\("cuda"\)', 'torch.device("cpu")'),
+    (r'device="cuda"', 'device="cpu"'),
+    (r"\.cuda\(\)", ".cpu()"),
+    (r"^[ \t]*@unittest\.skipIf\(not TEST_CUDA[^\n]*\n", ""),
+]
+
+
+def _cpu_copy(tests: Path, files: list[str]) -> Path:
+    """Copy ``files`` (and every helper ``_*.py`` next to them) into a temp folder with ``_CUDA_TO_CPU``."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="torch_suite_cpu_"))
+    for f in [*files, *(q.name for q in tests.glob("_*.py"))]:
+        text = (tests / f).read_text()
+        for pat, rep in _CUDA_TO_CPU:
+            text = re.sub(pat, rep, text, flags=re.MULTILINE)
+        (out / f).write_text(text)
+    return out
+
+
 def _reason(text: str) -> str:
     """The innermost exception line of a (remote, multi-process) failure report."""
     lines = [ln[1:].strip() if ln.startswith("E ") else ln.strip() for ln in text.splitlines()]
@@ -99,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--site", default=None, help="extra sys.path entry (e.g. where expecttest is installed)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per file and implementation")
     ap.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
+    ap.add_argument("--cuda-to-cpu", action="store_true",
+                    help="run rewritten copies: torch.device('cuda'[, 0]) / device='cuda' / .cuda() -> CPU, "
+                         "and no @unittest.skipIf(not TEST_CUDA)")
     ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
     a = ap.parse_args(argv)
     if a.from_json is not None:
@@ -106,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.tests is None or not a.files:
         ap.error("give --tests DIR and test files (or --from-json)")
     else:
-        res = {impl: _run(impl, a.tests, a.files, a.ranks, a.site, a.timeout, a.kexpr) for impl in a.impl}
+        tests = _cpu_copy(a.tests, a.files) if a.cuda_to_cpu else a.tests
+        res = {impl: _run(impl, tests, a.files, a.ranks, a.site, a.timeout, a.kexpr) for impl in a.impl}
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
     keys = sorted(set().union(*res.values()))

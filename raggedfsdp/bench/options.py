@@ -20,6 +20,9 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1,
                    help="MoE: expert-parallel size (experts split over N ranks, all-to-all dispatch, experts "
                         "FSDP-sharded over nproc/N, the rest over nproc; both systems; implies --experts fused)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="dense: tensor-parallel degree; both systems get the same TP plan (models.apply_tp) and "
+                        "shard over the dp = nproc/tp ranks (default: 1)")
     p.add_argument("--wrap", default=None, help="FSDP wrapping policy of the model family (default: its first, 'layer')")
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per system (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first (default: 2)")
@@ -70,6 +73,14 @@ def validate(args) -> None:
             raise ValueError(f"--ep {args.ep} needs --wrap layer (experts get their own unit per block)")
         args.experts = "fused"
         args.floor = False  # the collective replay runs on the whole group: not the EP sub-groups
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1:
+        if args.model != "dense" or args.ep > 1:
+            raise ValueError(f"--tp {args.tp} applies to --model dense (a llama) without --ep")
+        if args.nproc % args.tp:
+            raise ValueError(f"--tp {args.tp} must divide --nproc {args.nproc} (the mesh is (nproc/tp) x tp)")
+        args.floor = False  # the collective replay runs on the whole group, not the dp sub-groups
     if args.device == "cuda":
         import torch
 
@@ -79,6 +90,13 @@ def validate(args) -> None:
             raise ValueError(f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
     args.flavor = args.flavor or spec.default_flavor
     spec.build(argparse.Namespace(**{**vars(args), "flavor": args.flavor}))  # bad flavor/shape: error here
+    if args.tp > 1:
+        from raggedfsdp.models.parallelize import tp_plan_errors
+
+        model = spec.build(argparse.Namespace(**{**vars(args), "flavor": args.flavor}))
+        errs = tp_plan_errors(model.cfg, args.tp)
+        if errs:
+            raise ValueError(f"--tp {args.tp}: " + "; ".join(errs))
 
 
 def worker_argv(args) -> list[str]:

@@ -68,11 +68,14 @@ def _sync(device) -> None:
 
 
 def _build(args, spec, backend, mesh, device, world=None):
-    from raggedfsdp.models import apply_ep, apply_fsdp, make_mp_policy
+    from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, make_mp_policy
 
     model = spec.build(args).to(device)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    if world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
+    if world is not None and "tp" in world.mesh_dim_names:  # --tp: the same TP plan, FSDP over "dp"
+        apply_tp(model, world["tp"])
+        spec.wraps[args.wrap](model, mesh, backend, mp)
+    elif world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
         apply_ep(model, world["ep"])
         apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"])
     else:
@@ -113,6 +116,9 @@ def run(args: argparse.Namespace) -> dict | None:
     if ep > 1:
         world = init_device_mesh(device.type, (ws // ep, ep), mesh_dim_names=("dp", "ep"))
         mesh = world["dp", "ep"]._flatten("dp_ep")
+    elif getattr(args, "tp", 1) > 1:
+        world = init_device_mesh(device.type, (ws // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        mesh = world["dp"]
     else:
         mesh = init_device_mesh(device.type, (ws,))
     systems = {name: _build(args, spec, backend, mesh, device, world) for name, backend in SYSTEMS.items()}
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> dict | None:
         if args.param_dtype == "bf16":
             floor_model = floor_model.to(torch.bfloat16)  # compute in the all-gathered dtype, like the others
         timed["local"] = (floor_model, torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach))
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank // getattr(args, "tp", 1))  # a tp group: one batch
     batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
                for _ in range(args.warmup + args.steps + 2 + args.profile_steps)]
     tnames = list(timed)  # raggedfsdp, torch (, local)
@@ -243,7 +249,7 @@ def run(args: argparse.Namespace) -> dict | None:
                                        for n in names},
         )
     return dict(**floor,
-        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep,
+        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep, tp=getattr(args, "tp", 1),
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
@@ -356,7 +362,7 @@ def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
     lines = [
-        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} "
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} tp={r.get('tp', 1)} "
         f"params={r['num_params']:,} | "
         f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
         f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "

@@ -186,7 +186,9 @@ class DBuffer:
             inp = shard
         else:  # one fused cast (and/or H2D copy for CPU offload) into this rank's slice
             inp = self.rank_slice()
-            inp.copy_(shard, non_blocking=shard.is_pinned())
+            # non_blocking even from pageable memory, as FSDP2: the driver stages it without the stream
+            # synchronize a blocking H2D copy costs (at every unshard, after all queued compute)
+            inp.copy_(shard, non_blocking=True)
         if self.layout.world_size == 1:
             if inp.data_ptr() != self.data.data_ptr():
                 self.data.copy_(inp)

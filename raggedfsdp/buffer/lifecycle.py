@@ -244,6 +244,12 @@ class UnitBuffers:
             if self.grads.is_allocated:
                 inp.data.add_(self.grads.data)
                 self.grads.free()
+        elif self.reduce_dtype != self.grads.data.dtype and self.grad_layout.world_size == 1:
+            # one rank: the "reduce-scatter" is a local copy, so cast straight into ``out`` (no temporary)
+            wait_stream(stream, current_stream(self.device))
+            with on_stream(stream):
+                out.data.copy_(self.grads.data)
+            return CommHandle(None, [self.grads, out], stream, "reduce-scatter"), self.grads
         elif self.reduce_dtype != self.grads.data.dtype:
             inp = self._unsharded(self.reduce_dtype, "reduce-scatter input", allocate=True)
             inp.data.copy_(self.grads.data)  # one fused cast of the whole unit

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_, debug_enabled
+from raggedfsdp.buffer.streams import on_stream
 from raggedfsdp.fsdp._common import CollectiveMismatchError, GradState, check, labelled
 
 if TYPE_CHECKING:
@@ -118,11 +119,19 @@ class PendingReduce:
         g = self.group
         compute = g.compute_stream()
         self.rs.wait(queue.rs_stream)  # the side stream, then the compute stream, are ordered after it
-        self.rs.wait(compute)
+        hsdp = g.is_hsdp and g.replicate_world > 1
+        if not hsdp:  # post-reduce work (divide, copy/add into the sharded grads) on the RS stream, as FSDP2
+            with on_stream(queue.rs_stream):
+                self._install_values(free_out=False)
+        self.rs.wait(compute)  # ... which the compute stream waits with the collective (CommHandle.wait)
         self.rs_input.free()
         check(g.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {g.grad_state}")
         g.grad_state = GradState.NONE
-        if g.is_hsdp and g.replicate_world > 1:
+        if not hsdp:
+            if not self.direct:
+                self.out.free()  # allocated on the compute stream, which now waited its last use
+            return
+        if hsdp:
             if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
                 if g._partial_reduce is None:
                     g._partial_reduce = self.out.data.clone()
@@ -150,8 +159,10 @@ class PendingReduce:
         self.ar.wait(self.group.compute_stream())
         self._install_values()
 
-    def _install_values(self) -> None:
-        """Divide and move the reduced shard into the sharded grad buffer (on the compute stream)."""
+    def _install_values(self, free_out: bool = True) -> None:
+        """Divide and move the reduced shard into the sharded grad buffer, on the current stream (the
+        reduce-scatter stream, or the compute stream after an HSDP all-reduce); ``free_out``: free the
+        ``(S,)`` temporary here (only when the current stream is the one that allocated it)."""
         g = self.group
         out = self.out.data
         if self.post_divide is not None and self.post_divide != 1.0:
@@ -173,7 +184,8 @@ class PendingReduce:
                 ev = torch.cuda.Event()
                 ev.record()
                 self.offload_event = ev
-            self.out.free()  # a temporary, allocated on the compute stream and used only there now
+            if free_out:
+                self.out.free()  # a temporary, allocated on the compute stream and used only there now
         self.stage = ReduceStage.INSTALLED
 
     # ---- lazy part ----------------------------------------------------------------------------
@@ -451,9 +463,16 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     use_avg = factor == float(ws) and not group.is_hsdp and ws > 1
     op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
     fresh = group.sharded_grads_fresh()
-    direct = (fresh and use_avg and group.reduce_dtype == group.orig_dtype and group.shard_world > 1
-              and group.storage_device == group.device)
+    # direct: the collective writes the sharded grads themselves (no (S,) temporary, no install copy).
+    # World size 1 (factor 1): the "reduce-scatter" is one local (casting) copy into them, as FSDP2's
+    # reduce output becomes .grad at world size 1 (_fsdp_collectives.py, foreach_reduce).
+    same = group.reduce_dtype == group.orig_dtype and group.storage_device == group.device
+    direct = fresh and same and ((use_avg and group.shard_world > 1) or (ws == 1 and factor == 1.0))
     with labelled(f"raggedfsdp::reduce_scatter ({group.unit_name})"):
+        if not direct and not (group.is_hsdp and group.replicate_world > 1):
+            # installed from the reduce-scatter stream (complete_reduce_scatter): allocate the sharded
+            # grads here, on the compute stream and before the collective's stream waits it
+            group.bufs.sharded_grad_buffer()
         out = group.bufs.sharded_grad_buffer() if direct else group.bufs.sharded_output(group.reduce_dtype)
         for fp in group.fsdp_params:
             if fp.unsharded is not None:

@@ -103,10 +103,10 @@ def storage_bytes(tensors) -> int:
             continue
         try:
             st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # wrapper subclasses without a storage
-            continue
-        if st.nbytes():
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            if st.nbytes():
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses (e.g. TP's AsyncCollectiveTensor
+            continue  # outputs) without a storage, or whose storage is no longer valid
     return sum(seen.values())
 
 

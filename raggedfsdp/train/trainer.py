@@ -429,8 +429,8 @@ class Trainer:
                 group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dev = self.device
-        return torch.tensor(stats.loss, device=dev), torch.tensor(stats.grad_norm, device=dev), lr
+        dev = self.device  # fill kernels, not host-to-device copies: the host need not wait for the step
+        return torch.full((), stats.loss, device=dev), torch.full((), stats.grad_norm, device=dev), lr
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -38,3 +38,17 @@ def test_bad_parallel_layouts_fail_before_launch(argv, message, capsys):
     assert cli_main(["train", "--model", "debug", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "dense", "--tp", "3", "--nproc", "4"], "--tp 3 must divide --nproc 4"),
+        (["--model", "moe", "--tp", "2"], "--tp 2 applies to --model dense"),
+        (["--model", "dense", "--flavor", "debug", "--tp", "8", "--nproc", "8"], "n_heads=4 is not divisible by tp=8"),
+    ],
+)
+def test_bench_tp_bad_input_fails_before_launch(argv, message, capsys):
+    assert cli_main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err

@@ -131,3 +131,36 @@ def test_estimate_memory_ep_matches_the_ep_plan(capsys):
         assert top_main(["estimate-memory", *argv, "-m", "256", "--ep", "8"]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("raggedfsdp estimate-memory: error: --ep 8") and match in err[0]
+
+
+def test_fully_shard_with_ep_on_fake_8_ranks_matches_the_ep_plan(fake_world8):
+    """dp 4 x ep 2 on a fake 8-rank group (rank 5): ``apply_ep`` + ``apply_fsdp(experts_mesh=)`` build one
+    expert unit per MoE block over the 4 dp ranks and the other units over all 8, holding exactly the
+    parameters ``split_units_for_ep`` plans there; each rank's sharded bytes are its planned shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from raggedfsdp.models import apply_ep, apply_fsdp, build_model
+    from raggedfsdp.sizing.registry import model_units as our_units
+
+    kw = {"experts": "fused", "n_experts": 8, "n_shared_experts": 1}
+    world = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "ep"))
+    model = apply_ep(build_model("moe", "debug", **kw), world["ep"])
+    apply_fsdp(model, world["dp", "ep"]._flatten("dp_ep"), experts_mesh=world["dp"])
+    groups = {}
+    for m in model.modules():
+        st = getattr(m, "_raggedfsdp_state", None)
+        g = getattr(st, "group", None)
+        if g is not None:
+            groups[id(g)] = g
+    got = sorted((g.layout.world_size, g.layout.total_numel) for g in groups.values())
+    dense, experts = split_units_for_ep(our_units("moe", "debug", **kw), 2)
+    want = sorted([(8, u.numel) for u in dense] + [(4, u.numel) for u in experts])
+    assert got == want
+    stacks = [p for p in model.parameters() if isinstance(p, DTensor) and p.ndim == 3]
+    assert len(stacks) == 3 * 2 and all(p.device_mesh.ndim == 2 for p in stacks)
+    # memory: a rank's shards are exactly the EP plan's (fully_shard plans with order best, fp32 align 4)
+    plan = plan_model_ep(our_units("moe", "debug", **kw), 8, 2, align=4, order="best")
+    assert sum(g.layout.shard_size for g in groups.values()) == plan.shard_numel
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    assert held <= plan.shard_numel  # the parameters' local pieces live in the unit shards (padding on top)
