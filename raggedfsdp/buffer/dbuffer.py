@@ -195,8 +195,14 @@ class DBuffer:
             return None
         return _all_gather_single(self.data, inp, group=group, async_op=async_op)
 
-    def reduce_scatter_(self, out: torch.Tensor | None, group, op=dist.ReduceOp.SUM, async_op: bool = False,
-                        consume_input: bool = False):
+    def reduce_scatter_(
+        self,
+        out: torch.Tensor | None,
+        group,
+        op=dist.ReduceOp.SUM,
+        async_op: bool = False,
+        consume_input: bool = False,
+    ):
         """Reduce this global buffer over ``group`` into ``out`` ((S,), same dtype) or, if ``None``, in place
         into :meth:`rank_slice`. Collective over ``group``.
 

@@ -127,7 +127,7 @@ class RaggedShard(Placement):
     # ---- layout math (pure, no communication) -------------------------------------------
     def row_numel(self, shape: Sequence[int]) -> int:
         """Elements per row ``R = prod(shape[k:])``."""
-        return math.prod(shape[len(self.dims):])
+        return math.prod(shape[len(self.dims) :])
 
     def num_rows(self, shape: Sequence[int]) -> int:
         """Rows ``N = prod(shape[:k])``."""

@@ -13,16 +13,20 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "raggedfsdp"
 LAYER = {
-    "placement": 0, "_compat": 0,
+    "placement": 0,
+    "_compat": 0,
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,
     "optim": 4,
     "models": 5,
     "checkpoint": 6,
-    "train": 7, "launch": 7,
-    "sizing": 8, "bench": 8,
-    "commands": 9, "cli": 9,
+    "train": 7,
+    "launch": 7,
+    "sizing": 8,
+    "bench": 8,
+    "commands": 9,
+    "cli": 9,
 }
 
 
@@ -76,7 +80,9 @@ def _module_level_deps(path: pathlib.Path, modules: set[str]) -> set[str]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 if node.module in modules:
                     out.add(node.module)
-                out.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
+                out.update(
+                    f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
+                )
             elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
                 visit(node.body + node.orelse)
             elif isinstance(node, ast.Try):
@@ -99,7 +105,7 @@ def test_no_import_circles_between_files():
         state[m] = 1
         for d in sorted(deps[m]):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d] if d in stack else [m, d])
+                cycles.append(stack[stack.index(d) :] + [d] if d in stack else [m, d])
             elif d not in state:
                 dfs(d, stack + [d])
         state[m] = 2
