@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_, debug_enabled
+from raggedfsdp.buffer.streams import on_stream
 from raggedfsdp.fsdp._common import CollectiveMismatchError, GradState, check, labelled
 
 if TYPE_CHECKING:
@@ -118,11 +119,19 @@ class PendingReduce:
         g = self.group
         compute = g.compute_stream()
         self.rs.wait(queue.rs_stream)  # the side stream, then the compute stream, are ordered after it
-        self.rs.wait(compute)
+        hsdp = g.is_hsdp and g.replicate_world > 1
+        if not hsdp:  # post-reduce work (divide, copy/add into the sharded grads) on the RS stream, as FSDP2
+            with on_stream(queue.rs_stream):
+                self._install_values(free_out=False)
+        self.rs.wait(compute)  # ... which the compute stream waits with the collective (CommHandle.wait)
         self.rs_input.free()
         check(g.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {g.grad_state}")
         g.grad_state = GradState.NONE
-        if g.is_hsdp and g.replicate_world > 1:
+        if not hsdp:
+            if not self.direct:
+                self.out.free()  # allocated on the compute stream, which now waited its last use
+            return
+        if hsdp:
             if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
                 if g._partial_reduce is None:
                     g._partial_reduce = self.out.data.clone()
@@ -150,8 +159,10 @@ class PendingReduce:
         self.ar.wait(self.group.compute_stream())
         self._install_values()
 
-    def _install_values(self) -> None:
-        """Divide and move the reduced shard into the sharded grad buffer (on the compute stream)."""
+    def _install_values(self, free_out: bool = True) -> None:
+        """Divide and move the reduced shard into the sharded grad buffer, on the current stream (the
+        reduce-scatter stream, or the compute stream after an HSDP all-reduce); ``free_out``: free the
+        ``(S,)`` temporary here (only when the current stream is the one that allocated it)."""
         g = self.group
         out = self.out.data
         if self.post_divide is not None and self.post_divide != 1.0:
@@ -173,7 +184,8 @@ class PendingReduce:
                 ev = torch.cuda.Event()
                 ev.record()
                 self.offload_event = ev
-            self.out.free()  # a temporary, allocated on the compute stream and used only there now
+            if free_out:
+                self.out.free()  # a temporary, allocated on the compute stream and used only there now
         self.stage = ReduceStage.INSTALLED
 
     # ---- lazy part ----------------------------------------------------------------------------
@@ -216,7 +228,9 @@ class ReduceQueue:
     seq: list = field(default_factory=list)  # (unit name, kind), the first _SEQ_KEEP since the last check
     seq_len: int = 0
     counts: dict = field(default_factory=dict)  # unit id -> collectives issued since the last check
-    deferred: list = field(default_factory=list)  # (host copy, event, units, counts, ran): read at the next check
+    deferred: list = field(
+        default_factory=list
+    )  # (host copy, event, units, counts, ran): read at the next check
 
     def check_deferred(self) -> None:
         """Read back deferred unit-agreement results (Note [unit agreement]) and raise
@@ -251,9 +265,11 @@ class ReduceQueue:
         return text + (f", ... ({self.seq_len} in all)" if self.seq_len > len(self.seq) else "")
 
     def context(self, group: FSDPParamGroup):
-        return lambda: (f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
-                        f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
-                        "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_reduce.py)")
+        return lambda: (
+            f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
+            f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
+            "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_reduce.py)"
+        )
 
     def clear_sequence(self) -> None:
         self.seq_hash, self.seq_len = 0, 0
@@ -369,8 +385,10 @@ def exchange_used_flags(recs: list[PendingReduce], queue: ReduceQueue) -> dict[i
         if g.shard_world * g.replicate_world > 1:
             counts = [queue.counts.get(u.unit_id, 0) for u in gs]
             n = len(gs)
-            t = torch.tensor([queue.seq_hash, -queue.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
-                             dtype=torch.int64)
+            t = torch.tensor(
+                [queue.seq_hash, -queue.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
+                dtype=torch.int64,
+            )
             if g.device.type == "cuda":
                 t = t.pin_memory().to(g.device, non_blocking=True)
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group, async_op=True)
@@ -414,8 +432,11 @@ def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, lis
     """From the all-reduced ``[h, -h, counts, -counts, ...]``: whether the hashes differ, and the units
     whose counts differ (Note [unit agreement])."""
     n = len(gs)
-    differ = [f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
-              for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n]) if hi != -lo]
+    differ = [
+        f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
+        for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n])
+        if hi != -lo
+    ]
     return vals[0] != -vals[1], differ
 
 
@@ -425,8 +446,8 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
         "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
         "next forward to keep the step free of host syncs): the optimizer step of that iteration already used "
         "the wrong gradients, so restore the last checkpoint"
-        if late else
-        "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
+        if late
+        else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
         "were dropped (.grad is None)"
     )
     return CollectiveMismatchError(
@@ -442,8 +463,10 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
 def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     """Reduce-scatter ``group``'s unsharded grads (collective over its shard group), after making room
     in ``queue``; returns the record (already pushed)."""
-    check(group.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
-          f"reduce without grads (state {group.grad_state})")
+    check(
+        group.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
+        f"reduce without grads (state {group.grad_state})",
+    )
     queue.make_room()
     ws = group.shard_world * group.replicate_world
     factor = group.divide_factor()
@@ -451,9 +474,16 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     use_avg = factor == float(ws) and not group.is_hsdp and ws > 1
     op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
     fresh = group.sharded_grads_fresh()
-    direct = (fresh and use_avg and group.reduce_dtype == group.orig_dtype and group.shard_world > 1
-              and group.storage_device == group.device)
+    # direct: the collective writes the sharded grads themselves (no (S,) temporary, no install copy).
+    # World size 1 (factor 1): the "reduce-scatter" is one local (casting) copy into them, as FSDP2's
+    # reduce output becomes .grad at world size 1 (_fsdp_collectives.py, foreach_reduce).
+    same = group.reduce_dtype == group.orig_dtype and group.storage_device == group.device
+    direct = fresh and same and ((use_avg and group.shard_world > 1) or (ws == 1 and factor == 1.0))
     with labelled(f"raggedfsdp::reduce_scatter ({group.unit_name})"):
+        if not direct and not (group.is_hsdp and group.replicate_world > 1):
+            # installed from the reduce-scatter stream (complete_reduce_scatter): allocate the sharded
+            # grads here, on the compute stream and before the collective's stream waits it
+            group.bufs.sharded_grad_buffer()
         out = group.bufs.sharded_grad_buffer() if direct else group.bufs.sharded_output(group.reduce_dtype)
         for fp in group.fsdp_params:
             if fp.unsharded is not None:
@@ -470,4 +500,3 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
-

@@ -123,9 +123,11 @@ def local_sumsq(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not parts:
         dev = tensors[0].device if tensors else torch.device("cpu")
         return torch.zeros((), dtype=torch.float64, device=dev)
-    norms = torch._foreach_norm([loc for loc, _ in parts])  # one foreach kernel, no host sync
-    weights = torch.tensor([w for _, w in parts], dtype=torch.float64, device=norms[0].device)
-    return (torch.stack([n.double() for n in norms]).square() * weights).sum()
+    norms = [n.double() for n in torch._foreach_norm([loc for loc, _ in parts])]  # one foreach kernel
+    # the weights as a Python scalar list: no host-to-device copy (torch.tensor(..., device=cuda) would
+    # be a pageable H2D copy and a stream synchronize every step)
+    sq = torch._foreach_mul(torch._foreach_mul(norms, norms), [w for _, w in parts])
+    return torch.stack(sq).sum()
 
 
 class StepGuard:

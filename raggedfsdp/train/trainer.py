@@ -145,7 +145,9 @@ class Trainer:
             mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
             ep_kw["experts_mesh"] = world_mesh["dp"]
         else:
-            mesh, tp_mesh = self._meshes(device)  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
+            mesh, tp_mesh = self._meshes(
+                device
+            )  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -370,8 +372,9 @@ class Trainer:
         if par.tp == 1 and par.dp_replicate == 1:
             return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
         shard = par.dp_shard(self.world_size)
-        mesh = init_device_mesh(device.type, (par.dp_replicate, shard, par.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh = init_device_mesh(
+            device.type, (par.dp_replicate, shard, par.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
         return dp, (mesh["tp"] if par.tp > 1 else None)
 
@@ -442,8 +445,8 @@ class Trainer:
                 group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dev = self.device
-        return torch.tensor(stats.loss, device=dev), torch.tensor(stats.grad_norm, device=dev), lr
+        dev = self.device  # fill kernels, not host-to-device copies: the host need not wait for the step
+        return torch.full((), stats.loss, device=dev), torch.full((), stats.grad_norm, device=dev), lr
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,0 +1,92 @@
+"""World size 1 (the only real-NCCL size on one GPU; issue 21 item 6) vs torch's fully_shard and plain training.
+
+At one rank the reduce-scatter is a local copy. raggedfsdp used to copy the unit's grads into an
+``(S,)`` temporary (on the reduce-scatter stream), copy that into the sharded grads (on the compute
+stream) and free it: two copies and one unit-sized temporary per unit where FSDP2 copies once. Now
+the local copy writes the sharded grads directly (casting to ``reduce_dtype`` on the way when the
+params are bf16). Checked on the fake process group (rank 0 of 1; the same code as NCCL at ws 1):
+
+* gradients after one backward equal the single-process model's (fp32: to fp32 round-off; bf16/fp32:
+  to bf16 round-off), and after two backwards (accumulation, which keeps the install path);
+* backward copy bytes (``CopyCounter``): ragged <= torch's ``fully_shard``, and per unit exactly
+  the re-gather of resharded params + the gradient fold + one copy of the unit's grads;
+* fwd+bwd peak memory (``measure_train_step``) <= torch's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from _memory import MemNet, backends, builder, loss_fn, run_fake_rank
+
+D, N = 64, 3
+
+
+def _shard(model, name, mesh, pdt):
+    fs, mp = backends()[name]
+    pol = mp(param_dtype=pdt, reduce_dtype=torch.float32 if pdt else None)
+    for b in model.blocks:
+        fs(b, mesh=mesh, mp_policy=pol)
+    fs(model, mesh=mesh, mp_policy=pol)
+    return model
+
+
+def _grads(model):
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float().clone()
+            for n, p in model.named_parameters()}
+
+
+def _case(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp.fsdp.copy_accounting import CopyCounter
+    from raggedfsdp.fsdp.memory import measure_train_step
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for tag, pdt in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        base = MemNet(D, N)
+        ref = copy.deepcopy(base) if pdt is None else copy.deepcopy(base).to(pdt)
+        loss_fn(x.to(pdt) if pdt else x)(ref).backward()
+        ref1 = {n: p.grad.float().clone() for n, p in ref.named_parameters()}
+        loss_fn(x.to(pdt) if pdt else x)(ref).backward()
+        ref2 = {n: p.grad.float().clone() for n, p in ref.named_parameters()}
+        row = {}
+        for name in ("ragged", "torch"):
+            m = _shard(copy.deepcopy(base), name, mesh, pdt)
+            loss_fn(x)(m).backward()
+            g1 = _grads(m)
+            loss_fn(x)(m).backward()
+            g2 = _grads(m)
+            tol = {} if pdt is None else {"rtol": 2e-2, "atol": 1e-3}
+            for n, want in ref1.items():
+                torch.testing.assert_close(g1[n], want, **tol)
+                torch.testing.assert_close(g2[n], ref2[n], **(tol or {"rtol": 1e-6, "atol": 1e-7}))
+            for p in m.parameters():
+                p.grad = None
+            loss = loss_fn(x)(m)
+            with CopyCounter() as c:
+                loss.backward()
+            row[name] = {"copy_bytes": c.total_bytes, "by_op": dict(c.bytes)}
+        init = MemNet(D, N).state_dict()
+        for name in ("ragged", "torch"):
+            r = measure_train_step(builder(name, init, mesh, pdt, d=D, n=N), loss_fn(x), "cpu")
+            row[name]["fwd_bwd_peak"] = r.fwd_bwd_peak_bytes
+        out[tag] = row
+    return out
+
+
+def test_world_size_1_copies_once_per_unit_like_fsdp2():
+    res = run_fake_rank(_case, 1, 0)
+    unit = 2 * (D * D + D) * 4  # fp32 bytes of one block's params (= its grads)
+    root = (D * D + D) * 4
+    for tag, row in res.items():
+        r, t = row["ragged"], row["torch"]
+        assert r["copy_bytes"] <= t["copy_bytes"], (tag, row)
+        assert r["fwd_bwd_peak"] <= t["fwd_bwd_peak"], (tag, row)
+        if tag == "fp32":
+            # re-gather of the N resharded blocks + fold of every grad + ONE copy of every grad into the shards
+            assert r["copy_bytes"] == N * unit + 2 * (N * unit + root), (tag, r)
