@@ -26,6 +26,7 @@ def test_compile_flag_sets_training_compile():
 
 def test_apply_compile_compiles_every_block_in_place_and_keeps_names():
     model = build_model("llama", "debug")
+    model.init_weights(0)
     names = [n for n, _ in model.named_parameters()]
     apply_compile(model, backend="eager")
     assert [n for n, _ in model.named_parameters()] == names  # compiled in place, not wrapped
