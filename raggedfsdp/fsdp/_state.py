@@ -47,8 +47,13 @@ class _RegisterPostBackward(torch.autograd.Function):
 class FSDPState:
     """Hook state of one ``fully_shard``'ed module (one FSDP unit)."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy,
-                 reshard_after_forward: bool | None):
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy,
+        reshard_after_forward: bool | None,
+    ):
         self.modules = modules
         self.group = group
         self.mp_policy = mp_policy
@@ -149,7 +154,8 @@ class FSDPState:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
-                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs)
+                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
             )
         first_of_group = True
         if len(self.modules) > 1 and not in_bw:
@@ -264,9 +270,11 @@ class FSDPState:
             g = st.group
             if g is None:
                 continue
-            if g.grad_state is GradState.ACCUMULATING or (
-                not st._post_backward_done and g.param_state is not ParamState.SHARDED
-            ) or g.holds_unreduced_grads():
+            if (
+                g.grad_state is GradState.ACCUMULATING
+                or (not st._post_backward_done and g.param_state is not ParamState.SHARDED)
+                or g.holds_unreduced_grads()
+            ):
                 # inputs needed no grad (root), grads began again after the hook, or a unit that did
                 # not run in this synced backward holds grads of earlier micro-batches
                 g.post_backward()
@@ -306,5 +314,6 @@ def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device | None) ->
     does. Nothing moves for a CPU (or unknown) compute device. Local."""
     if device is None or device.type == "cpu":
         return args, kwargs
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t,
-                    (args, kwargs))
+    return tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, (args, kwargs)
+    )

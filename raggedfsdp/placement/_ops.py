@@ -6,7 +6,7 @@ shape), plus full reductions (sum, p-norms), can run on the local pieces. Everyt
 reshape, t/transpose, permute, mm/matmul/linear, indexing/slicing, reductions over some dims,
 random ops, ...) would be silently wrong and raises :class:`RaggedShardOpError` naming the op.
 
-Mechanism (installed by ``raggedfsdp/_torch_patches.py``):
+Mechanism (installed by ``raggedfsdp/placement/_patches.py``):
 
 * :func:`guard_propagation` wraps ``ShardingPropagator.propagate_op_sharding(_non_cached)``: any op
   whose args carry a RaggedShard is classified and checked here BEFORE torch's strategies run.
@@ -132,8 +132,10 @@ def _err(op, why: str) -> RaggedShardOpError:
 
 
 def _is_scalar_like(spec: DTensorSpec) -> bool:
-    return spec.tensor_meta is not None and spec.tensor_meta.shape.numel() == 1 and not any(
-        isinstance(p, RaggedShard) for p in spec.placements
+    return (
+        spec.tensor_meta is not None
+        and spec.tensor_meta.shape.numel() == 1
+        and not any(isinstance(p, RaggedShard) for p in spec.placements)
     )
 
 
@@ -192,7 +194,9 @@ def _check_reduction(op_schema) -> None:
     ndim = len(spec.shape)
     norm = {d % ndim for d in dims} if ndim else set()
     if len(dims) and norm != set(range(ndim)):
-        raise _err(op, f"it reduces over dims {list(dims)} only; only full reductions (all dims) are supported")
+        raise _err(
+            op, f"it reduces over dims {list(dims)} only; only full reductions (all dims) are supported"
+        )
 
 
 def make_guarded_propagation(stock):
@@ -281,7 +285,6 @@ def make_is_tensor_shardable(stock):
     return is_tensor_shardable
 
 
-
 # ---- inf-norms: an empty local piece contributes the identity of max (0) -----------------------
 # Reached through DTensor._op_dispatcher._custom_op_handlers (torch/distributed/tensor/_dispatch.py):
 # torch computes the local norm and marks the result _NormPartial(inf) (an all-reduce MAX when read),
@@ -345,7 +348,9 @@ def inf_norm_handler(op_call, args, kwargs):
         dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
         if ord in _INF and any(_is_ragged(t) for t in tensors):
             return [
-                _ragged_inf_norm(t, ord, dtype=dtype) if _is_ragged(t) else torch.linalg.vector_norm(t, ord, dtype=dtype)
+                _ragged_inf_norm(t, ord, dtype=dtype)
+                if _is_ragged(t)
+                else torch.linalg.vector_norm(t, ord, dtype=dtype)
                 for t in tensors
             ]
         return call_torch_dispatch(op_call, args, kwargs)
@@ -353,8 +358,9 @@ def inf_norm_handler(op_call, args, kwargs):
     a = dict(zip(names, args))
     a.update({k: v for k, v in kwargs.items() if k in names})
     x, ord, dim = a["self"], float(a.get("ord", 2)), a.get("dim")
-    full = dim is None or (x.dim() > 0 and {d % x.dim() for d in ([dim] if isinstance(dim, int) else dim)}
-                           == set(range(x.dim())))
+    full = dim is None or (
+        x.dim() > 0 and {d % x.dim() for d in ([dim] if isinstance(dim, int) else dim)} == set(range(x.dim()))
+    )
     if ord in _INF and _is_ragged(x) and full:
         return _ragged_inf_norm(x, ord, bool(a.get("keepdim", False)), kwargs.get("dtype"))
     return call_torch_dispatch(op_call, args, kwargs)
@@ -368,7 +374,9 @@ def install_norm_handlers(custom_handlers: dict) -> list:
     for op in NORM_OPS:
         cur = custom_handlers.get(op)
         if cur is not None and cur is not inf_norm_handler:
-            raise RuntimeError(f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_ops.py")
+            raise RuntimeError(
+                f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_ops.py"
+            )
         custom_handlers[op] = inf_norm_handler
     return list(NORM_OPS)
 

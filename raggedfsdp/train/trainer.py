@@ -24,7 +24,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
-from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, aux_loss, build_model, build_model_config, make_mp_policy
+from raggedfsdp.models import (
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    aux_loss,
+    build_model,
+    build_model_config,
+    make_mp_policy,
+)
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
@@ -136,7 +144,9 @@ class Trainer:
             mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
             ep_kw["experts_mesh"] = world_mesh["dp"]
         else:
-            mesh, tp_mesh = self._meshes(device)  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
+            mesh, tp_mesh = self._meshes(
+                device
+            )  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -357,8 +367,9 @@ class Trainer:
         if par.tp == 1 and par.dp_replicate == 1:
             return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
         shard = par.dp_shard(self.world_size)
-        mesh = init_device_mesh(device.type, (par.dp_replicate, shard, par.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh = init_device_mesh(
+            device.type, (par.dp_replicate, shard, par.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
         return dp, (mesh["tp"] if par.tp > 1 else None)
 
