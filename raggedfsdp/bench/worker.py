@@ -40,6 +40,8 @@ import statistics
 import sys
 import time
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -191,7 +193,9 @@ def run(args: argparse.Namespace) -> dict | None:
         model, opt = systems[n]
         syncs = _CudaSyncCounter(device)
         tok = batches[k].to(device)
-        with CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
+        # --compile: dynamo cannot run under these dispatch modes, so this counted step runs eagerly
+        eager = torch.compiler.set_stance("force_eager") if getattr(args, "compile", False) else nullcontext()
+        with eager, CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
