@@ -91,7 +91,9 @@ def run(args) -> int:
             f"this checkpoint is {name!r}: use --to torch"
         )
     try:
-        if name == "moe":  # MixtralForCausalLM (also expert-parallel checkpoints: DCP holds the global stacks)
+        if (
+            name == "moe"
+        ):  # MixtralForCausalLM (also expert-parallel checkpoints: DCP holds the global stacks)
             from raggedfsdp.checkpoint.hf_moe import write_moe_safetensors
 
             out = write_moe_safetensors(args.out, state, cfg)

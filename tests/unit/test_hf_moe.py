@@ -43,6 +43,15 @@ def test_convert_moe_with_shared_expert_fails_naming_the_field(tmp_path, capsys)
 
     model = build_model("moe", "debug")  # one shared expert: not a Mixtral
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
-    rc = main(["convert", str(tmp_path / "step-1"), "--to", "safetensors", str(tmp_path / "hf"),
-               "--model-config", "moe:debug"])
+    rc = main(
+        [
+            "convert",
+            str(tmp_path / "step-1"),
+            "--to",
+            "safetensors",
+            str(tmp_path / "hf"),
+            "--model-config",
+            "moe:debug",
+        ]
+    )
     assert rc == 2 and "n_shared_experts=1" in capsys.readouterr().err
