@@ -94,9 +94,11 @@ class Agreement:
 
     def context(self, group: FSDPParamGroup):
         """A ``CommHandle.context``: names the unit and this rank's sequence in a collective's error."""
-        return lambda: (f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
-                        f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
-                        "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_agreement.py)")
+        return lambda: (
+            f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
+            f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
+            "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_agreement.py)"
+        )
 
     def clear_sequence(self) -> None:
         self.seq_hash, self.seq_len = 0, 0
@@ -144,8 +146,10 @@ class Agreement:
             local = [local_or.get(id(fp), False) for fp in params]
             if g.shard_world * g.replicate_world > 1:
                 counts = [self.counts.get(u.unit_id, 0) for u in gs]
-                t = torch.tensor([self.seq_hash, -self.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
-                                 dtype=torch.int64)
+                t = torch.tensor(
+                    [self.seq_hash, -self.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
+                    dtype=torch.int64,
+                )
                 if g.device.type == "cuda":
                     t = t.pin_memory().to(g.device, non_blocking=True)
                 work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group, async_op=True)
@@ -180,7 +184,9 @@ class Agreement:
             d.ran = ran
         self.pending += deferred
         if hash_differs or differ:
-            for u in units:  # values in the sharded grad buffers may mix units: let no optimizer step see them
+            for (
+                u
+            ) in units:  # values in the sharded grad buffers may mix units: let no optimizer step see them
                 for fp in u.fsdp_params:
                     fp.sharded.grad = None
             raise _mismatch_error(differ, ran, late=False)
@@ -191,8 +197,11 @@ def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, lis
     """From the all-reduced ``[h, -h, counts, -counts, ...]``: whether the hashes differ, and the units
     whose counts differ (Note [unit agreement])."""
     n = len(gs)
-    differ = [f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
-              for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n]) if hi != -lo]
+    differ = [
+        f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
+        for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n])
+        if hi != -lo
+    ]
     return vals[0] != -vals[1], differ
 
 
@@ -202,8 +211,8 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
         "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
         "next forward to keep the step free of host syncs): the optimizer step of that iteration already used "
         "the wrong gradients, so restore the last checkpoint"
-        if late else
-        "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
+        if late
+        else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
         "were dropped (.grad is None)"
     )
     return CollectiveMismatchError(

@@ -87,7 +87,9 @@ class UnitGrads:
 
     def reduce_scattered(self) -> None:
         """The reduce-scatter was waited and its unsharded input freed."""
-        check(self.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {self.grad_state}")
+        check(
+            self.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {self.grad_state}"
+        )
         self.grad_state = GradState.NONE
 
     def defer_partial(self, out: torch.Tensor, params: tuple, flags: tuple[bool, ...]) -> None:
@@ -117,8 +119,13 @@ class UnitGrads:
         g = self.group
         fp.got_grad = True
         g.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
-        if (fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-                and not g.bufs.compact_grads and g.bufs.grads.is_allocated and not torch.is_grad_enabled()):
+        if (
+            fp.unsharded.grad is None
+            and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
+            and not g.bufs.compact_grads
+            and g.bufs.grads.is_allocated
+            and not torch.is_grad_enabled()
+        ):
             fp.unsharded.grad = fp.grad_view
 
     def prepare(self) -> None:
@@ -152,7 +159,11 @@ class UnitGrads:
     def _sync_members(self) -> None:
         """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
         accumulation window (grads held), params that hold grads keep their slots. Local."""
-        held = self.grad_state is not GradState.NONE or self.group.bufs.has_grads() or self.partial_reduce is not None
+        held = (
+            self.grad_state is not GradState.NONE
+            or self.group.bufs.has_grads()
+            or self.partial_reduce is not None
+        )
         have = {id(fp) for fp in self.grad_fps}
         want = [fp for fp in self.group.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
         if {id(fp) for fp in want} == have:
@@ -164,14 +175,19 @@ class UnitGrads:
             if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
                 fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
         kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
-        old = self.group.bufs.set_grad_members(tuple(self.group._index[id(fp)] for fp in want) if want else None)
+        old = self.group.bufs.set_grad_members(
+            tuple(self.group._index[id(fp)] for fp in want) if want else None
+        )
         if old is not None and self.partial_reduce is not None:  # HSDP deferred all-reduce
             self.partial_reduce = self.group.bufs.relayout_sharded(self.partial_reduce, old)
         for fp in self.group.fsdp_params:
             fp.sharded_grad = None
         for fp in kept:
-            fp.sharded_grad = DTensor(self.group.bufs.sharded_grad_buffer().local_view(self.group._index[id(fp)]), fp.spec,
-                                      requires_grad=False)
+            fp.sharded_grad = DTensor(
+                self.group.bufs.sharded_grad_buffer().local_view(self.group._index[id(fp)]),
+                fp.spec,
+                requires_grad=False,
+            )
             fp.sharded.grad = fp.sharded_grad
         self.grad_fps = want
 
@@ -182,8 +198,11 @@ class UnitGrads:
         part in its reduce-scatter)."""
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
         compact = self.group.bufs.compact_grads
-        stray = [fp for fp in self.grad_fps
-                 if fp.unsharded.grad is not None and (compact or fp.unsharded.grad is not fp.grad_view)]
+        stray = [
+            fp
+            for fp in self.grad_fps
+            if fp.unsharded.grad is not None and (compact or fp.unsharded.grad is not fp.grad_view)
+        ]
         if stray:
             if self.grad_state is GradState.REDUCING:  # a second backward through this unit
                 self.group.comm.reduces.complete_group(self.group)
@@ -217,7 +236,10 @@ class UnitGrads:
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
         if not any_grad and self.holds_unreduced():  # HSDP: a deferred partial sum awaits its all-reduce
-            self.grad_state, any_grad = GradState.ACCUMULATING, True  # (it rides on a reduce-scatter of zeros)
+            self.grad_state, any_grad = (
+                GradState.ACCUMULATING,
+                True,
+            )  # (it rides on a reduce-scatter of zeros)
         if not any_grad:
             self._drop_unsharded()
             return
@@ -240,7 +262,10 @@ class UnitGrads:
         if not self.group.reduce_grads:
             return False
         return self.grad_state is GradState.HELD or (
-            self.grad_state is GradState.NONE and self.partial_reduce is not None and self.group.all_reduce_grads)
+            self.grad_state is GradState.NONE
+            and self.partial_reduce is not None
+            and self.group.all_reduce_grads
+        )
 
     def _drop_unsharded(self) -> None:
         for fp in self.grad_fps:

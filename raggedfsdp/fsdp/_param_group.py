@@ -30,9 +30,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from raggedfsdp._torch_patches import torch_minor
+from raggedfsdp._compat import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream
 from raggedfsdp.fsdp._comm import CommContext
@@ -47,6 +46,7 @@ COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "
 PADDING_WARN_EXCESS = 0.03  # warn when a unit pads this fraction of its elements more than FSDP2 would
 _padding_warned: set = set()
 
+
 def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
     """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
     params this optimizer holds. Local, O(params of the optimizer)."""
@@ -60,9 +60,6 @@ def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
                 g.mark_master_changed()
 
 
-register_optimizer_step_post_hook(_mark_units_stepped)
-
-
 class FSDPParamGroup:
     """All parameters of one ``fully_shard`` call, laid out in one flat buffer per role.
 
@@ -74,9 +71,16 @@ class FSDPParamGroup:
             ``raggedfsdp.planner.granularity_for``).
     """
 
-    def __init__(self, params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]], mesh, mp_policy,
-                 device: torch.device, granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
-                 offload: bool = False, pin_memory: bool = True):
+    def __init__(
+        self,
+        params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]],
+        mesh,
+        mp_policy,
+        device: torch.device,
+        granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
+        offload: bool = False,
+        pin_memory: bool = True,
+    ):
         self.mesh = mesh
         self.device = device  # compute device: unsharded params and grads live here
         # CPUOffloadPolicy: sharded master params and sharded grads live on the CPU (pinned when the
@@ -104,7 +108,9 @@ class FSDPParamGroup:
         self.orig_dtype = params[0][0].dtype if params else torch.float32
         self.param_dtype = mp_policy.param_dtype or self.orig_dtype
         # reduce_dtype=None: torch <= 2.14 reduces in param_dtype, 2.15 in each parameter's own dtype (peers-2026-12 2.15-b)
-        self.reduce_dtype = mp_policy.reduce_dtype or (self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype)
+        self.reduce_dtype = mp_policy.reduce_dtype or (
+            self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype
+        )
         if not self.orig_dtype.is_floating_point:
             self.param_dtype = self.reduce_dtype = self.orig_dtype
         self.mp_policy = mp_policy
@@ -118,7 +124,9 @@ class FSDPParamGroup:
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
-            if not local_tensor(p).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
+            if not local_tensor(
+                p
+            ).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
                 raise NotImplementedError(
                     f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
                     f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
@@ -135,9 +143,14 @@ class FSDPParamGroup:
                     f"must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
-                FSDPParam(fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec)
+                FSDPParam(
+                    fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec
+                )
             )
-        elsizes = {torch.empty((), dtype=d).element_size() for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}}
+        elsizes = {
+            torch.empty((), dtype=d).element_size()
+            for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}
+        }
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
         self.layout = plan_layout(
             [fp.shape.numel() for fp in self.fsdp_params],
@@ -209,9 +222,17 @@ class FSDPParamGroup:
         )
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
-        return UnitBuffers(self.layout, rank=self.shard_rank, shapes=[fp.shape for fp in self.fsdp_params],
-                           orig_dtype=self.orig_dtype, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                           device=self.device, storage_device=storage, pin=self.pin)
+        return UnitBuffers(
+            self.layout,
+            rank=self.shard_rank,
+            shapes=[fp.shape for fp in self.fsdp_params],
+            orig_dtype=self.orig_dtype,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            device=self.device,
+            storage_device=storage,
+            pin=self.pin,
+        )
 
     @property
     def is_unsharded(self) -> bool:
@@ -256,10 +277,14 @@ class FSDPParamGroup:
                     local.copy_(local_tensor(p).detach().reshape(-1)[a:b])
                 mesh = self.mesh if fp.tp_spec is None else spmd_mesh(self.mesh, fp.tp_spec.mesh)
                 gshape = fp.global_shape
-                fp.spec = DTensorSpec(mesh, self._placements(fp, i),
-                                      tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype))
-                fp.sharded = nn.Parameter(DTensor(local, fp.spec, requires_grad=fp.requires_grad),
-                                          requires_grad=fp.requires_grad)
+                fp.spec = DTensorSpec(
+                    mesh,
+                    self._placements(fp, i),
+                    tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype),
+                )
+                fp.sharded = nn.Parameter(
+                    DTensor(local, fp.spec, requires_grad=fp.requires_grad), requires_grad=fp.requires_grad
+                )
                 fp.set_on_owners(fp.sharded)
             if not on_meta:
                 self._zero_sharded_padding()
@@ -280,9 +305,12 @@ class FSDPParamGroup:
         self.bufs.params.alloc()
         grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
-            fp.unsharded = nn.Parameter(fp.wrap_unsharded(self.bufs.params.tensor_view(i)),
-                                        requires_grad=fp.requires_grad)
-            fp.grad_view = fp.wrap_unsharded(grads.tensor_view(i))  # for every param: requires_grad may change
+            fp.unsharded = nn.Parameter(
+                fp.wrap_unsharded(self.bufs.params.tensor_view(i)), requires_grad=fp.requires_grad
+            )
+            fp.grad_view = fp.wrap_unsharded(
+                grads.tensor_view(i)
+            )  # for every param: requires_grad may change
             fp.hooked = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
@@ -379,10 +407,17 @@ class FSDPParamGroup:
             new = mod._parameters.get(name)
             if new is None or new is fp.sharded:
                 continue
-            if (not isinstance(new, DTensor) or new.shape != fp.sharded.shape or new.device_mesh != fp.spec.mesh
-                    or tuple(new.placements) != tuple(fp.spec.placements)):
-                what = (f"a DTensor with placements {tuple(new.placements)}" if isinstance(new, DTensor)
-                        else f"a {type(new).__name__} of shape {tuple(new.shape)}")
+            if (
+                not isinstance(new, DTensor)
+                or new.shape != fp.sharded.shape
+                or new.device_mesh != fp.spec.mesh
+                or tuple(new.placements) != tuple(fp.spec.placements)
+            ):
+                what = (
+                    f"a DTensor with placements {tuple(new.placements)}"
+                    if isinstance(new, DTensor)
+                    else f"a {type(new).__name__} of shape {tuple(new.shape)}"
+                )
                 raise ValueError(
                     f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
                     f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); load a full "
@@ -404,8 +439,11 @@ class FSDPParamGroup:
         self._master_changes += 1
 
     def _master_version(self) -> int:
-        return (self._master_changes + self.bufs.sharded.data._version
-                + sum(fp.sharded._version for fp in self.fsdp_params))
+        return (
+            self._master_changes
+            + self.bufs.sharded.data._version
+            + sum(fp.sharded._version for fp in self.fsdp_params)
+        )
 
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
@@ -436,8 +474,9 @@ class FSDPParamGroup:
         with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
             if self.post_forward_buf is not None and version == self._post_forward_version:
                 buf, self.post_forward_buf = self.post_forward_buf, None
-                self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
-                                                        source_group=self.post_forward_group)
+                self._unshard = self.bufs.gather_params(
+                    None, stream=self.comm.ag_stream, source=buf, source_group=self.post_forward_group
+                )
             else:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
@@ -476,7 +515,9 @@ class FSDPParamGroup:
         chunk = self.layout.total_size // k
         self._post_forward_version = self._master_version()
         with torch.no_grad():
-            self.post_forward_buf = self.bufs.params.data.narrow(0, self.post_forward_rank * chunk, chunk).clone()
+            self.post_forward_buf = self.bufs.params.data.narrow(
+                0, self.post_forward_rank * chunk, chunk
+            ).clone()
         self.reshard()
 
     def drop_post_forward_slice(self) -> None:
@@ -488,9 +529,11 @@ class FSDPParamGroup:
         (the root's inputs needed no grad, or grads began again after the hook), it is unsharded without
         having run post-backward, or it holds grads of earlier micro-batches that this synced backward
         must reduce although it did not run. Local."""
-        return (self.grads.grad_state is GradState.ACCUMULATING
-                or (not ran_post_backward and self.param_state is not ParamState.SHARDED)
-                or self.grads.holds_unreduced())
+        return (
+            self.grads.grad_state is GradState.ACCUMULATING
+            or (not ran_post_backward and self.param_state is not ParamState.SHARDED)
+            or self.grads.holds_unreduced()
+        )
 
     def post_backward(self) -> None:
         """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
@@ -519,8 +562,11 @@ class FSDPParamGroup:
         if self.shard_world == 1:
             return
         uid = self.unit_id
-        t = torch.tensor([uid, -uid, numel, -numel], dtype=torch.int64,
-                         device=self.device if self.device.type == "cuda" else "cpu")
+        t = torch.tensor(
+            [uid, -uid, numel, -numel],
+            dtype=torch.int64,
+            device=self.device if self.device.type == "cuda" else "cpu",
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
         hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
         if hi_id != -lo_id or hi_n != -lo_n:

@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
 
-
 class ReduceStage(enum.Enum):
     REDUCE_SCATTER = "reduce-scatter in flight"  # the unsharded input is alive
     ALL_REDUCE = "all-reduce in flight"  # HSDP: replicate-dim all-reduce of the (S,) output
@@ -279,8 +278,10 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     """Reduce-scatter ``group``'s unsharded grads (collective over its shard group), after making room
     in ``queue``; returns the record (already pushed)."""
     grads = group.grads
-    check(grads.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
-          f"reduce without grads (state {grads.grad_state})")
+    check(
+        grads.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
+        f"reduce without grads (state {grads.grad_state})",
+    )
     queue.make_room()
     ws = group.shard_world * group.replicate_world
     factor = grads.divide_factor()
@@ -313,4 +314,3 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
-

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import ParamState, TrainingState
+from raggedfsdp.fsdp._compile import dynamo_disable
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
 
@@ -47,8 +48,13 @@ class _RegisterPostBackward(torch.autograd.Function):
 class FSDPState:
     """Hook state of one ``fully_shard``'ed module (one FSDP unit)."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy,
-                 reshard_after_forward: bool | None):
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy,
+        reshard_after_forward: bool | None,
+    ):
         self.modules = modules
         self.group = group
         self.mp_policy = mp_policy
@@ -128,6 +134,7 @@ class FSDPState:
         return None
 
     # ---- forward --------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
         in_bw = _in_backward()
@@ -137,7 +144,8 @@ class FSDPState:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
-                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs)
+                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
             )
         first_of_group = True
         if len(self.modules) > 1 and not in_bw:
@@ -188,6 +196,7 @@ class FSDPState:
             if st.group is not None:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
         in_bw = _in_backward()
         last_of_group = True
@@ -216,12 +225,17 @@ class FSDPState:
         return output
 
     # ---- backward -------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_backward(self, grad: torch.Tensor):
         root = self.root
         if root is not None and not root._final_callback_queued:
             root._final_callback_queued = True
             Variable._execution_engine.queue_callback(root._root_post_backward_final)
-        if self.training_state is TrainingState.PRE_BACKWARD and self.group is not None and self.group.is_unsharded:
+        if (
+            self.training_state is TrainingState.PRE_BACKWARD
+            and self.group is not None
+            and self.group.is_unsharded
+        ):
             return grad
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
@@ -248,6 +262,7 @@ class FSDPState:
             if st.group is not None and st.training_state is not TrainingState.POST_BACKWARD:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_backward_of_module(self) -> None:
         if len(self.modules) > 1:
             self._group_bwd_left -= 1
@@ -261,6 +276,7 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         self.group.post_backward()
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _root_post_backward_final(self) -> None:
         for st in self.all_states:
             g = st.group
@@ -303,5 +319,6 @@ def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device | None) ->
     does. Nothing moves for a CPU (or unknown) compute device. Local."""
     if device is None or device.type == "cpu":
         return args, kwargs
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t,
-                    (args, kwargs))
+    return tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, (args, kwargs)
+    )

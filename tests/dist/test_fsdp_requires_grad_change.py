@@ -54,7 +54,10 @@ SCHEDULES = {
     "frozen-first-forward": {0: [(ALL, False)], 1: [(ALL, True)]},
     "root-frozen-first": {0: [(ROOT, False)], 1: [(ROOT, True)]},
     "frozen-before-lazy-init": {-1: [(ALL, False)], 1: [(ALL, True)]},
-    "freeze-after-init": {2: [(("head.weight",), False)], 3: [(("head.weight",), True), (("inner.lin.bias",), False)]},
+    "freeze-after-init": {
+        2: [(("head.weight",), False)],
+        3: [(("head.weight",), True), (("inner.lin.bias",), False)],
+    },
 }
 FORWARD_ONLY = {"frozen-first-forward": (0,), "frozen-before-lazy-init": (0,)}
 STEPS = 5
@@ -90,8 +93,11 @@ def _cases(rank, ws):
     per = 2
     data = [torch.randn(per * ws, 7, generator=g) for _ in range(STEPS)]
     for mp in (False, True):
-        policy = (raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if mp else raggedfsdp.MixedPrecisionPolicy())
+        policy = (
+            raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mp
+            else raggedfsdp.MixedPrecisionPolicy()
+        )
         rtol, atol = (2e-2, 2e-3) if mp else (1e-5, 1e-6)
         for name, schedule in SCHEDULES.items():
             torch.manual_seed(0)
@@ -119,10 +125,16 @@ def _cases(rank, ws):
                     where = f"{name} mp={mp} ws={ws} step {step}: {n} (requires_grad={q.requires_grad})"
                     assert (p.grad is None) == (q.grad is None), (
                         f"{where}: .grad is {'None' if p.grad is None else 'set'} but the reference's is "
-                        f"{'None' if q.grad is None else 'set'}")
+                        f"{'None' if q.grad is None else 'set'}"
+                    )
                     if p.grad is not None:
-                        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=rtol, atol=atol,
-                                                   msg=lambda m, w=where: f"{w}: {m}")
+                        torch.testing.assert_close(
+                            p.grad.full_tensor(),
+                            q.grad,
+                            rtol=rtol,
+                            atol=atol,
+                            msg=lambda m, w=where: f"{w}: {m}",
+                        )
                 opt.step()
                 ref_opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -15,8 +15,17 @@ import pathlib
 import raggedfsdp.fsdp
 
 OWNERS = {
-    "FSDPParamGroup": {"param_state", "_unshard", "_version_guard", "_gathered_version", "post_forward_buf",
-                       "_post_forward_version", "post_forward_k", "post_forward_group", "post_forward_rank"},
+    "FSDPParamGroup": {
+        "param_state",
+        "_unshard",
+        "_version_guard",
+        "_gathered_version",
+        "post_forward_buf",
+        "_post_forward_version",
+        "post_forward_k",
+        "post_forward_group",
+        "post_forward_rank",
+    },
     "UnitGrads": {"grad_state", "sg_pending", "partial_reduce", "partial_flags", "grad_fps", "got_grad"},
     "FSDPState": {"training_state", "_final_callback_queued"},
 }
@@ -46,8 +55,13 @@ def _writes(tree: ast.AST):
                 out.extend((cls, f, node.lineno) for f in targets(t))
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             out.extend((cls, f, node.lineno) for f in targets(node.target))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             out.append((cls, str(node.args[1].value), node.lineno))
         for child in ast.iter_child_nodes(node):
             visit(child, cls)
@@ -60,13 +74,18 @@ def _package_writes():
     root = pathlib.Path(raggedfsdp.fsdp.__file__).parent
     files = sorted(root.glob("*.py"))
     assert len(files) >= 8, f"found only {files} under {root}"
-    return [(f.name, cls, field, line) for f in files for cls, field, line in _writes(ast.parse(f.read_text()))]
+    return [
+        (f.name, cls, field, line) for f in files for cls, field, line in _writes(ast.parse(f.read_text()))
+    ]
 
 
 def test_each_unit_state_has_one_writer_class():
     writes = _package_writes()
-    bad = [f"{name}:{line} {cls}.{field} (owner: {FIELD_OWNER[field]})" for name, cls, field, line in writes
-           if field in FIELD_OWNER and cls != FIELD_OWNER[field]]
+    bad = [
+        f"{name}:{line} {cls}.{field} (owner: {FIELD_OWNER[field]})"
+        for name, cls, field, line in writes
+        if field in FIELD_OWNER and cls != FIELD_OWNER[field]
+    ]
     assert not bad, "unit state written outside its owner class:\n" + "\n".join(bad)
     seen = {field for _, _, field, _ in writes}
     assert set(FIELD_OWNER) <= seen, f"owned fields never written (renamed?): {set(FIELD_OWNER) - seen}"
