@@ -55,6 +55,13 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="AdamW foreach=True (torch's default on CUDA; on CPU torch defaults to the per-tensor "
         "loop, whose DTensor dispatch costs both systems a third of the step); default: on",
     )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="torch.compile each block (fullgraph, inductor) before fully_shard, for every system "
+        "(raggedfsdp.models.apply_compile); default: off",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: 0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")

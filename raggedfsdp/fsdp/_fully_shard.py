@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from raggedfsdp.fsdp._api import FSDPModule, UnshardHandle
 from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
+from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._init import (
     _device_of,
     _granularity_fn,
@@ -214,9 +215,9 @@ def fully_shard(
     for m in modules:
         m._raggedfsdp_state = state
         m.register_forward_pre_hook(
-            lambda mod, a, k: state._pre_forward(mod, a, k), prepend=True, with_kwargs=True
+            eager_hook(lambda mod, a, k: state._pre_forward(mod, a, k)), prepend=True, with_kwargs=True
         )
-        m.register_forward_hook(lambda mod, a, o: state._post_forward(mod, a, o))
+        m.register_forward_hook(eager_hook(lambda mod, a, o: state._post_forward(mod, a, o)))
         if group is not None:
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))

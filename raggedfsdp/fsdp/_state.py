@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import GradState, ParamState
+from raggedfsdp.fsdp._compile import dynamo_disable
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
 
@@ -132,6 +133,7 @@ class FSDPState:
         return None
 
     # ---- forward --------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
         root = self.root
@@ -190,6 +192,7 @@ class FSDPState:
             if st.group is not None:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
         in_bw = _in_backward()
         last_of_group = True
@@ -218,6 +221,7 @@ class FSDPState:
         return output
 
     # ---- backward -------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_backward(self, grad: torch.Tensor):
         root = self.root
         if root is not None and not root._final_callback_queued:
@@ -251,6 +255,7 @@ class FSDPState:
             if st.group is not None and not st._post_backward_done:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_backward_of_module(self) -> None:
         if len(self.modules) > 1:
             self._group_bwd_left -= 1
@@ -265,6 +270,7 @@ class FSDPState:
         self._pre_backward_done = False
         self.group.post_backward()
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _root_post_backward_final(self) -> None:
         for st in self.all_states:
             g = st.group

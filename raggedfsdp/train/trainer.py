@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
 from raggedfsdp.models import (
+    apply_compile,
     apply_ep,
     apply_fsdp,
     apply_tp,
@@ -163,6 +164,8 @@ class Trainer:
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             if tp_mesh is not None:
                 apply_tp(model, tp_mesh)
+            if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
             model.to_empty(device=device)
             model.init_weights(cfg.job.seed)
@@ -174,6 +177,8 @@ class Trainer:
                 apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
             if ep > 1:
                 apply_ep(model, world_mesh["ep"])
+            if t.compile:
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.checkpoint.hf import load_hf_weights

@@ -132,3 +132,16 @@ def test_bad_dims_one_line():
     )
     assert r.returncode == 2
     assert "--world-size 8 must equal --replicate x dp_shard x --tp" in r.stderr
+
+
+def test_readme_lines_are_the_tested_examples():
+    """Each ``raggedfsdp estimate-time`` line of the README is one of the examples run above (or the
+    --calibrate one, run by the calibration test)."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [ln.split("#")[0].split() for ln in readme.splitlines() if ln.startswith("raggedfsdp estimate-time")]
+    tested = [a for a in EXAMPLES] + [["--calibrate", "--save", "cpu.json"]]
+    assert lines
+    for words in lines:
+        assert words[2:] in tested, words
