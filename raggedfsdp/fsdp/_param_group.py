@@ -1,13 +1,13 @@
 """One FSDP unit (param group): planned layout, its buffers, and its state machine.
 
-Unshard / reshard live here; the buffer transitions are :class:`raggedfsdp.buffer.UnitBuffers`; the
-gradient reduction path is ``_reduce.py``. See Note [FSDP tensors] in ``_common.py``.
+Unshard / reshard live here; the gradient side is :class:`~raggedfsdp.fsdp._grads.UnitGrads`
+(``group.grads``), the in-flight reductions ``_reduce.py``, the buffer transitions
+:class:`raggedfsdp.buffer.UnitBuffers`. See Note [FSDP tensors] in ``_common.py``.
 
-State machine (``ParamState`` x ``GradState``, checked cheaply on every transition)::
+State machine (``ParamState``, written only here, checked cheaply on every transition; the
+``GradState`` machine is in ``_grads.py``)::
 
     SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED --reshard()--> SHARDED
-    NONE --prepare_grads()--> ACCUMULATING --post_backward()--> REDUCING --(queue completes)--> NONE
-                                           \\--no-sync--> HELD --next synced post_backward--> REDUCING
 
 ZeRO-1 / ``reshard_after_backward=False`` keep the unsharded buffer in SHARDED state; it is reused by
 the next ``unshard()`` only while the unit's *master version* is unchanged: a per-unit counter bumped by
@@ -30,13 +30,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from raggedfsdp._torch_patches import torch_minor
+from raggedfsdp._compat import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
-from raggedfsdp.buffer.streams import current_stream, debug_enabled
+from raggedfsdp.buffer.streams import current_stream
+from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
-from raggedfsdp.fsdp._grads import GradPath
+from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
@@ -45,6 +45,7 @@ from raggedfsdp.planner.policy import granularity_for, ragged_dims
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
 PADDING_WARN_EXCESS = 0.03  # warn when a unit pads this fraction of its elements more than FSDP2 would
 _padding_warned: set = set()
+
 
 def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
     """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
@@ -59,10 +60,7 @@ def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
                 g.mark_master_changed()
 
 
-register_optimizer_step_post_hook(_mark_units_stepped)
-
-
-class FSDPParamGroup(GradPath):
+class FSDPParamGroup:
     """All parameters of one ``fully_shard`` call, laid out in one flat buffer per role.
 
     Args:
@@ -73,11 +71,16 @@ class FSDPParamGroup(GradPath):
             ``raggedfsdp.planner.granularity_for``).
     """
 
-    def __init__(self, params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]], mesh, mp_policy,
-                 device: torch.device, granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
-                 offload: bool = False, pin_memory: bool = True):
-        from raggedfsdp.fsdp._comm import CommContext
-
+    def __init__(
+        self,
+        params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]],
+        mesh,
+        mp_policy,
+        device: torch.device,
+        granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
+        offload: bool = False,
+        pin_memory: bool = True,
+    ):
         self.mesh = mesh
         self.device = device  # compute device: unsharded params and grads live here
         # CPUOffloadPolicy: sharded master params and sharded grads live on the CPU (pinned when the
@@ -105,7 +108,9 @@ class FSDPParamGroup(GradPath):
         self.orig_dtype = params[0][0].dtype if params else torch.float32
         self.param_dtype = mp_policy.param_dtype or self.orig_dtype
         # reduce_dtype=None: torch <= 2.14 reduces in param_dtype, 2.15 in each parameter's own dtype (peers-2026-12 2.15-b)
-        self.reduce_dtype = mp_policy.reduce_dtype or (self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype)
+        self.reduce_dtype = mp_policy.reduce_dtype or (
+            self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype
+        )
         if not self.orig_dtype.is_floating_point:
             self.param_dtype = self.reduce_dtype = self.orig_dtype
         self.mp_policy = mp_policy
@@ -119,7 +124,9 @@ class FSDPParamGroup(GradPath):
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
-            if not local_tensor(p).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
+            if not local_tensor(
+                p
+            ).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
                 raise NotImplementedError(
                     f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
                     f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
@@ -136,9 +143,14 @@ class FSDPParamGroup(GradPath):
                     f"must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
-                FSDPParam(fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec)
+                FSDPParam(
+                    fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec
+                )
             )
-        elsizes = {torch.empty((), dtype=d).element_size() for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}}
+        elsizes = {
+            torch.empty((), dtype=d).element_size()
+            for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}
+        }
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
         self.layout = plan_layout(
             [fp.shape.numel() for fp in self.fsdp_params],
@@ -152,9 +164,8 @@ class FSDPParamGroup(GradPath):
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
         self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
         self._index = {id(fp): i for i, fp in enumerate(self.fsdp_params)}
-        self.grad_fps = list(self.trainable)  # params with gradient storage (Note [frozen parameters])
-        if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
-            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
+        self.grads = UnitGrads(self)  # the gradient state (Note [frozen parameters]: its grad members)
+        self._set_grad_members_of_bufs()
         self._init_sharded(params)
         self._init_unsharded()
 
@@ -164,20 +175,22 @@ class FSDPParamGroup(GradPath):
         self._meta_fqns: list[str] = []  # params left on meta by a partial assign-load
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
-        # runtime state
+        # runtime state (the gradient side's is on self.grads)
         self.comm = CommContext(None)  # no side streams until the root's lazy init shares its context
         self.param_state = ParamState.SHARDED
-        self.grad_state = GradState.NONE
         self._unshard: CommHandle | None = None  # in-flight all-gather
+        self._version_guard = None  # _unsafe_preserve_version_counter of the in-flight all-gather
         self._gathered_version = -1  # sharded-buffer version the unsharded buffer was gathered from
-        self._sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.reduce_grads = True
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
-        self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
-        self._partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
-        self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
+        # int reshard_after_forward (set_post_forward_mesh): a group of k consecutive ranks keeps a 1/k slice
+        self.post_forward_group = None
+        self.post_forward_k: int | None = None
+        self.post_forward_rank = 0
+        self.post_forward_buf: torch.Tensor | None = None  # the kept 1/k slice
+        self._post_forward_version = -1  # master version the slice was cut at
 
     def _warn_padding(self) -> None:
         """Warn once per unit (on global rank 0) when its layout pads ``PADDING_WARN_EXCESS`` of its
@@ -209,26 +222,17 @@ class FSDPParamGroup(GradPath):
         )
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
-        return UnitBuffers(self.layout, rank=self.shard_rank, shapes=[fp.shape for fp in self.fsdp_params],
-                           orig_dtype=self.orig_dtype, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                           device=self.device, storage_device=storage, pin=self.pin)
-
-    # the four roles, by their historical names
-    @property
-    def sharded_buf(self):
-        return self.bufs.sharded
-
-    @property
-    def unsharded_buf(self):
-        return self.bufs.params
-
-    @property
-    def grad_buf(self):
-        return self.bufs.grads
-
-    @property
-    def sharded_grad_buf(self):
-        return self.bufs.sharded_grads
+        return UnitBuffers(
+            self.layout,
+            rank=self.shard_rank,
+            shapes=[fp.shape for fp in self.fsdp_params],
+            orig_dtype=self.orig_dtype,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            device=self.device,
+            storage_device=storage,
+            pin=self.pin,
+        )
 
     @property
     def is_unsharded(self) -> bool:
@@ -248,7 +252,7 @@ class FSDPParamGroup(GradPath):
                 fp.unsharded.requires_grad_(rg)
                 fp.requires_grad = rg
                 changed = True
-                if rg and not fp.extra.get("hooked"):
+                if rg and not fp.hooked:
                     self._register_grad_hook(fp)
         if changed:
             self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
@@ -273,10 +277,14 @@ class FSDPParamGroup(GradPath):
                     local.copy_(local_tensor(p).detach().reshape(-1)[a:b])
                 mesh = self.mesh if fp.tp_spec is None else spmd_mesh(self.mesh, fp.tp_spec.mesh)
                 gshape = fp.global_shape
-                fp.spec = DTensorSpec(mesh, self._placements(fp, i),
-                                      tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype))
-                fp.sharded = nn.Parameter(DTensor(local, fp.spec, requires_grad=fp.requires_grad),
-                                          requires_grad=fp.requires_grad)
+                fp.spec = DTensorSpec(
+                    mesh,
+                    self._placements(fp, i),
+                    tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype),
+                )
+                fp.sharded = nn.Parameter(
+                    DTensor(local, fp.spec, requires_grad=fp.requires_grad), requires_grad=fp.requires_grad
+                )
                 fp.set_on_owners(fp.sharded)
             if not on_meta:
                 self._zero_sharded_padding()
@@ -297,10 +305,13 @@ class FSDPParamGroup(GradPath):
         self.bufs.params.alloc()
         grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
-            fp.unsharded = nn.Parameter(fp.wrap_unsharded(self.bufs.params.tensor_view(i)),
-                                        requires_grad=fp.requires_grad)
-            fp.grad_view = fp.wrap_unsharded(grads.tensor_view(i))  # for every param: requires_grad may change
-            fp.extra["hooked"] = False
+            fp.unsharded = nn.Parameter(
+                fp.wrap_unsharded(self.bufs.params.tensor_view(i)), requires_grad=fp.requires_grad
+            )
+            fp.grad_view = fp.wrap_unsharded(
+                grads.tensor_view(i)
+            )  # for every param: requires_grad may change
+            fp.hooked = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
         self.bufs.params.free()
@@ -309,19 +320,8 @@ class FSDPParamGroup(GradPath):
     def _register_grad_hook(self, fp: FSDPParam) -> None:
         # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
         # param's gradient, so the unit's grad buffer is allocated at its first gradient
-        fp.unsharded.register_hook(lambda _g, fp=fp: self._on_grad(fp))
-        fp.extra["hooked"] = True
-
-    def _on_grad(self, fp: FSDPParam) -> None:
-        """A gradient is about to be accumulated into ``fp``: mark it used. While the unit's grad buffer
-        is allocated (a no-sync window holds it, views pre-set by ``prepare_grads``) point a ``.grad``
-        that is ``None`` at its view, so autograd adds into it in place; otherwise autograd keeps the
-        gradient as its own tensor until ``post_backward`` folds it in (Note [grad fold]). Local."""
-        fp.got_grad = True
-        self.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
-        if (fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-                and not self.bufs.compact_grads and self.bufs.grads.is_allocated and not torch.is_grad_enabled()):
-            fp.unsharded.grad = fp.grad_view
+        fp.unsharded.register_hook(lambda _g, fp=fp: self.grads.on_grad(fp))
+        fp.hooked = True
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``,
@@ -365,10 +365,14 @@ class FSDPParamGroup(GradPath):
         # still on meta after a partial load (strict=False): forward names them (torch: lazy-init check)
         self._meta_fqns = [fp.fqn for fp, t in zip(self.fsdp_params, locals_) if t.device.type == "meta"]
         self.bufs = new
-        if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
-            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
+        self._set_grad_members_of_bufs()
         self._gathered_version = -1
         self._init_unsharded()
+
+    def _set_grad_members_of_bufs(self) -> None:
+        fps = self.grads.grad_fps
+        if len(fps) < len(self.fsdp_params) and fps:
+            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in fps))
 
     def _set_orig_dtype(self, dtype: torch.dtype) -> None:
         """``module.to(dtype)`` after ``fully_shard``: the master copy changes dtype (as in FSDP2, where the
@@ -403,10 +407,17 @@ class FSDPParamGroup(GradPath):
             new = mod._parameters.get(name)
             if new is None or new is fp.sharded:
                 continue
-            if (not isinstance(new, DTensor) or new.shape != fp.sharded.shape or new.device_mesh != fp.spec.mesh
-                    or tuple(new.placements) != tuple(fp.spec.placements)):
-                what = (f"a DTensor with placements {tuple(new.placements)}" if isinstance(new, DTensor)
-                        else f"a {type(new).__name__} of shape {tuple(new.shape)}")
+            if (
+                not isinstance(new, DTensor)
+                or new.shape != fp.sharded.shape
+                or new.device_mesh != fp.spec.mesh
+                or tuple(new.placements) != tuple(fp.spec.placements)
+            ):
+                what = (
+                    f"a DTensor with placements {tuple(new.placements)}"
+                    if isinstance(new, DTensor)
+                    else f"a {type(new).__name__} of shape {tuple(new.shape)}"
+                )
                 raise ValueError(
                     f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
                     f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); load a full "
@@ -428,8 +439,11 @@ class FSDPParamGroup(GradPath):
         self._master_changes += 1
 
     def _master_version(self) -> int:
-        return (self._master_changes + self.bufs.sharded.data._version
-                + sum(fp.sharded._version for fp in self.fsdp_params))
+        return (
+            self._master_changes
+            + self.bufs.sharded.data._version
+            + sum(fp.sharded._version for fp in self.fsdp_params)
+        )
 
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
@@ -449,23 +463,24 @@ class FSDPParamGroup(GradPath):
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
         check(self._unshard is None, "double unshard: an all-gather is already in flight")
-        if debug_enabled():
+        if self.comm.options.debug_on():
             self.agree_on_collective("all-gather", self.layout.total_size)
         version = self._master_version()
         # The in-place all-gather must not bump the version counter that autograd's saved aliases of the
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
-        self.comm.reduces.note(self, "all-gather")  # Note [unit agreement]
+        self.comm.agreement.note(self, "all-gather")  # Note [unit agreement]
         with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
             if self.post_forward_buf is not None and version == self._post_forward_version:
                 buf, self.post_forward_buf = self.post_forward_buf, None
-                self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
-                                                        source_group=self.post_forward_group)
+                self._unshard = self.bufs.gather_params(
+                    None, stream=self.comm.ag_stream, source=buf, source_group=self.post_forward_group
+                )
             else:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
-        self._unshard.context = self.comm.reduces.context(self)
+        self._unshard.context = self.comm.agreement.context(self)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
@@ -478,7 +493,7 @@ class FSDPParamGroup(GradPath):
         if self._unshard is not None:
             self._unshard.wait(self.compute_stream())
             self._version_guard.__exit__(None, None, None)
-            self._unshard = None
+            self._unshard, self._version_guard = None, None
         self.refresh_requires_grad()
         for fp in self.fsdp_params:
             fp.set_on_owners(fp.unsharded)
@@ -491,17 +506,38 @@ class FSDPParamGroup(GradPath):
         self.post_forward_k = mesh2d.size(1)
         self.post_forward_rank = mesh2d.get_local_rank(1)
 
-    def reshard_after_forward(self) -> None:
+    def reshard_post_forward(self) -> None:
         """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""
-        k = getattr(self, "post_forward_k", None)
+        k = self.post_forward_k
         if k is None or self.param_state is not ParamState.UNSHARDED:
             self.reshard()
             return
         chunk = self.layout.total_size // k
         self._post_forward_version = self._master_version()
         with torch.no_grad():
-            self.post_forward_buf = self.bufs.params.data.narrow(0, self.post_forward_rank * chunk, chunk).clone()
+            self.post_forward_buf = self.bufs.params.data.narrow(
+                0, self.post_forward_rank * chunk, chunk
+            ).clone()
         self.reshard()
+
+    def drop_post_forward_slice(self) -> None:
+        """Forget the kept 1/k slice (a forward under no_grad: no backward will re-gather from it). Local."""
+        self.post_forward_buf = None
+
+    def owes_post_backward(self, ran_post_backward: bool) -> bool:
+        """At the root's final callback: does this unit still owe its post-backward? Its grads are open
+        (the root's inputs needed no grad, or grads began again after the hook), it is unsharded without
+        having run post-backward, or it holds grads of earlier micro-batches that this synced backward
+        must reduce although it did not run. Local."""
+        return (
+            self.grads.grad_state is GradState.ACCUMULATING
+            or (not ran_post_backward and self.param_state is not ParamState.SHARDED)
+            or self.grads.holds_unreduced()
+        )
+
+    def post_backward(self) -> None:
+        """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
+        self.grads.post_backward()
 
     def reshard(self, free: bool = True) -> None:
         """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local (waits an
@@ -526,8 +562,11 @@ class FSDPParamGroup(GradPath):
         if self.shard_world == 1:
             return
         uid = self.unit_id
-        t = torch.tensor([uid, -uid, numel, -numel], dtype=torch.int64,
-                         device=self.device if self.device.type == "cuda" else "cpu")
+        t = torch.tensor(
+            [uid, -uid, numel, -numel],
+            dtype=torch.int64,
+            device=self.device if self.device.type == "cuda" else "cpu",
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
         hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
         if hi_id != -lo_id or hi_n != -lo_n:
@@ -546,16 +585,8 @@ class FSDPParamGroup(GradPath):
         if self._unshard is not None:
             self._unshard.wait(self.compute_stream())
             self._version_guard.__exit__(None, None, None)
-            self._unshard = None
+            self._unshard, self._version_guard = None, None
             self.param_state = ParamState.UNSHARDED
         self.reshard()
-        for fp in self.fsdp_params:
-            if fp.unsharded is not None:
-                fp.unsharded.grad = None
-            fp.got_grad = False
-        self.bufs.free_grads()
-        self.grad_state = GradState.NONE
-        self._sg_pending = False
-        self._partial_reduce = None
-        self._partial_flags = None
+        self.grads.reset()
         self.post_forward_buf = None

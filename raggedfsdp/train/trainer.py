@@ -24,7 +24,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
-from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, aux_loss, build_model, build_model_config, make_mp_policy
+from raggedfsdp.models import (
+    apply_compile,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    aux_loss,
+    build_model,
+    build_model_config,
+    make_mp_policy,
+)
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
@@ -136,7 +145,9 @@ class Trainer:
             mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
             ep_kw["experts_mesh"] = world_mesh["dp"]
         else:
-            mesh, tp_mesh = self._meshes(device)  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
+            mesh, tp_mesh = self._meshes(
+                device
+            )  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -153,6 +164,8 @@ class Trainer:
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             if tp_mesh is not None:
                 apply_tp(model, tp_mesh)
+            if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
             model.to_empty(device=device)
             model.init_weights(cfg.job.seed)
@@ -164,6 +177,8 @@ class Trainer:
                 apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
             if ep > 1:
                 apply_ep(model, world_mesh["ep"])
+            if t.compile:
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.checkpoint.hf import load_hf_weights
@@ -357,8 +372,9 @@ class Trainer:
         if par.tp == 1 and par.dp_replicate == 1:
             return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
         shard = par.dp_shard(self.world_size)
-        mesh = init_device_mesh(device.type, (par.dp_replicate, shard, par.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh = init_device_mesh(
+            device.type, (par.dp_replicate, shard, par.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
         return dp, (mesh["tp"] if par.tp > 1 else None)
 

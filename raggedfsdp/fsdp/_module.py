@@ -1,5 +1,6 @@
 """``FSDPModule``: the methods ``fully_shard`` adds to a module (torch 2.13 FSDP2 API,
-``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), and ``UnshardHandle``.
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), ``UnshardHandle``, and
+:func:`set_runtime_options` (raggedfsdp's runtime knobs).
 
 Both subclass torch's own ``torch.distributed.fsdp.FSDPModule`` / ``UnshardHandle``, so code that detects
 FSDP2 modules with ``isinstance`` (trainers, pipelining schedules, ``register_fsdp_forward_method``)
@@ -14,7 +15,7 @@ import sys
 
 import torch.distributed.fsdp as torch_fsdp
 
-from raggedfsdp.fsdp._common import FSDPDeepcopyError, FSDPTypeError
+from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTypeError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
 
@@ -136,7 +137,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Kept for API parity; the final callback always completes reduce-scatters that were launched."""
-        self._fsdp_state()._is_last_backward = is_last_backward
+        self._fsdp_state()._is_last_backward = bool(is_last_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced grads by ``factor`` instead of the data-parallel world size (recursive)."""
@@ -171,7 +172,11 @@ class FSDPModule(torch_fsdp.FSDPModule):
         units of the root; before a unit launches its reduce-scatter the oldest ones are waited and their
         unsharded grad buffers freed (FSDP2's ``set_reduce_scatter_max_input_buffers``). Peak gradient
         memory in backward: K + 1 unsharded units. Raises ``ValueError`` for K < 1. Local setting."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+        if (
+            isinstance(max_input_buffers, bool)
+            or not isinstance(max_input_buffers, int)
+            or max_input_buffers < 1
+        ):
             raise ValueError(
                 f"set_reduce_scatter_max_input_buffers: max_input_buffers={max_input_buffers!r} must be an int >= 1"
             )
@@ -187,7 +192,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
         scale with a custom divide factor); the reduced gradients are the same up to rounding either way."""
         self._fsdp_state()._force_sum_reduction = bool(enable)
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
         """Accepted for API parity: raggedfsdp always reduce-scatters a unit's whole flat gradient buffer
         (zeros for parameters this rank did not use), so ranks with different control flow never issue
         mismatched collectives; which parameters get a ``.grad`` is decided over all ranks."""
@@ -205,8 +212,10 @@ class FSDPModule(torch_fsdp.FSDPModule):
         input/output (no staging buffers to allocate from the process group). Raises
         ``NotImplementedError`` for ``True``."""
         if enable:
-            _unsupported("set_allocate_memory_from_process_group_for_comm(True)",
-                         "raggedfsdp's all-gather and reduce-scatter run in place on the unit's flat buffers")
+            _unsupported(
+                "set_allocate_memory_from_process_group_for_comm(True)",
+                "raggedfsdp's all-gather and reduce-scatter run in place on the unit's flat buffers",
+            )
 
     def set_custom_all_gather(self, comm) -> None:
         """Not supported (raises ``NotImplementedError``): the all-gather runs in place on the flat buffer."""
@@ -214,7 +223,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """Not supported (raises ``NotImplementedError``): the reduce-scatter runs in place on the flat buffer."""
-        _unsupported("set_custom_reduce_scatter", "the reduce-scatter runs in place on the unit's flat buffer")
+        _unsupported(
+            "set_custom_reduce_scatter", "the reduce-scatter runs in place on the unit's flat buffer"
+        )
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Not supported (raises ``NotImplementedError``); HSDP's replicate all-reduce is built in."""
@@ -223,7 +234,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Only ``False`` is supported (raises ``NotImplementedError`` for ``True``)."""
         if enable:
-            _unsupported("set_separate_reduce_scatter_group(True)", "all collectives of a unit use its mesh's group")
+            _unsupported(
+                "set_separate_reduce_scatter_group(True)", "all collectives of a unit use its mesh's group"
+            )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported (raises ``NotImplementedError``): no symmetric-memory all-gather yet."""
@@ -262,3 +275,47 @@ def _check_fsdp_modules(modules, name: str) -> None:
                 f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call raggedfsdp.fully_shard on it "
                 "first"
             )
+
+
+_UNSET = object()
+
+
+def set_runtime_options(module, *, early_free=_UNSET, agreement_check=_UNSET, debug=_UNSET) -> None:
+    """Set the FSDP runtime's knobs (:class:`~raggedfsdp.fsdp._common.RuntimeOptions`) of every unit
+    under the ``fully_shard``'ed ``module`` (before its first forward; after it the root's units share
+    one options object, so any of them sets it for all). Arguments left out keep their values.
+
+    Args:
+        early_free: bool, free finished reduce-scatter inputs at each gradient (Note [early free] in
+            ``raggedfsdp/fsdp/_reduce.py``; default ``True``).
+        agreement_check: ``"auto"`` | ``"immediate"`` | ``"deferred"``: when the unit-agreement result
+            is read (Note [unit agreement] in ``raggedfsdp/fsdp/_agreement.py``; default ``"auto"``).
+        debug: bool or ``None``: check each collective's unit before it runs; ``None`` (default) follows
+            ``RAGGEDFSDP_DEBUG`` / ``raggedfsdp.buffer.set_debug``.
+
+    Every rank should set the same values. Local. Raises ``TypeError`` if ``module`` is not a
+    ``fully_shard``'ed module or a value has the wrong type, ``ValueError`` for an unknown
+    ``agreement_check``.
+    """
+    if not isinstance(module, FSDPModule):
+        raise TypeError(
+            f"set_runtime_options: {type(module).__name__} is not a fully_shard'ed module; call "
+            "fully_shard on it first"
+        )
+    if early_free is not _UNSET and not isinstance(early_free, bool):
+        raise TypeError(f"set_runtime_options: early_free must be a bool, got {early_free!r}")
+    if agreement_check is not _UNSET and agreement_check not in AGREEMENT_CHECKS:
+        raise ValueError(
+            f"set_runtime_options: agreement_check={agreement_check!r} must be one of "
+            f"{', '.join(map(repr, AGREEMENT_CHECKS))}"
+        )
+    if debug is not _UNSET and debug is not None and not isinstance(debug, bool):
+        raise TypeError(f"set_runtime_options: debug must be a bool or None, got {debug!r}")
+    for st in module._fsdp_states(True):
+        opts = st.comm.options
+        if early_free is not _UNSET:
+            opts.early_free = early_free
+        if agreement_check is not _UNSET:
+            opts.agreement_check = agreement_check
+        if debug is not _UNSET:
+            opts.debug = debug
