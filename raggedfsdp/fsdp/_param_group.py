@@ -172,6 +172,7 @@ class FSDPParamGroup(GradPath):
         self._gathered_version = -1  # sharded-buffer version the unsharded buffer was gathered from
         self._sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.reduce_grads = True
+        self.nonfinite_probe: list | None = None  # FSDPModule.set_nonfinite_grad_probe
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
