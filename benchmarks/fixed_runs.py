@@ -36,12 +36,21 @@ TRAIN_LEN = 40
 RUNS: dict[str, tuple[str, list[str]]] = {
     "train-default": ("train", ["train"]),
     "train-moe": ("train", ["train", "--model.name", "moe", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
-    "train-hybrid": ("train", ["train", "--config", "hybrid-tiny", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
+    "train-hybrid": (
+        "train",
+        ["train", "--config", "hybrid-tiny", "--steps", str(TRAIN_LEN), "--log-every", "1"],
+    ),
     "train-muon": ("train", ["train", "--optim", "muon", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
-    "train-adamw8bit": ("train", ["train", "--optim", "adamw8bit", "--steps", str(TRAIN_LEN), "--log-every", "1"]),
+    "train-adamw8bit": (
+        "train",
+        ["train", "--optim", "adamw8bit", "--steps", str(TRAIN_LEN), "--log-every", "1"],
+    ),
     "bench": ("json", ["bench", "--model", "moe", "--nproc", "2", "--steps", "4", "--json", "--quiet"]),
     "plan-llama3-70b": ("json", ["plan", "--model", "llama3-70b", "--world-size", "1024", "--json"]),
-    "plan-auto": ("json", ["plan", "--model", "llama3-70b", "--world-size", "512", "--unit", "auto", "--json"]),
+    "plan-auto": (
+        "json",
+        ["plan", "--model", "llama3-70b", "--world-size", "512", "--unit", "auto", "--json"],
+    ),
     "plan-hybrid-27b": (
         "json",
         ["plan", "--model", "hybrid-27b", "--world-size", "64", "--unit", "superblock", "--json"],
@@ -53,8 +62,18 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     ),
     "estimate-hybrid-tiny": (
         "json",
-        ["estimate-memory", "--model", "hybrid:tiny", "--unit", "superblock", "--world-size", "3",
-         "--recipe", "fp32", "--json"],
+        [
+            "estimate-memory",
+            "--model",
+            "hybrid:tiny",
+            "--unit",
+            "superblock",
+            "--world-size",
+            "3",
+            "--recipe",
+            "fp32",
+            "--json",
+        ],
     ),
     # The README's command; it fails with exit code 2 before issue #18's resolver (a known difference).
     "estimate-hybrid-27b": (
@@ -102,18 +121,30 @@ def run_one(name: str, out: Path) -> dict:
             note = f"{len(text)} chars of JSON"
         except json.JSONDecodeError:
             body = None
-            note = "no JSON: " + (folder / "stderr.txt").read_text().strip().splitlines()[-1:][0][:80] \
-                if (folder / "stderr.txt").read_text().strip() else "no JSON"
-    return {"cmd": "raggedfsdp " + " ".join(argv), "rc": rc, "hash": _digest({"rc": rc, "body": body}),
-            "note": note}
+            note = (
+                "no JSON: " + (folder / "stderr.txt").read_text().strip().splitlines()[-1:][0][:80]
+                if (folder / "stderr.txt").read_text().strip()
+                else "no JSON"
+            )
+    return {
+        "cmd": "raggedfsdp " + " ".join(argv),
+        "rc": rc,
+        "hash": _digest({"rc": rc, "body": body}),
+        "note": note,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="folder for the runs (one subfolder each) and hashes.json")
     ap.add_argument("--only", default=None, help="comma-separated run names (default: all)")
-    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
-                    help="print the table of two earlier --out folders and exit")
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("BEFORE", "AFTER"),
+        help="print the table of two earlier --out folders and exit",
+    )
     a = ap.parse_args()
     if a.compare:
         before, after = (json.loads((p / "hashes.json").read_text()) for p in a.compare)
@@ -121,7 +152,9 @@ def main() -> int:
         for name in RUNS:
             b, f = before.get(name, {}), after.get(name, {})
             same = "yes" if b.get("hash") == f.get("hash") and b else "**no**"
-            print(f"| {name} | {b.get('hash')} (rc {b.get('rc')}) | {f.get('hash')} (rc {f.get('rc')}) | {same} |")
+            print(
+                f"| {name} | {b.get('hash')} (rc {b.get('rc')}) | {f.get('hash')} (rc {f.get('rc')}) | {same} |"
+            )
         return 0
     if a.out is None:
         ap.error("--out DIR is required (or --compare BEFORE AFTER)")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from raggedfsdp.fsdp.copy_accounting import CopyCounter
 
+
 def _build(args, backend, mesh, device):
     from raggedfsdp.models.llama import Llama, LlamaConfig
     from raggedfsdp.models.parallelize import apply_fsdp, make_mp_policy
@@ -127,19 +128,29 @@ def main():
             mem[b] = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
     if rank == 0:
         med = {b: statistics.median(t) for b, t in times.items()}
-        print(f"model={args.flavor} ws={ws} batch/rank={args.batch} seq={args.seq} param_dtype={args.param_dtype} "
-              f"device={args.device} steps={args.steps}")
-        print(f"step time median  ragged {med['ragged']*1e3:8.1f} ms   torch {med['torch']*1e3:8.1f} ms   "
-              f"ratio torch/ragged {med['torch']/med['ragged']:.3f}")
+        print(
+            f"model={args.flavor} ws={ws} batch/rank={args.batch} seq={args.seq} param_dtype={args.param_dtype} "
+            f"device={args.device} steps={args.steps}"
+        )
+        print(
+            f"step time median  ragged {med['ragged'] * 1e3:8.1f} ms   torch {med['torch'] * 1e3:8.1f} ms   "
+            f"ratio torch/ragged {med['torch'] / med['ragged']:.3f}"
+        )
         ratio = copies["torch"] / copies["ragged"] if copies["ragged"] else float("inf")
-        print(f"copy bytes/step   ragged {copies['ragged']:>10d}      torch {copies['torch']:>10d}      "
-              f"ratio torch/ragged {ratio if ratio != float('inf') else 'inf (ragged: 0)'}")
-        print(f"buffer padding    ragged {_padding(models['ragged'][0], 'ragged', ws):>10d} el   "
-              f"torch {_padding(models['torch'][0], 'torch', ws):>10d} el")
+        print(
+            f"copy bytes/step   ragged {copies['ragged']:>10d}      torch {copies['torch']:>10d}      "
+            f"ratio torch/ragged {ratio if ratio != float('inf') else 'inf (ragged: 0)'}"
+        )
+        print(
+            f"buffer padding    ragged {_padding(models['ragged'][0], 'ragged', ws):>10d} el   "
+            f"torch {_padding(models['torch'][0], 'torch', ws):>10d} el"
+        )
         for b in mem:
-            print(f"peak memory {b:6s} allocated {mem[b][0]/2**20:8.1f} MiB reserved {mem[b][1]/2**20:8.1f} MiB")
+            print(
+                f"peak memory {b:6s} allocated {mem[b][0] / 2**20:8.1f} MiB reserved {mem[b][1] / 2**20:8.1f} MiB"
+            )
         if mem:
-            print(f"peak reserved ratio ragged/torch {mem['ragged'][1]/mem['torch'][1]:.3f}")
+            print(f"peak reserved ratio ragged/torch {mem['ragged'][1] / mem['torch'][1]:.3f}")
         print("losses ragged", [round(x, 4) for x in losses["ragged"]])
         print("losses torch ", [round(x, 4) for x in losses["torch"]])
         dl = max(abs(a - b) for a, b in zip(losses["ragged"], losses["torch"]))

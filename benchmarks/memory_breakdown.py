@@ -69,7 +69,9 @@ def measure(args, backend: str, mesh, rank: int) -> dict:
     from raggedfsdp.fsdp.memory import PeakMemory
     from raggedfsdp.models import make_mp_policy
 
-    ns = argparse.Namespace(flavor=None, n_layers=None, n_experts=None, top_k=None, experts=args.experts, seed=0)
+    ns = argparse.Namespace(
+        flavor=None, n_layers=None, n_experts=None, top_k=None, experts=args.experts, seed=0
+    )
     spec = get_bench_model(args.model)
     gen = torch.Generator().manual_seed(1 + rank)
     toks = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen) for _ in range(3)]
@@ -102,9 +104,13 @@ def measure(args, backend: str, mesh, rank: int) -> dict:
         e[1] += 1
         c = category(op, n, unit_bytes)
         by_cat[c] = by_cat.get(c, 0) + n
-    return dict(state_bytes=fb.baseline_bytes - origin, fwd_bwd_peak_bytes=fb.baseline_bytes + fb.peak_bytes - origin,
-                unit_bytes=unit_bytes, by_category=by_cat,
-                by_op=sorted(([n, c, op] for op, (n, c) in by_op.items()), reverse=True))
+    return dict(
+        state_bytes=fb.baseline_bytes - origin,
+        fwd_bwd_peak_bytes=fb.baseline_bytes + fb.peak_bytes - origin,
+        unit_bytes=unit_bytes,
+        by_category=by_cat,
+        by_op=sorted(([n, c, op] for op, (n, c) in by_op.items()), reverse=True),
+    )
 
 
 def main(argv=None) -> dict | None:
@@ -118,10 +124,14 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--top", type=int, default=12, help="op chains to print per system")
-    ap.add_argument("--comm", default=None, choices=["never", "done", "backend"],
-                    help="what raggedfsdp's collectives report to its early-free poll (Note [early free]): 'never' "
-                         "(the worst case; default with the fake backend), 'done' (communication that keeps up), "
-                         "'backend' (what the backend reports; default on gloo)")
+    ap.add_argument(
+        "--comm",
+        default=None,
+        choices=["never", "done", "backend"],
+        help="what raggedfsdp's collectives report to its early-free poll (Note [early free]): 'never' "
+        "(the worst case; default with the fake backend), 'done' (communication that keeps up), "
+        "'backend' (what the backend reports; default on gloo)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -155,14 +165,20 @@ def main(argv=None) -> dict | None:
     if args.json:
         print(json.dumps(res))
         return res
-    print(f"# {args.model} ({args.param_dtype}), {args.backend} backend"
-          f" (comm: {args.comm}), ws {ws}, rank {rank}; "
-          f"largest unit {res['ragged']['unit_bytes'] / MiB:.2f} MiB fp32")
+    print(
+        f"# {args.model} ({args.param_dtype}), {args.backend} backend"
+        f" (comm: {args.comm}), ws {ws}, rank {rank}; "
+        f"largest unit {res['ragged']['unit_bytes'] / MiB:.2f} MiB fp32"
+    )
     for b in ("ragged", "torch"):
         r = res[b]
-        cats = ", ".join(f"{c} {n / MiB:.2f}" for c, n in sorted(r["by_category"].items(), key=lambda kv: -kv[1]))
-        print(f"{b:6s}: fwd+bwd peak {r['fwd_bwd_peak_bytes'] / MiB:.2f} MiB (state at step start "
-              f"{r['state_bytes'] / MiB:.2f}); allocated in the step and live at the peak (MiB): {cats}")
+        cats = ", ".join(
+            f"{c} {n / MiB:.2f}" for c, n in sorted(r["by_category"].items(), key=lambda kv: -kv[1])
+        )
+        print(
+            f"{b:6s}: fwd+bwd peak {r['fwd_bwd_peak_bytes'] / MiB:.2f} MiB (state at step start "
+            f"{r['state_bytes'] / MiB:.2f}); allocated in the step and live at the peak (MiB): {cats}"
+        )
         for n, c, op in r["by_op"][: args.top]:
             print(f"    {n / MiB:8.3f} MiB x{c:4d}  {op[:150]}")
     print(f"ratio ragged/torch fwd+bwd peak: {res['ratio_fwd_bwd_peak']:.3f}")

@@ -82,8 +82,9 @@ def measure(rank: int, ws: int, args) -> dict:
         for b in ("ragged", "torch"):
             build = builder(b, init, mesh, pdt, d=args.dim, n=args.blocks)
             with comm_completion(args.comm) if args.comm != "backend" else contextlib.nullcontext():
-                r = measure_train_step(build, loss_fn(x), dev, warmup_steps=args.warmup,
-                                       breakdown=args.breakdown)._asdict()
+                r = measure_train_step(
+                    build, loss_fn(x), dev, warmup_steps=args.warmup, breakdown=args.breakdown
+                )._asdict()
             owners = r.pop("fwd_bwd_peak_owners")
             if args.breakdown:
                 r["fwd_bwd_peak_owners"] = [[n, op] for n, op in owners]
@@ -92,24 +93,31 @@ def measure(rank: int, ws: int, args) -> dict:
             row[b] = r
         for k in ("fwd_bwd_peak_bytes", "optim_peak_bytes", "state_bytes"):
             row[f"ratio_{k.removesuffix('_bytes')}"] = row["ragged"][k] / max(row["torch"][k], 1)
-        row["ratio_fwd_bwd_transient"] = ((row["ragged"]["fwd_bwd_peak_bytes"] - row["ragged"]["state_bytes"])
-                                          / max(row["torch"]["fwd_bwd_peak_bytes"] - row["torch"]["state_bytes"], 1))
+        row["ratio_fwd_bwd_transient"] = (
+            row["ragged"]["fwd_bwd_peak_bytes"] - row["ragged"]["state_bytes"]
+        ) / max(row["torch"]["fwd_bwd_peak_bytes"] - row["torch"]["state_bytes"], 1)
         out[dt] = row
     return out
 
 
 def _print(res: dict, args, ws: int, rank: int) -> None:
     unit = 2 * (args.dim**2 + args.dim) * 4
-    print(f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit {unit / MiB:.2f} MiB "
-          f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}"
-          f" (comm: {args.comm}); device {args.device}; ws {ws}; rank {rank}")
-    print(f"{'dtype':5s} {'backend':7s} {'state MiB':>10s} {'fwd+bwd peak':>13s} {'optim peak':>11s}"
-          + (f" {'step transient':>15s} {'RSS step growth':>15s}" if args.rss else ""))
+    print(
+        f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit {unit / MiB:.2f} MiB "
+        f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}"
+        f" (comm: {args.comm}); device {args.device}; ws {ws}; rank {rank}"
+    )
+    print(
+        f"{'dtype':5s} {'backend':7s} {'state MiB':>10s} {'fwd+bwd peak':>13s} {'optim peak':>11s}"
+        + (f" {'step transient':>15s} {'RSS step growth':>15s}" if args.rss else "")
+    )
     for dt, row in res.items():
         for b in ("ragged", "torch"):
             r = row[b]
-            line = (f"{dt:5s} {b:7s} {r['state_bytes'] / MiB:10.2f} {r['fwd_bwd_peak_bytes'] / MiB:13.2f} "
-                    f"{r['optim_peak_bytes'] / MiB:11.2f}")
+            line = (
+                f"{dt:5s} {b:7s} {r['state_bytes'] / MiB:10.2f} {r['fwd_bwd_peak_bytes'] / MiB:13.2f} "
+                f"{r['optim_peak_bytes'] / MiB:11.2f}"
+            )
             if args.rss:
                 transient = max(r["fwd_bwd_peak_bytes"], r["optim_peak_bytes"]) - r["state_bytes"]
                 line += f" {transient / MiB:15.2f} {r['rss_step_growth_bytes'] / MiB:15.2f}"
@@ -118,8 +126,10 @@ def _print(res: dict, args, ws: int, rank: int) -> None:
             print(f"{dt:5s} {b}: blocks allocated in the step and live at its fwd+bwd peak:")
             for n, op in row[b]["fwd_bwd_peak_owners"]:
                 print(f"        {n / MiB:8.3f} MiB  {op}")
-        print(f"{dt:5s} ratio ragged/torch: fwd+bwd peak {row['ratio_fwd_bwd_peak']:.3f}, optimizer-step peak "
-              f"{row['ratio_optim_peak']:.3f}, fwd+bwd transient (peak - state) {row['ratio_fwd_bwd_transient']:.3f}")
+        print(
+            f"{dt:5s} ratio ragged/torch: fwd+bwd peak {row['ratio_fwd_bwd_peak']:.3f}, optimizer-step peak "
+            f"{row['ratio_optim_peak']:.3f}, fwd+bwd transient (peak - state) {row['ratio_fwd_bwd_transient']:.3f}"
+        )
 
 
 def _fake_main(args) -> dict:
@@ -144,8 +154,13 @@ def _spawn_worker(rank, ws, store_path, args, q):
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(1)
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.FileStore(store_path, ws),
-                                rank=rank, world_size=ws, timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            "nccl" if args.device == "cuda" else "gloo",
+            store=dist.FileStore(store_path, ws),
+            rank=rank,
+            world_size=ws,
+            timeout=timedelta(seconds=300),
+        )
         q.put((rank, measure(rank, ws, args), None))
         from raggedfsdp.launch.teardown import shutdown_process_group
 
@@ -162,8 +177,10 @@ def _spawn_main(args) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_spawn_worker, args=(r, args.nproc, os.path.join(tmp, "store"), args, q))
-                 for r in range(args.nproc)]
+        procs = [
+            ctx.Process(target=_spawn_worker, args=(r, args.nproc, os.path.join(tmp, "store"), args, q))
+            for r in range(args.nproc)
+        ]
         for p in procs:
             p.start()
         res = {}
@@ -183,24 +200,42 @@ def _spawn_main(args) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nproc", "--world-size", type=int, default=None,
-                    help="world size (default 2 on CPU, the number of GPUs with --device cuda)")
+    ap.add_argument(
+        "--nproc",
+        "--world-size",
+        type=int,
+        default=None,
+        help="world size (default 2 on CPU, the number of GPUs with --device cuda)",
+    )
     ap.add_argument("--rank", type=int, default=0, help="fake backend: the simulated rank")
-    ap.add_argument("--backend", default=None, choices=["fake", "gloo", "nccl"],
-                    help="default: fake on CPU, nccl with --device cuda")
+    ap.add_argument(
+        "--backend",
+        default=None,
+        choices=["fake", "gloo", "nccl"],
+        help="default: fake on CPU, nccl with --device cuda",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--comm", default=None, choices=["never", "done", "backend"],
-                    help="what raggedfsdp's collectives report to its early-free poll (Note [early free]): 'never' "
-                         "(the worst case: a network slower than the backward; default with the fake backend), "
-                         "'done' (communication that keeps up), 'backend' (what the backend reports; default on "
-                         "gloo / nccl). torch's FSDP2 does not poll, so it is unaffected")
+    ap.add_argument(
+        "--comm",
+        default=None,
+        choices=["never", "done", "backend"],
+        help="what raggedfsdp's collectives report to its early-free poll (Note [early free]): 'never' "
+        "(the worst case: a network slower than the backward; default with the fake backend), "
+        "'done' (communication that keeps up), 'backend' (what the backend reports; default on "
+        "gloo / nccl). torch's FSDP2 does not poll, so it is unaffected",
+    )
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16, help="rows per rank")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--param-dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
-                    help="CPU: print the N largest blocks live at each fwd+bwd peak and the ops that allocated them")
+    ap.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CPU: print the N largest blocks live at each fwd+bwd peak and the ops that allocated them",
+    )
     ap.add_argument("--rss", action="store_true", help="also print the RSS high-water growth (CPU, Linux)")
     args = ap.parse_args(argv)
     if args.nproc is None:
@@ -210,7 +245,9 @@ def main(argv=None) -> dict:
     if args.comm is None:
         args.comm = "never" if args.backend == "fake" else "backend"
     if (args.backend == "nccl") != (args.device == "cuda"):
-        ap.error(f"--backend {args.backend} does not fit --device {args.device} (nccl <-> cuda, fake/gloo <-> cpu)")
+        ap.error(
+            f"--backend {args.backend} does not fit --device {args.device} (nccl <-> cuda, fake/gloo <-> cpu)"
+        )
     if not 0 <= args.rank < args.nproc:
         ap.error(f"--rank {args.rank} is not in [0, {args.nproc})")
     if args.backend == "fake":
@@ -220,10 +257,19 @@ def main(argv=None) -> dict:
         res = _spawn_main(args)
     rank = min(res)
     _print(res[rank], args, args.nproc, rank)
-    summary = {"config": {k: v for k, v in vars(args).items()}, "rank": rank, "results": res[rank],
-               "max_over_ranks": {dt: {k: max(res[r][dt]["ragged"][k] for r in res)
-                                       for k in res[rank][dt]["ragged"] if k.endswith("_bytes")}
-                                  for dt in res[rank]}}
+    summary = {
+        "config": {k: v for k, v in vars(args).items()},
+        "rank": rank,
+        "results": res[rank],
+        "max_over_ranks": {
+            dt: {
+                k: max(res[r][dt]["ragged"][k] for r in res)
+                for k in res[rank][dt]["ragged"]
+                if k.endswith("_bytes")
+            }
+            for dt in res[rank]
+        },
+    }
     print(json.dumps(summary))
     return summary
 

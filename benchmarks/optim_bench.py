@@ -52,7 +52,9 @@ def _model(args, device, backend="ragged", shard_placement_fn=None, mesh=None, b
     if mesh is not None:
         apply_fsdp(model, mesh, backend=backend, shard_placement_fn=shard_placement_fn)
     g = torch.Generator().manual_seed(1)
-    tok = torch.randint(0, model.cfg.vocab_size if hasattr(model, "cfg") else 256, (batch, args.seq + 1), generator=g)
+    tok = torch.randint(
+        0, model.cfg.vocab_size if hasattr(model, "cfg") else 256, (batch, args.seq + 1), generator=g
+    )
     tok = tok.to(device)
 
     def fwd_bwd():
@@ -127,14 +129,22 @@ def _muon_section(args, device, mesh, out) -> None:
     tmuon = torch.optim.Muon(fmats, lr=1e-3)
     tmuon.step()
     t_full = _time(tmuon.step, args.repeats, device)
-    out.append(f"Muon step, {args.flavor} ({len(mats)} matrices, {numel / 1e6:.2f} M params), world size {ws}:")
-    out.append(f"  raggedfsdp.optim.Muon   {t_ours:9.1f} ms | NS calls/rank (max) {calls_max:.0f} | "
-               f"NS GFLOP/rank (max) {flops_max / 1e9:.2f} of {flops_total / 1e9:.2f} | "
-               f"collectives/step {comm.get_total_counts()} | elements sent/step {sent:.0f}")
-    out.append(f"  torch Muon, full tensors {t_full:8.1f} ms | NS calls/rank {len(fmats)} | "
-               f"NS GFLOP/rank {flops_total / 1e9:.2f} | collectives/step 0 (after a full gather)")
-    out.append(f"  step-time ratio torch-full / ours = {t_full / t_ours:.2f}x; NS FLOPs per rank ratio = "
-               f"{flops_total / max(flops_max, 1):.2f}x")
+    out.append(
+        f"Muon step, {args.flavor} ({len(mats)} matrices, {numel / 1e6:.2f} M params), world size {ws}:"
+    )
+    out.append(
+        f"  raggedfsdp.optim.Muon   {t_ours:9.1f} ms | NS calls/rank (max) {calls_max:.0f} | "
+        f"NS GFLOP/rank (max) {flops_max / 1e9:.2f} of {flops_total / 1e9:.2f} | "
+        f"collectives/step {comm.get_total_counts()} | elements sent/step {sent:.0f}"
+    )
+    out.append(
+        f"  torch Muon, full tensors {t_full:8.1f} ms | NS calls/rank {len(fmats)} | "
+        f"NS GFLOP/rank {flops_total / 1e9:.2f} | collectives/step 0 (after a full gather)"
+    )
+    out.append(
+        f"  step-time ratio torch-full / ours = {t_full / t_ours:.2f}x; NS FLOPs per rank ratio = "
+        f"{flops_total / max(flops_max, 1):.2f}x"
+    )
     del full, tmuon
     if not args.skip_fsdp2_muon:
         try:
@@ -145,8 +155,10 @@ def _muon_section(args, device, mesh, out) -> None:
             t_fsdp2 = _time(t2.step, args.repeats, device)
             with CommDebugMode() as c2:
                 t2.step()
-            out.append(f"  torch Muon on FSDP2      {t_fsdp2:8.1f} ms | collectives/step {c2.get_total_counts()} "
-                       f"({ {str(k).split('.')[-1]: v for k, v in c2.get_comm_counts().items()} })")
+            out.append(
+                f"  torch Muon on FSDP2      {t_fsdp2:8.1f} ms | collectives/step {c2.get_total_counts()} "
+                f"({ {str(k).split('.')[-1]: v for k, v in c2.get_comm_counts().items()} })"
+            )
             del m2, t2
         except Exception as e:  # noqa: BLE001 - a baseline that does not run is reported, not fatal
             out.append(f"  torch Muon on FSDP2: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
@@ -173,20 +185,28 @@ def _state_section(args, device, mesh, out) -> None:
     t_8 = _time(o8.step, args.repeats, device)
     b_8 = _sum(_state_bytes(o8))
     out.append("Optimizer state, bytes per parameter (all ranks / numel):")
-    out.append(f"  torch AdamW {b_adamw / numel:.3f} | AdamW8bit {b_8 / numel:.3f} "
-               f"(ratio {b_8 / b_adamw:.3f}) | Muon+AdamW {b_muon / numel:.3f}")
-    out.append(f"AdamW8bit step {t_8:.1f} ms vs torch AdamW (foreach) {t_adamw:.1f} ms "
-               f"(ratio {t_8 / t_adamw:.2f}x), 0 collectives")
+    out.append(
+        f"  torch AdamW {b_adamw / numel:.3f} | AdamW8bit {b_8 / numel:.3f} "
+        f"(ratio {b_8 / b_adamw:.3f}) | Muon+AdamW {b_muon / numel:.3f}"
+    )
+    out.append(
+        f"AdamW8bit step {t_8:.1f} ms vs torch AdamW (foreach) {t_adamw:.1f} ms "
+        f"(ratio {t_8 / t_adamw:.2f}x), 0 collectives"
+    )
 
 
 def _cost_section(args, device, mesh, out) -> None:
     """Muon vs AdamW: forward+backward and step time at each tokens-per-step setting (per rank)."""
     from raggedfsdp.optim import Muon, muon_param_groups
 
-    out.append(f"Muon vs AdamW cost, {args.flavor}, world size {dist.get_world_size()} (mesh {tuple(mesh.shape)}), "
-               f"seq {args.seq}, NS in {args.ns_dtype}, median of {args.repeats}:")
-    out.append("  tokens/step/rank | fwd+bwd ms | AdamW step ms (share) | Muon step ms (share) | Muon/AdamW step "
-               "| NS GFLOP/rank max (mean)")
+    out.append(
+        f"Muon vs AdamW cost, {args.flavor}, world size {dist.get_world_size()} (mesh {tuple(mesh.shape)}), "
+        f"seq {args.seq}, NS in {args.ns_dtype}, median of {args.repeats}:"
+    )
+    out.append(
+        "  tokens/step/rank | fwd+bwd ms | AdamW step ms (share) | Muon step ms (share) | Muon/AdamW step "
+        "| NS GFLOP/rank max (mean)"
+    )
     for tokens in args.tokens:
         batch = max(1, tokens // args.seq)
         model, fwd_bwd = _model(args, device, mesh=mesh, batch=batch)
@@ -198,8 +218,10 @@ def _cost_section(args, device, mesh, out) -> None:
         st = muon.last_step_stats
         fmax, fmean = _max(st["ns_flops"]), _sum(st["ns_flops"]) / dist.get_world_size()
         t_fb, t_a, t_m = _max(t_fb), _max(t_a), _max(t_m)
-        out.append(f"  {batch * args.seq:16d} | {t_fb:10.1f} | {t_a:9.1f} ({t_a / (t_fb + t_a):5.1%}) | "
-                   f"{t_m:9.1f} ({t_m / (t_fb + t_m):5.1%}) | {t_m / t_a:6.1f}x | {fmax / 1e9:.3f} ({fmean / 1e9:.3f})")
+        out.append(
+            f"  {batch * args.seq:16d} | {t_fb:10.1f} | {t_a:9.1f} ({t_a / (t_fb + t_a):5.1%}) | "
+            f"{t_m:9.1f} ({t_m / (t_fb + t_m):5.1%}) | {t_m / t_a:6.1f}x | {fmax / 1e9:.3f} ({fmean / 1e9:.3f})"
+        )
         del model, adamw, muon
 
 
@@ -209,7 +231,9 @@ def _overlap_section(args, device, mesh, out) -> None:
 
     model, _ = _model(args, device, mesh=mesh)
     mats = muon_param_groups(model)[0]["params"]
-    out.append(f"Muon exchange overlap, {args.flavor}, world size {dist.get_world_size()} (mesh {tuple(mesh.shape)}):")
+    out.append(
+        f"Muon exchange overlap, {args.flavor}, world size {dist.get_world_size()} (mesh {tuple(mesh.shape)}):"
+    )
     res = {}
     for chunks in (1, 4):
         opt = Muon(mats, lr=1e-3, pipeline_chunks=chunks, ns_dtype=getattr(torch, args.ns_dtype))
@@ -220,15 +244,28 @@ def _overlap_section(args, device, mesh, out) -> None:
             waits.append(opt.last_step_stats["wait_s"] * 1e3)
             nss.append(opt.last_step_stats["ns_s"] * 1e3)
         st = opt.last_step_stats
-        res[chunks] = (_max(statistics.median(ts)), _max(statistics.median(waits)), _max(statistics.median(nss)))
-        out.append(f"  pipeline_chunks={chunks}: step {res[chunks][0]:8.1f} ms | blocked in wait {res[chunks][1]:7.1f} ms "
-                   f"| Newton-Schulz {res[chunks][2]:7.1f} ms (max over ranks) | chunks used {st['chunks']} "
-                   f"| collectives {st['collectives']}")
-    out.append(f"  pipelined / unpipelined step = {res[4][0] / res[1][0]:.2f}; wait hidden = "
-               f"{1 - res[4][1] / max(res[1][1], 1e-9):.0%}")
+        res[chunks] = (
+            _max(statistics.median(ts)),
+            _max(statistics.median(waits)),
+            _max(statistics.median(nss)),
+        )
+        out.append(
+            f"  pipeline_chunks={chunks}: step {res[chunks][0]:8.1f} ms | blocked in wait {res[chunks][1]:7.1f} ms "
+            f"| Newton-Schulz {res[chunks][2]:7.1f} ms (max over ranks) | chunks used {st['chunks']} "
+            f"| collectives {st['collectives']}"
+        )
+    out.append(
+        f"  pipelined / unpipelined step = {res[4][0] / res[1][0]:.2f}; wait hidden = "
+        f"{1 - res[4][1] / max(res[1][1], 1e-9):.0%}"
+    )
 
 
-SECTIONS = {"muon": _muon_section, "state": _state_section, "cost": _cost_section, "overlap": _overlap_section}
+SECTIONS = {
+    "muon": _muon_section,
+    "state": _state_section,
+    "cost": _cost_section,
+    "overlap": _overlap_section,
+}
 
 
 def main() -> None:
@@ -238,10 +275,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--skip-fsdp2-muon", action="store_true", help="skip torch.optim.Muon on FSDP2 DTensors")
-    ap.add_argument("--tokens", default="64,512,4096", help="tokens per step per rank of the cost table (comma list)")
+    ap.add_argument(
+        "--tokens", default="64,512,4096", help="tokens per step per rank of the cost table (comma list)"
+    )
     ap.add_argument("--replicate", type=int, default=1, help="HSDP mesh (R, W/R); 1: plain FSDP")
-    ap.add_argument("--ns-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                    help="Muon's Newton-Schulz dtype in the cost and overlap sections (torch's default: bfloat16)")
+    ap.add_argument(
+        "--ns-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="Muon's Newton-Schulz dtype in the cost and overlap sections (torch's default: bfloat16)",
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {','.join(SECTIONS)}")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -256,7 +299,11 @@ def main() -> None:
         raise ValueError(f"--replicate {args.replicate} must divide the world size {ws}")
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(args.device, torch.cuda.current_device())
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
     torch.set_num_threads(1) if args.device == "cpu" else None
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -88,7 +88,7 @@ def _fsdp_step(rank: int, world: int) -> None:  # runs under tests/_dist.py: run
     mesh = init_device_mesh("cpu", (world,))
     model = shard_model(ToyLM(n_layers=1), fully_shard, mesh)  # two FSDP units: the block, the root
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    (tok, tgt), = batches(1, 2 * world)
+    ((tok, tgt),) = batches(1, 2 * world)
     sl = slice(2 * rank, 2 * rank + 2)
     loss = lm_loss(model, tok[sl], tgt[sl])
     loss.backward()
@@ -119,7 +119,9 @@ def _free_port() -> int:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "RAGGEDFSDP_FAULT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    )
     env.update(extra)
     return env
 
@@ -182,7 +184,14 @@ def _forked_rank(case: str, out: str) -> None:
             put = list.append
 
         q = _Q()
-        _worker(_fsdp_step, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["SOAK_STORE"], (), q)
+        _worker(
+            _fsdp_step,
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            os.environ["SOAK_STORE"],
+            (),
+            q,
+        )
         ((_, tb),) = q
         if tb is not None:
             print(tb, file=sys.stderr, flush=True)
@@ -208,16 +217,33 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
         procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=_env(SOAK_NPROC=str(nproc)))]  # fmt: skip
     elif case in ("bare", "harness") and launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *me[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            *me[1:],
+        ]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
     else:
         port = str(_free_port())
         envs = [
-            _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+            _env(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )  # fmt: skip
             for r in range(nproc)
         ]
-        procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e) for e in envs]
+        procs = [
+            subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+            for e in envs
+        ]
     outs, deadline = [], time.monotonic() + timeout
     for p in procs:
         try:
@@ -239,7 +265,10 @@ def _classify(rcs: list[int], text: str) -> tuple[str, str]:
     # the harness and torchrun report a rank's signal in their own (non-zero) exit
     signals += [ln.strip() for ln in text.splitlines() if "SIGABRT" in ln or "Signal 6" in ln][:2]
     if terminate or signals:
-        return "abort", f"rcs {[_sig(rc) for rc in rcs]}, {terminate} 'terminate called' line(s); {signals[:3]}"
+        return (
+            "abort",
+            f"rcs {[_sig(rc) for rc in rcs]}, {terminate} 'terminate called' line(s); {signals[:3]}",
+        )
     if any(rcs):
         tail = " | ".join(text.strip().splitlines()[-3:])
         return "fail", f"rcs {rcs}: {tail[-400:]}"

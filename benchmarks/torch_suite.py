@@ -31,16 +31,27 @@ ROOT = HERE.parent
 # test id (file::Class::test) -> (class, reason). Classes: "torch-internals" (asserts on torch's private
 # FSDPParam / FSDPParamGroup state or its even Shard(0) split), "unsupported" (a documented raggedfsdp
 # limit, docs/fsdp.md "Not yet matched from FSDP2"), "environment" (needs CUDA or the multithreaded PG).
-_F, _SD = "test_fully_shard_frozen.py::TestFullyShardFrozen::", "test_fully_shard_state_dict.py::TestFullyShardStateDict"
+_F, _SD = (
+    "test_fully_shard_frozen.py::TestFullyShardFrozen::",
+    "test_fully_shard_state_dict.py::TestFullyShardStateDict",
+)
 CLASSIFIED: dict[str, tuple[str, str]] = {
     _F + "test_train_mixed_requires_grad_across_groups": (
-        "torch-internals", "counts calls of torch's RegisterPostBackwardFunction.backward (losses match before it)"),
+        "torch-internals",
+        "counts calls of torch's RegisterPostBackwardFunction.backward (losses match before it)",
+    ),
     _F + "test_train_mixed_requires_grad_per_group": (
-        "torch-internals", "counts RegisterPostBackwardFunction.backward calls; patches dist.reduce_scatter_tensor"),
+        "torch-internals",
+        "counts RegisterPostBackwardFunction.backward calls; patches dist.reduce_scatter_tensor",
+    ),
     _SD + "MultiProcess::test_dp_state_dict_save_load": (
-        "even-split", "data_ptr()==0 (an empty local piece) is asserted to happen only on ranks > 0 (dim-0 tail padding)"),
+        "even-split",
+        "data_ptr()==0 (an empty local piece) is asserted to happen only on ranks > 0 (dim-0 tail padding)",
+    ),
     _SD + "MultiProcess::test_dp_tp_state_dict_save_load": (
-        "even-split", "same data_ptr()==0 => rank > 0 assertion as test_dp_state_dict_save_load"),
+        "even-split",
+        "same data_ptr()==0 => rank > 0 assertion as test_dp_state_dict_save_load",
+    ),
 }
 
 
@@ -72,26 +83,45 @@ def _reason(text: str) -> str:
     lines = [ln[1:].strip() if ln.startswith("E ") else ln.strip() for ln in text.splitlines()]
     cut = next((i for i, ln in enumerate(lines) if ln.startswith("To execute this test")), len(lines))
     for ln in reversed(lines[:cut]):
-        if re.match(r"^(\w+\.)*\w*(Error|Exception|Exit)\b", ln) and not ln.startswith("RuntimeError: Process"):
+        if re.match(r"^(\w+\.)*\w*(Error|Exception|Exit)\b", ln) and not ln.startswith(
+            "RuntimeError: Process"
+        ):
             return ln[:160].replace("|", "/")
     return (lines[0] if lines else "?")[:160].replace("|", "/")
 
 
-def _run(impl: str, tests: Path, files: list[str], ranks: int, site: str | None, timeout: float,
-         kexpr: str | None) -> dict[str, str]:
+def _run(
+    impl: str, tests: Path, files: list[str], ranks: int, site: str | None, timeout: float, kexpr: str | None
+) -> dict[str, str]:
     out: dict[str, str] = {}
     env = dict(os.environ)
     paths = [str(HERE / "torch_suite"), str(ROOT)] + ([site] if site else []) + [env.get("PYTHONPATH", "")]
-    env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), RAGGEDFSDP_TORCH_SUITE=impl,
-               RAGGEDFSDP_TORCH_SUITE_RANKS=str(ranks), OMP_NUM_THREADS="1")
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in paths if p),
+        RAGGEDFSDP_TORCH_SUITE=impl,
+        RAGGEDFSDP_TORCH_SUITE_RANKS=str(ranks),
+        OMP_NUM_THREADS="1",
+    )
     for f in files:
         xml = Path(f"/tmp/torch_suite_{impl}_{Path(f).stem}.xml")
         xml.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "pytest", str(tests / f), "-q", "-p", "no:cacheprovider",
-               f"--junitxml={xml}", "-o", "junit_family=xunit1"] + (["-k", kexpr] if kexpr else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(tests / f),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            "-o",
+            "junit_family=xunit1",
+        ] + (["-k", kexpr] if kexpr else [])
         t0 = time.monotonic()
         try:
-            subprocess.run(cmd, env=env, cwd=str(tests), timeout=timeout, capture_output=True, text=True, check=False)
+            subprocess.run(
+                cmd, env=env, cwd=str(tests), timeout=timeout, capture_output=True, text=True, check=False
+            )
         except subprocess.TimeoutExpired:
             out[f"{f}::<file>"] = "timeout"
             continue
@@ -122,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--site", default=None, help="extra sys.path entry (e.g. where expecttest is installed)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per file and implementation")
     ap.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
-    ap.add_argument("--cuda-to-cpu", action="store_true",
-                    help="run rewritten copies: torch.device('cuda'[, 0]) / device='cuda' / .cuda() -> CPU, "
-                         "and no @unittest.skipIf(not TEST_CUDA)")
+    ap.add_argument(
+        "--cuda-to-cpu",
+        action="store_true",
+        help="run rewritten copies: torch.device('cuda'[, 0]) / device='cuda' / .cuda() -> CPU, "
+        "and no @unittest.skipIf(not TEST_CUDA)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
     a = ap.parse_args(argv)
     if a.from_json is not None:

@@ -5,7 +5,7 @@ placement -> planner -> buffer -> fsdp -> optim / checkpoint -> models -> train 
 sizing / bench -> commands / cli.
 
 Importing the package imports nothing else and changes nothing in torch: the public names below
-are loaded on first use (PEP 562), the DTensor patches of ``raggedfsdp._torch_patches`` are
+are loaded on first use (PEP 562), the DTensor patches of ``raggedfsdp.placement._patches`` are
 installed by the first ``RaggedShard(...)`` of the process (every raggedfsdp ``fully_shard`` makes
 one), so the planner, ``raggedfsdp plan`` and torch's own ``fully_shard`` run on stock torch, and
 ``raggedfsdp --help`` does not import torch.
@@ -28,6 +28,8 @@ _PUBLIC = {
     "MixedPrecisionPolicy": "raggedfsdp.fsdp",
     "OffloadPolicy": "raggedfsdp.fsdp",
     "CPUOffloadPolicy": "raggedfsdp.fsdp",
+    "clip_grad_norm_": "raggedfsdp.optim.clip",
+    "get_total_norm": "raggedfsdp.optim.clip",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

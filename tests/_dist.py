@@ -62,10 +62,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
                 try:
                     rank, tb = err_q.get(timeout=0.5)
                 except queue.Empty:
-                    dead = [
-                        r for r, p in enumerate(procs)
-                        if r not in reported and p.exitcode is not None
-                    ]
+                    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
                     if dead:
                         time.sleep(1.0)  # a report may still be in flight
                         while not err_q.empty():
@@ -77,7 +74,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
                         if dead or failures:
                             if not failures:
                                 failures.append(
-                                    (dead[0], f"process exited with code {procs[dead[0]].exitcode} without a report")
+                                    (
+                                        dead[0],
+                                        f"process exited with code {procs[dead[0]].exitcode} without a report",
+                                    )
                                 )
                             break
                     if time.monotonic() > deadline:
@@ -103,7 +103,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
             # active exception", at teardown) is a failure too: the test suite must see the abort
             for r, p in enumerate(procs):
                 if p.exitcode:
-                    how = f"signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"code {p.exitcode}"
+                    how = (
+                        f"signal {signal.Signals(-p.exitcode).name}"
+                        if p.exitcode < 0
+                        else f"code {p.exitcode}"
+                    )
                     failures.append((r, f"rank {r} reported success, then exited with {how} (teardown)"))
                     break
         if failures:

@@ -148,8 +148,10 @@ class FakeStreams:
         for b in handle.buffers:
             a = self._alloc_stream(b)
             if a is not None and a is not s and s.clock.get(a.id, -1) < a.clock[a.id]:
-                self._fail(f"{handle.what} #{handle.id} issued on {s} before it waited {a}, the stream that "
-                           f"allocated its {b.name} buffer (work enqueued there is not ordered before it)")
+                self._fail(
+                    f"{handle.what} #{handle.id} issued on {s} before it waited {a}, the stream that "
+                    f"allocated its {b.name} buffer (work enqueued there is not ordered before it)"
+                )
         self.issued[handle.id] = (s, self._tick(s), handle.what)
 
     def wait_handle(self, stream, handle) -> None:
@@ -175,8 +177,10 @@ class FakeStreams:
         a = self._alloc_stream(buf)
         if not self.ordered_after(a, handle):
             s = self.issued[handle.id][0]
-            self._fail(f"{action} of the {buf.name} buffer while its allocating stream {a} is not ordered after "
-                       f"{handle.what} #{handle.id} (issued on {s})")
+            self._fail(
+                f"{action} of the {buf.name} buffer while its allocating stream {a} is not ordered after "
+                f"{handle.what} #{handle.id} (issued on {s})"
+            )
 
     def _fail(self, msg: str) -> None:
         from raggedfsdp.buffer import BufferLifetimeError

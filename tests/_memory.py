@@ -50,8 +50,10 @@ def backends():
 
     import raggedfsdp
 
-    return {"ragged": (raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy),
-            "torch": (torch_fully_shard, TorchMP)}
+    return {
+        "ragged": (raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy),
+        "torch": (torch_fully_shard, TorchMP),
+    }
 
 
 def builder(backend: str, init: dict, mesh, param_dtype=None, *, d: int = D, n: int = N_BLOCKS, lr=1e-3):

@@ -42,8 +42,9 @@ def make_param(full: torch.Tensor, mesh, placements, rank_in_dim: int):
     rs = placements[-1]
     local = rs.shard_full(full, rank_in_dim)
     stride = full.stride()
-    return torch.nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False,
-                                                 shape=full.shape, stride=stride))
+    return torch.nn.Parameter(
+        DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=stride)
+    )
 
 
 def set_grad(p, full_grad: torch.Tensor, rank_in_dim: int) -> None:
@@ -51,8 +52,14 @@ def set_grad(p, full_grad: torch.Tensor, rank_in_dim: int) -> None:
 
     if isinstance(p, DTensor):
         rs = p.placements[-1]
-        p.grad = DTensor.from_local(rs.shard_full(full_grad, rank_in_dim), p.device_mesh, p.placements,
-                                    run_check=False, shape=full_grad.shape, stride=full_grad.stride())
+        p.grad = DTensor.from_local(
+            rs.shard_full(full_grad, rank_in_dim),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=full_grad.shape,
+            stride=full_grad.stride(),
+        )
     else:
         p.grad = full_grad.clone()
 

@@ -21,11 +21,21 @@ import torch.distributed as dist
 # ``...Async``) is synchronous w.r.t. the host for pageable memory; ``.item()`` shows up as
 # ``cudaMemcpyAsync`` + ``cudaStreamSynchronize``; ``Event.synchronize()`` as ``cudaEventSynchronize``
 # (which ``torch.cuda.set_sync_debug_mode`` does not see).
-SYNC_CALLS = frozenset({
-    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D",
-    "cudaMemset", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2",
-    "cuMemcpyHtoD_v2",
-})
+SYNC_CALLS = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cudaMemcpy2D",
+        "cudaMemset",
+        "cuStreamSynchronize",
+        "cuCtxSynchronize",
+        "cuEventSynchronize",
+        "cuMemcpyDtoH_v2",
+        "cuMemcpyHtoD_v2",
+    }
+)
 
 
 class Result:
@@ -42,8 +52,13 @@ class Result:
         self.flush()
 
     def error(self, key, exc: BaseException) -> None:
-        self.set(key, {"error": f"{type(exc).__name__}: {exc}"[:800],
-                       "traceback": traceback.format_exc().splitlines()[-8:]})
+        self.set(
+            key,
+            {
+                "error": f"{type(exc).__name__}: {exc}"[:800],
+                "traceback": traceback.format_exc().splitlines()[-8:],
+            },
+        )
 
     def flush(self) -> None:
         self.data["seconds"] = round(time.monotonic() - self.t0, 1)
@@ -89,7 +104,9 @@ def init_pg(dev: torch.device, fake_world: int = 0):
     else:
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
         kw = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=0, world_size=1, **kw)
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo", store=store, rank=0, world_size=1, **kw
+        )
         ws = 1
     return init_device_mesh(dev.type, (ws,))
 
@@ -136,8 +153,13 @@ def _span(e) -> tuple[float, float]:
 def sync_calls_in(events: list[dict], annotation: str) -> dict:
     """Synchronizing runtime calls (``SYNC_CALLS``) issued, on any host thread, inside the time span of
     each ``record_function(annotation)`` range: ``{"calls": n, "by_name": {...}, "ranges": k}``."""
-    ranges = [_span(e) for e in events if e.get("ph") == "X" and e.get("name") == annotation
-              and e.get("cat") in ("user_annotation", "cpu_op", None)]
+    ranges = [
+        _span(e)
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("name") == annotation
+        and e.get("cat") in ("user_annotation", "cpu_op", None)
+    ]
     by: dict[str, int] = {}
     for e in events:
         if e.get("ph") != "X" or e.get("name") not in SYNC_CALLS:
@@ -169,8 +191,14 @@ def stream_overlap(events: list[dict]) -> dict:
     memcpys and memsets (the FSDP side streams' copies and casts) are intersected with the union of
     the compute stream's kernel intervals: ``overlap_fraction`` = overlapped time / side-stream time
     (1.0: all side-stream work hidden behind compute; ``None`` when there is no side-stream work)."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-           and isinstance(e.get("args"), dict) and "stream" in e["args"]]
+    gpu = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        and isinstance(e.get("args"), dict)
+        and "stream" in e["args"]
+    ]
     per: dict = {}
     for e in gpu:
         per.setdefault(e["args"]["stream"], []).append(e)
@@ -189,9 +217,14 @@ def stream_overlap(events: list[dict]) -> dict:
         side[str(s)] = {"events": len(es), "us": round(t, 1), "overlapped_us": round(o, 1)}
         side_us += t
         over_us += o
-    return {"streams": len(per), "compute_stream": compute, "compute_kernel_us": round(busy[compute], 1),
-            "side_us": round(side_us, 1), "side": side,
-            "overlap_fraction": round(over_us / side_us, 4) if side_us else None}
+    return {
+        "streams": len(per),
+        "compute_stream": compute,
+        "compute_kernel_us": round(busy[compute], 1),
+        "side_us": round(side_us, 1),
+        "side": side,
+        "overlap_fraction": round(over_us / side_us, 4) if side_us else None,
+    }
 
 
 def profile(dev: torch.device):
@@ -217,7 +250,10 @@ def sync_controls(dev: torch.device) -> dict:
                 ev.record()
                 ev.synchronize()
     ev_ = trace_events(prof)
-    out = {"item": sync_calls_in(ev_, "ctl::item"), "event_synchronize": sync_calls_in(ev_, "ctl::event_synchronize")}
+    out = {
+        "item": sync_calls_in(ev_, "ctl::item"),
+        "event_synchronize": sync_calls_in(ev_, "ctl::event_synchronize"),
+    }
     out["counter_sees_syncs"] = all(v["calls"] >= 1 for v in out.values()) if dev.type == "cuda" else None
     return out
 

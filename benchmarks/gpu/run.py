@@ -102,7 +102,7 @@ def stage_timeout(i: int, t_start: float, deadline: float, bank: float, dry_run:
     if dry_run:
         return max(deadline - (time.monotonic() - t_start), 1.0)
     left = deadline - (time.monotonic() - t_start)
-    reserve = sum(b for _, _, b in STAGES[i + 1:]) / 2
+    reserve = sum(b for _, _, b in STAGES[i + 1 :]) / 2
     return max(1.0, min(STAGES[i][2] + bank, left - reserve))
 
 
@@ -117,16 +117,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU: every stage on tiny shapes")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/raggedfsdp-gpu")
-    ap.add_argument("--deadline", type=float, default=420.0, help="internal deadline in seconds (default 420)")
+    ap.add_argument(
+        "--deadline", type=float, default=420.0, help="internal deadline in seconds (default 420)"
+    )
     ap.add_argument("--only", nargs="*", default=None, choices=[s for s, _, _ in STAGES])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     py = sys.executable
     t_start = time.monotonic()
-    summary: dict = {"dry_run": args.dry_run, "deadline_s": args.deadline, "budget_s": dict(
-        env=ENV_BUDGET, **{s: b for s, _, b in STAGES})}
-    rc, dt, tail = run_stage([py, "-c", ENV_CODE], ENV_BUDGET * (6 if args.dry_run else 1),
-                             os.path.join(args.out, "env.log"))
+    summary: dict = {
+        "dry_run": args.dry_run,
+        "deadline_s": args.deadline,
+        "budget_s": dict(env=ENV_BUDGET, **{s: b for s, _, b in STAGES}),
+    }
+    rc, dt, tail = run_stage(
+        [py, "-c", ENV_CODE], ENV_BUDGET * (6 if args.dry_run else 1), os.path.join(args.out, "env.log")
+    )
     env: dict = {"rc": rc, "seconds": dt}
     for line in reversed(tail.strip().splitlines()):
         if line.startswith("{"):
@@ -163,11 +169,16 @@ def main() -> int:
             summary[name] = r
             summary["elapsed_s"] = round(time.monotonic() - t_start, 1)
             write(summary, args.out)
-            print(f"[run.sh] {name} {json.dumps({k: r.get(k) for k in ('rc', 'ok', 'wall_s', 'limit_s')})}",
-                  flush=True)
+            print(
+                f"[run.sh] {name} {json.dumps({k: r.get(k) for k in ('rc', 'ok', 'wall_s', 'limit_s')})}",
+                flush=True,
+            )
     ran = [s for s, _, _ in STAGES if s in summary]
-    summary["ok"] = bool("error" not in summary and ran
-                         and all(summary[s].get("rc") == 0 and summary[s].get("ok") for s in ran))
+    summary["ok"] = bool(
+        "error" not in summary
+        and ran
+        and all(summary[s].get("rc") == 0 and summary[s].get("ok") for s in ran)
+    )
     summary["elapsed_s"] = round(time.monotonic() - t_start, 1)
     write(summary, args.out)
     print(json.dumps(summary, default=str), flush=True)

@@ -60,15 +60,21 @@ def memory(bench: Bench, res: Result) -> None:
     from raggedfsdp.fsdp.memory import measure_train_step
 
     out = {}
-    for name, system, done in (("ragged_comm_never", "ragged", False), ("ragged_comm_done", "ragged", True),
-                               ("torch", "torch", False)):
+    for name, system, done in (
+        ("ragged_comm_never", "ragged", False),
+        ("ragged_comm_done", "ragged", True),
+        ("torch", "torch", False),
+    ):
         with section(res, f"memory_{name}"):
             if bench.dev.type == "cuda":
                 torch.cuda.empty_cache()
             with comm_completion(done):
-                m = measure_train_step(lambda s=system: bench.build(s),
-                                       lambda model, s=system: bench.loss(s, model, bench.tokens[0]),
-                                       bench.dev, warmup_steps=1)._asdict()
+                m = measure_train_step(
+                    lambda s=system: bench.build(s),
+                    lambda model, s=system: bench.loss(s, model, bench.tokens[0]),
+                    bench.dev,
+                    warmup_steps=1,
+                )._asdict()
             m.pop("fwd_bwd_peak_owners", None)
             out[name] = m
             res.set("memory", out)
@@ -76,7 +82,9 @@ def memory(bench: Bench, res: Result) -> None:
         for name in ("ragged_comm_never", "ragged_comm_done"):
             if name in out:
                 for k in ("state_bytes", "fwd_bwd_peak_bytes", "optim_peak_bytes"):
-                    out[f"ratio_{k.removesuffix('_bytes')}_{name}_over_torch"] = out[name][k] / max(out["torch"][k], 1)
+                    out[f"ratio_{k.removesuffix('_bytes')}_{name}_over_torch"] = out[name][k] / max(
+                        out["torch"][k], 1
+                    )
         res.set("memory", out)
 
 
@@ -125,15 +133,30 @@ def main():
     batch = max(1, batch // 2)  # per-rank batch 2 x 2048: memory is dominated by the sharded state anyway
     if args.dry_run:
         args.warmup, args.steps = 1, 1
-    res = Result(args.out, stage="sim_ws8", device=str(dev), world_size=args.world_size, rank=0,
-                 config=cfg.to_dict(), batch=batch, seq=seq, param_dtype="bf16", reduce_dtype="fp32")
+    res = Result(
+        args.out,
+        stage="sim_ws8",
+        device=str(dev),
+        world_size=args.world_size,
+        rank=0,
+        config=cfg.to_dict(),
+        batch=batch,
+        seq=seq,
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+    )
     mesh = init_pg(dev, fake_world=args.world_size)
     bench = Bench(cls, cfg, dev, mesh, batch, seq)
     memory(bench, res)
     with section(res, "speed_without_comm"):
         speed_copies_overlap(bench, res, args.warmup, args.steps)
-    res.set("ok", all(k in res.data and "error" not in res.data[k]
-                      for k in ("memory", "speed_without_comm", "copy_bytes", "overlap")))
+    res.set(
+        "ok",
+        all(
+            k in res.data and "error" not in res.data[k]
+            for k in ("memory", "speed_without_comm", "copy_bytes", "overlap")
+        ),
+    )
     shutdown_pg()
     write_stdout_json(res.data)
 

@@ -80,8 +80,13 @@ def full(t):
     if not isinstance(t, DTensor):
         return t
     if t.device.type != t.device_mesh.device_type:  # CPU offload: the shard lives on the host
-        t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
-                               shape=t.shape, stride=t.stride())
+        t = DTensor.from_local(
+            t.to_local().to(t.device_mesh.device_type),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+        )
     return t.full_tensor()
 
 
@@ -124,7 +129,10 @@ def cpu_built_module(dev, mesh, d, n):
     for b in ("ragged", "torch"):
         m = shard(copy.deepcopy(base), b, mesh)
         loss_of(m, x).backward()
-        out[b] = {"rel_err": rel_err(grads(m), ref_g), "devices": sorted({p.device.type for p in m.parameters()})}
+        out[b] = {
+            "rel_err": rel_err(grads(m), ref_g),
+            "devices": sorted({p.device.type for p in m.parameters()}),
+        }
     out["ok"] = out["ragged"]["rel_err"] < 1e-5 and out["ragged"]["devices"] == [dev.type]
     return out
 
@@ -135,8 +143,12 @@ def offload_accumulation(dev, mesh, d, n):
     torch.manual_seed(0)
     base = Net(d, n)
     ref = copy.deepcopy(base).to(dev)
-    model = shard(copy.deepcopy(base).to(dev), "ragged", mesh,
-                  offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=dev.type == "cuda"))
+    model = shard(
+        copy.deepcopy(base).to(dev),
+        "ragged",
+        mesh,
+        offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=dev.type == "cuda"),
+    )
     xs = [torch.randn(8, d, generator=torch.Generator().manual_seed(s)).to(dev) for s in (1, 2)]
     for m in (ref, model):
         for x in xs:
@@ -148,8 +160,12 @@ def offload_accumulation(dev, mesh, d, n):
     opt.step()
     opt.zero_grad()
     loss = float(loss_of(model, xs[0]))
-    return {"grad_rel_err": err, "grad_devices": devices, "loss_after_step": loss,
-            "ok": err < 1e-4 and devices == ["cpu"] and math.isfinite(loss)}
+    return {
+        "grad_rel_err": err,
+        "grad_devices": devices,
+        "loss_after_step": loss,
+        "ok": err < 1e-4 and devices == ["cpu"] and math.isfinite(loss),
+    }
 
 
 def meta_init(dev, mesh, d, n):
@@ -173,8 +189,12 @@ def meta_init(dev, mesh, d, n):
     loss_of(model, torch.randn(8, d, device=dev)).backward()
     opt.step()
     finite = all(bool(torch.isfinite(full(p)).all()) for p in model.parameters())
-    return {"max_abs_diff": diff, "devices": devices, "finite": finite,
-            "ok": diff == 0.0 and devices == [dev.type] and finite}
+    return {
+        "max_abs_diff": diff,
+        "devices": devices,
+        "finite": finite,
+        "ok": diff == 0.0 and devices == [dev.type] and finite,
+    }
 
 
 def sync_count(dev, mesh, d, n):
@@ -225,7 +245,9 @@ def sync_count(dev, mesh, d, n):
         out[b] = r
         del model, opt
     seen = out["controls"]["counter_sees_syncs"]
-    out["ok"] = (out["ragged"]["total"] == 0 and bool(seen)) if dev.type == "cuda" else out["ragged"]["total"] == 0
+    out["ok"] = (
+        (out["ragged"]["total"] == 0 and bool(seen)) if dev.type == "cuda" else out["ragged"]["total"] == 0
+    )
     return out
 
 
@@ -239,13 +261,20 @@ def main():
     res = Result(args.out, stage="smoke", device=str(dev), dim=d, blocks=n)
     mesh = init_pg(dev)
     checks = ("bf16_grad_parity", "cpu_built_module", "offload_accumulation", "meta_init", "sync_count")
-    for name, fn in (("bf16_grad_parity", bf16_parity), ("cpu_built_module", cpu_built_module),
-                     ("offload_accumulation", offload_accumulation),
-                     ("meta_init", meta_init), ("sync_count", sync_count)):
+    for name, fn in (
+        ("bf16_grad_parity", bf16_parity),
+        ("cpu_built_module", cpu_built_module),
+        ("offload_accumulation", offload_accumulation),
+        ("meta_init", meta_init),
+        ("sync_count", sync_count),
+    ):
         with section(res, name):
             res.set(name, fn(dev, mesh, d, n))
-    res.set("ok", all(isinstance(v, dict) and v.get("ok") for k, v in res.data.items()
-                      if k in checks) and all(k in res.data for k in checks))
+    res.set(
+        "ok",
+        all(isinstance(v, dict) and v.get("ok") for k, v in res.data.items() if k in checks)
+        and all(k in res.data for k in checks),
+    )
     shutdown_pg()
     write_stdout_json(res.data)
 

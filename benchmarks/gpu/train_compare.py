@@ -46,14 +46,61 @@ def config(model: str, dry_run: bool):
 
     if model == "dense":
         if dry_run:
-            return Llama, LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64), 2, 32
-        return Llama, LlamaConfig(dim=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=5632, vocab_size=32000,
-                                  max_seq_len=2048), 4, 2048
+            return (
+                Llama,
+                LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64),
+                2,
+                32,
+            )
+        return (
+            Llama,
+            LlamaConfig(
+                dim=2048,
+                n_layers=20,
+                n_heads=16,
+                n_kv_heads=8,
+                ffn_dim=5632,
+                vocab_size=32000,
+                max_seq_len=2048,
+            ),
+            4,
+            2048,
+        )
     if dry_run:
-        return MoE, MoEConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64, n_experts=4,
-                              top_k=2, expert_dim=32, experts="fused"), 2, 32
-    return MoE, MoEConfig(dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=32000, max_seq_len=2048,
-                          n_experts=16, top_k=2, expert_dim=1408, experts="fused"), 4, 2048
+        return (
+            MoE,
+            MoEConfig(
+                dim=64,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                ffn_dim=96,
+                max_seq_len=64,
+                n_experts=4,
+                top_k=2,
+                expert_dim=32,
+                experts="fused",
+            ),
+            2,
+            32,
+        )
+    return (
+        MoE,
+        MoEConfig(
+            dim=1024,
+            n_layers=16,
+            n_heads=16,
+            n_kv_heads=8,
+            vocab_size=32000,
+            max_seq_len=2048,
+            n_experts=16,
+            top_k=2,
+            expert_dim=1408,
+            experts="fused",
+        ),
+        4,
+        2048,
+    )
 
 
 class Bench:
@@ -69,7 +116,9 @@ class Bench:
         self.n_params = sum(p.numel() for p in ref.parameters())
         del ref
         g = torch.Generator().manual_seed(1)
-        self.tokens = [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev) for _ in range(4)]
+        self.tokens = [
+            torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev) for _ in range(4)
+        ]
 
     def build(self, system: str):
         with torch.device(self.dev):
@@ -111,8 +160,11 @@ class Bench:
         wall = time.perf_counter() - t0
         r = {"wall_s": wall, "host_enqueue_s": host, "host_cpu_s": cpu, "loss": float(loss)}
         if cuda:
-            r.update(forward_ms=ev[0].elapsed_time(ev[1]), backward_ms=ev[1].elapsed_time(ev[2]),
-                     optimizer_ms=ev[2].elapsed_time(ev[3]))
+            r.update(
+                forward_ms=ev[0].elapsed_time(ev[1]),
+                backward_ms=ev[1].elapsed_time(ev[2]),
+                optimizer_ms=ev[2].elapsed_time(ev[3]),
+            )
         return r
 
 
@@ -132,14 +184,20 @@ def memory(bench: Bench, res: Result) -> None:
         with section(res, f"memory_{s}"):
             if bench.dev.type == "cuda":
                 torch.cuda.empty_cache()
-            m = measure_train_step(lambda s=s: bench.build(s), lambda model, s=s: bench.loss(s, model, bench.tokens[0]),
-                                   bench.dev, warmup_steps=1)._asdict()
+            m = measure_train_step(
+                lambda s=s: bench.build(s),
+                lambda model, s=s: bench.loss(s, model, bench.tokens[0]),
+                bench.dev,
+                warmup_steps=1,
+            )._asdict()
             m.pop("fwd_bwd_peak_owners", None)
             out[s] = {k: v for k, v in m.items()}
             res.set("memory", out)
     if "ragged" in out and "torch" in out:
         for k in ("state_bytes", "fwd_bwd_peak_bytes", "optim_peak_bytes"):
-            out[f"ratio_{k.removesuffix('_bytes')}_ragged_over_torch"] = out["ragged"][k] / max(out["torch"][k], 1)
+            out[f"ratio_{k.removesuffix('_bytes')}_ragged_over_torch"] = out["ragged"][k] / max(
+                out["torch"][k], 1
+            )
         res.set("memory", out)
     if bench.dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -178,7 +236,9 @@ def summarize(rows: dict, tokens_per_step: int) -> dict:
         if "floor" in out:
             out["tokens_per_s_ragged_over_floor"] = r["tokens_per_s"] / out["floor"]["tokens_per_s"]
             out["tokens_per_s_torch_over_floor"] = t["tokens_per_s"] / out["floor"]["tokens_per_s"]
-            out["max_abs_loss_diff_ragged_floor"] = max(abs(a - b) for a, b in zip(r["losses"], out["floor"]["losses"]))
+            out["max_abs_loss_diff_ragged_floor"] = max(
+                abs(a - b) for a, b in zip(r["losses"], out["floor"]["losses"])
+            )
     return out
 
 
@@ -195,8 +255,17 @@ def main():
     cls, cfg, batch, seq = config(args.model, args.dry_run)
     if args.dry_run:
         args.warmup, args.steps = 1, 2
-    res = Result(args.out, stage=f"train_{args.model}", device=str(dev), config=cfg.to_dict(), batch=batch, seq=seq,
-                 param_dtype="bf16", reduce_dtype="fp32", floor="fp32 params + torch.autocast(bf16), no FSDP")
+    res = Result(
+        args.out,
+        stage=f"train_{args.model}",
+        device=str(dev),
+        config=cfg.to_dict(),
+        batch=batch,
+        seq=seq,
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        floor="fp32 params + torch.autocast(bf16), no FSDP",
+    )
     mesh = init_pg(dev)
     bench = Bench(cls, cfg, dev, mesh, batch, seq)
     res.set("n_params", bench.n_params)

@@ -30,8 +30,11 @@ from raggedfsdp.fsdp.memory import PeakMemory, storage_bytes
 
 aten = torch.ops.aten
 _SYNC_OPS = {
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-    aten.is_nonzero.default, aten.equal.default,
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
 }
 _SYNC_PACKETS = {"aten._unique2", "aten.unique_consecutive", "aten.unique_dim"}
 
@@ -79,10 +82,19 @@ class StepCounter(TorchDispatchMode):
             self.bytes[name] += max(ins, outs)
             ti, to = _tensors(args[0]) if args else [], _tensors(args[1]) if len(args) > 1 else []
             if len(ti) == 1 and len(to) <= 1:
-                self.trace.append((name, ti[0].numel(), ti[0].dtype, to[0].numel() if to else 0,
-                                   to[0].dtype if to else ti[0].dtype))
-        elif func in _SYNC_OPS or pkt in _SYNC_PACKETS or (
-            func in (aten._to_copy.default, aten.copy_.default) and _is_d2h(func, args, kwargs)
+                self.trace.append(
+                    (
+                        name,
+                        ti[0].numel(),
+                        ti[0].dtype,
+                        to[0].numel() if to else 0,
+                        to[0].dtype if to else ti[0].dtype,
+                    )
+                )
+        elif (
+            func in _SYNC_OPS
+            or pkt in _SYNC_PACKETS
+            or (func in (aten._to_copy.default, aten.copy_.default) and _is_d2h(func, args, kwargs))
         ):
             self.host_syncs += 1
             self.sync_ops[pkt] += 1
@@ -123,7 +135,9 @@ def padding_bytes(model: torch.nn.Module, backend: str, world_size: int) -> int:
         d0, m = p.shape[0], world_size
         if isinstance(p, DTensor) and p.device_mesh.ndim > 1:  # FSDP dim 0, then EP/TP Shard(0) dims
             m = p.device_mesh.size(0)
-            d0 //= math.prod(p.device_mesh.size(j) for j, pl in enumerate(p.placements) if j and pl == Shard(0))
+            d0 //= math.prod(
+                p.device_mesh.size(j) for j, pl in enumerate(p.placements) if j and pl == Shard(0)
+            )
         rows = -(-d0 // m) * m
         total += (rows - d0) * (math.prod(p.shape) // max(p.shape[0], 1)) * p.element_size()
     return total
@@ -196,8 +210,14 @@ def replay_collectives(trace, device, reps: int = 3) -> float:
 
     from raggedfsdp.buffer.dbuffer import _all_gather_single, _reduce_scatter_single
 
-    bufs = [(op, to_comm_device(torch.zeros(n0, dtype=d0), device), to_comm_device(torch.zeros(n1, dtype=d1), device))
-            for op, n0, d0, n1, d1 in trace]
+    bufs = [
+        (
+            op,
+            to_comm_device(torch.zeros(n0, dtype=d0), device),
+            to_comm_device(torch.zeros(n1, dtype=d1), device),
+        )
+        for op, n0, d0, n1, d1 in trace
+    ]
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -211,7 +231,8 @@ def replay_collectives(trace, device, reps: int = 3) -> float:
                 dist.all_reduce(out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t = host_all_reduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), device, dist.ReduceOp.MAX)
+        t = host_all_reduce(
+            torch.tensor([time.perf_counter() - t0], dtype=torch.float64), device, dist.ReduceOp.MAX
+        )
         times.append(float(t))
     return statistics.median(times)
-

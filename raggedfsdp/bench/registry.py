@@ -92,11 +92,19 @@ def _build_moe(args) -> nn.Module:
     return m
 
 
-register_bench_model(BenchModel(
-    "dense", _build_dense, "small",
-    description="LLaMA-style decoder (raggedfsdp.models.llama), one FSDP unit per block",
-))
-register_bench_model(BenchModel(
-    "moe", _build_moe, "moe-small",
-    description="LLaMA-style MoE (raggedfsdp.models.moe), --experts separate|fused, one unit per block",
-))
+register_bench_model(
+    BenchModel(
+        "dense",
+        _build_dense,
+        "small",
+        description="LLaMA-style decoder (raggedfsdp.models.llama), one FSDP unit per block",
+    )
+)
+register_bench_model(
+    BenchModel(
+        "moe",
+        _build_moe,
+        "moe-small",
+        description="LLaMA-style MoE (raggedfsdp.models.moe), --experts separate|fused, one unit per block",
+    )
+)

@@ -40,6 +40,8 @@ import statistics
 import sys
 import time
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,11 +70,16 @@ def _sync(device) -> None:
 
 
 def _build(args, spec, backend, mesh, device, world=None):
-    from raggedfsdp.models import apply_ep, apply_fsdp, make_mp_policy
+    from raggedfsdp.models import apply_compile, apply_ep, apply_fsdp, apply_tp, make_mp_policy
 
     model = spec.build(args).to(device)
+    if getattr(args, "compile", False):  # per block, before fully_shard, the same for every system
+        apply_compile(model)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    if world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
+    if world is not None and "tp" in world.mesh_dim_names:  # --tp: the same TP plan, FSDP over "dp"
+        apply_tp(model, world["tp"])
+        spec.wraps[args.wrap](model, mesh, backend, mp)
+    elif world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
         apply_ep(model, world["ep"])
         apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"])
     else:
@@ -113,6 +120,9 @@ def run(args: argparse.Namespace) -> dict | None:
     if ep > 1:
         world = init_device_mesh(device.type, (ws // ep, ep), mesh_dim_names=("dp", "ep"))
         mesh = world["dp", "ep"]._flatten("dp_ep")
+    elif getattr(args, "tp", 1) > 1:
+        world = init_device_mesh(device.type, (ws // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        mesh = world["dp"]
     else:
         mesh = init_device_mesh(device.type, (ws,))
     systems = {name: _build(args, spec, backend, mesh, device, world) for name, backend in SYSTEMS.items()}
@@ -121,10 +131,21 @@ def run(args: argparse.Namespace) -> dict | None:
         floor_model = spec.build(args).to(device)
         if args.param_dtype == "bf16":
             floor_model = floor_model.to(torch.bfloat16)  # compute in the all-gathered dtype, like the others
-        timed["local"] = (floor_model, torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach))
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
-    batches = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
-               for _ in range(args.warmup + args.steps + 2 + args.profile_steps)]
+        if getattr(args, "compile", False):
+            from raggedfsdp.models import apply_compile
+
+            apply_compile(floor_model)
+        timed["local"] = (
+            floor_model,
+            torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach),
+        )
+    gen = torch.Generator().manual_seed(
+        args.seed + 1 + rank // getattr(args, "tp", 1)
+    )  # a tp group: one batch
+    batches = [
+        torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+        for _ in range(args.warmup + args.steps + 2 + args.profile_steps)
+    ]
     tnames = list(timed)  # raggedfsdp, torch (, local)
     times = {n: [] for n in tnames}
     cpu = {n: [] for n in tnames}  # CPU seconds of this process per step (all its threads)
@@ -146,13 +167,19 @@ def run(args: argparse.Namespace) -> dict | None:
                 cpu[n].append(dc)
         if i >= args.warmup:
             j = i - args.warmup + 1
-            _progress(args, rank, f"step {j}/{args.steps}  raggedfsdp {times['raggedfsdp'][-1] * 1e3:.1f} ms  "
-                                  f"torch {times['torch'][-1] * 1e3:.1f} ms (rank 0)")
+            _progress(
+                args,
+                rank,
+                f"step {j}/{args.steps}  raggedfsdp {times['raggedfsdp'][-1] * 1e3:.1f} ms  "
+                f"torch {times['torch'][-1] * 1e3:.1f} ms (rank 0)",
+            )
         else:
             _progress(args, rank, f"warm-up {i + 1}/{args.warmup}")
     # slowest rank per step
     # (small host numbers are reduced on the process group's device: NCCL has no CPU backend)
-    t = host_all_reduce(torch.tensor([times[n] for n in tnames], dtype=torch.float64), device, dist.ReduceOp.MAX)
+    t = host_all_reduce(
+        torch.tensor([times[n] for n in tnames], dtype=torch.float64), device, dist.ReduceOp.MAX
+    )
     c = host_all_reduce(torch.tensor([cpu[n] for n in tnames], dtype=torch.float64), device)
     c /= ws  # mean over ranks
     timed.pop("local", None)  # frees the floor replica before the memory phase
@@ -166,20 +193,28 @@ def run(args: argparse.Namespace) -> dict | None:
         model, opt = systems[n]
         syncs = _CudaSyncCounter(device)
         tok = batches[k].to(device)
-        with CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
+        # --compile: dynamo cannot run under these dispatch modes, so this counted step runs eagerly
+        eager = torch.compiler.set_stance("force_eager") if getattr(args, "compile", False) else nullcontext()
+        with eager, CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
-        counts[n] = dict(all_to_all_bytes=sum(b for op, b in sc.bytes.items() if "alltoall" in op),
-                         copy_bytes=cc.total_bytes, copy_bytes_by_op=dict(cc.bytes),
-                         backend_copy_bytes=cc.backend_bytes, collectives=sc.collectives,
-                         collective_bytes=sc.collective_bytes, collectives_by_op=dict(sc.calls),
-                         host_syncs=sc.host_syncs + syncs.count, host_sync_ops=dict(sc.sync_ops))
+        counts[n] = dict(
+            all_to_all_bytes=sum(b for op, b in sc.bytes.items() if "alltoall" in op),
+            copy_bytes=cc.total_bytes,
+            copy_bytes_by_op=dict(cc.bytes),
+            backend_copy_bytes=cc.backend_bytes,
+            collectives=sc.collectives,
+            collective_bytes=sc.collective_bytes,
+            collectives_by_op=dict(sc.calls),
+            host_syncs=sc.host_syncs + syncs.count,
+            host_sync_ops=dict(sc.sync_ops),
+        )
         traces[n] = sc.trace
     if args.floor:  # the collectives alone, the systems alternated like the steps
         replays = {n: [] for n in names}
         for i in range(max(args.steps, 3)):
-            for n in (names if i % 2 == 0 else names[::-1]):
+            for n in names if i % 2 == 0 else names[::-1]:
                 replays[n].append(replay_collectives(traces[n], device, reps=1))
         for n in names:
             counts[n]["comm_only_seconds"] = statistics.median(replays[n])
@@ -206,7 +241,7 @@ def run(args: argparse.Namespace) -> dict | None:
         mem.append([base, base + pm.peak_bytes, pf.peak_bytes, pb.peak_bytes])
     gathered = host_all_gather(torch.tensor(mem, dtype=torch.float64), device)
     if args.profile:
-        _profile(args, systems, batches[k + 2:], device, rank)
+        _profile(args, systems, batches[k + 2 :], device, rank)
 
     if rank != 0:
         return None
@@ -217,15 +252,18 @@ def run(args: argparse.Namespace) -> dict | None:
         model, _ = systems[n]
         per_rank = [int(g[a, 1]) for g in gathered]
         out[n] = dict(
-            step_seconds_median=med, step_seconds=st,
+            step_seconds_median=med,
+            step_seconds=st,
             cpu_seconds_median=statistics.median(c[a].tolist()),
             tokens_per_second=ws * args.batch * args.seq / med,
-            peak_memory_bytes=max(per_rank), peak_memory_bytes_per_rank=per_rank,
+            peak_memory_bytes=max(per_rank),
+            peak_memory_bytes_per_rank=per_rank,
             state_bytes_per_rank=[int(g[a, 0]) for g in gathered],
             forward_peak_bytes=max(int(g[a, 2]) for g in gathered),  # above the step's start
             backward_peak_bytes=max(int(g[a, 3]) for g in gathered),  # above the end of forward
             padding_bytes=padding_bytes(model, SYSTEMS[n], ws),
-            final_loss=float(final[a]), **counts[n],
+            final_loss=float(final[a]),
+            **counts[n],
         )
     r, tt = out["raggedfsdp"], out["torch"]
     floor = {}
@@ -233,21 +271,38 @@ def run(args: argparse.Namespace) -> dict | None:
         fl = statistics.median(t[2].tolist())
         over_r, over_t = r["step_seconds_median"] - fl, tt["step_seconds_median"] - fl
         floor = dict(
-            local_floor=dict(step_seconds_median=fl, cpu_seconds_median=statistics.median(c[2].tolist()),
-                             step_seconds=t[2].tolist()),
+            local_floor=dict(
+                step_seconds_median=fl,
+                cpu_seconds_median=statistics.median(c[2].tolist()),
+                step_seconds=t[2].tolist(),
+            ),
             throughput_ceiling=tt["step_seconds_median"] / fl,
             overhead_seconds=dict(raggedfsdp=over_r, torch=over_t),
             overhead_ratio=over_t / over_r if over_r > 0 else float("inf"),
             # step - floor - the same collectives run alone: hooks, copies, gradient traffic, exposed waits
-            non_comm_overhead_seconds={n: out[n]["step_seconds_median"] - fl - out[n]["comm_only_seconds"]
-                                       for n in names},
+            non_comm_overhead_seconds={
+                n: out[n]["step_seconds_median"] - fl - out[n]["comm_only_seconds"] for n in names
+            },
         )
-    return dict(**floor,
-        model=args.model, flavor=args.flavor, wrap=args.wrap, ep=ep,
+    return dict(
+        **floor,
+        model=args.model,
+        flavor=args.flavor,
+        wrap=args.wrap,
+        ep=ep,
+        tp=getattr(args, "tp", 1),
+        compile=bool(getattr(args, "compile", False)),
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
-        nproc=ws, steps=args.steps, warmup=args.warmup, batch_per_rank=args.batch, seq=args.seq,
-        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, device=str(device),
-        torch_version=torch.__version__, threads_per_rank=torch.get_num_threads(),
+        nproc=ws,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_per_rank=args.batch,
+        seq=args.seq,
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+        device=str(device),
+        torch_version=torch.__version__,
+        threads_per_rank=torch.get_num_threads(),
         num_params=sum(p.numel() for p in systems["torch"][0].parameters()),
         throughput_ratio=tt["step_seconds_median"] / r["step_seconds_median"],
         cpu_time_ratio=tt["cpu_seconds_median"] / r["cpu_seconds_median"],
@@ -255,7 +310,8 @@ def run(args: argparse.Namespace) -> dict | None:
         copy_bytes_ratio=r["copy_bytes"] / max(tt["copy_bytes"], 1),
         collectives_ratio=r["collectives"] / max(tt["collectives"], 1),
         final_loss_abs_diff=abs(r["final_loss"] - tt["final_loss"]),
-        raggedfsdp=r, torch=tt,
+        raggedfsdp=r,
+        torch=tt,
     )
 
 
@@ -308,8 +364,12 @@ def _profile(args, systems, batches, device, rank) -> None:
             prof.dump_stats(path)
             with open(os.path.join(args.profile, f"{n}.ops.txt"), "w") as f:
                 f.write(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-            _progress(args, rank, f"profile of {args.profile_steps} {n} steps (rank 0) -> {path}, "
-                                  f"op table of one step -> {n}.ops.txt")
+            _progress(
+                args,
+                rank,
+                f"profile of {args.profile_steps} {n} steps (rank 0) -> {path}, "
+                f"op table of one step -> {n}.ops.txt",
+            )
 
 
 def _device(args) -> torch.device:
@@ -324,13 +384,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from raggedfsdp.bench.options import build_arg_parser
 
-    args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(argv)
+    args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(
+        argv
+    )
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if "RANK" not in os.environ:  # one process, no torchrun
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+        )
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout)
+    )
     from raggedfsdp.launch.teardown import shutdown_process_group
 
     ok = False
@@ -356,7 +425,7 @@ def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
     lines = [
-        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} "
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} tp={r.get('tp', 1)} "
         f"params={r['num_params']:,} | "
         f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
         f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
@@ -372,8 +441,10 @@ def format_report(r: dict) -> str:
         f"{'copy bytes / step':22s}{a['copy_bytes']:16,d}{b['copy_bytes']:16,d}",
         f"{'collectives / step':22s}{a['collectives']:16d}{b['collectives']:16d}",
         f"{'collective bytes/step':22s}{a['collective_bytes']:16,d}{b['collective_bytes']:16,d}",
-        (f"{'  of it all-to-all':22s}{a.get('all_to_all_bytes', 0):16,d}{b.get('all_to_all_bytes', 0):16,d}"
-         "   (EP token dispatch + combine, fwd + bwd)"),
+        (
+            f"{'  of it all-to-all':22s}{a.get('all_to_all_bytes', 0):16,d}{b.get('all_to_all_bytes', 0):16,d}"
+            "   (EP token dispatch + combine, fwd + bwd)"
+        ),
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",

@@ -10,5 +10,15 @@ from raggedfsdp.buffer.streams import (
     set_debug,
 )
 
-__all__ = ["BufferLifetimeError", "CollectiveError", "CommHandle", "DBuffer", "UnitBuffers", "all_reduce_",
-           "alloc_storage", "debug_enabled", "free_storage", "set_debug"]
+__all__ = [
+    "BufferLifetimeError",
+    "CollectiveError",
+    "CommHandle",
+    "DBuffer",
+    "UnitBuffers",
+    "all_reduce_",
+    "alloc_storage",
+    "debug_enabled",
+    "free_storage",
+    "set_debug",
+]

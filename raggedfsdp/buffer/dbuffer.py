@@ -10,8 +10,10 @@ Note [DBuffer roles]
       the sharded buffer (or, with ``param_dtype`` set, this rank's slice after one fused cast); the
       module's unsharded parameters are views ``[offset, offset+numel)``; freed after use by
       resizing the storage to 0 (the views and autograd's saved aliases stay valid);
-    * unsharded grads  ``(m*S,)`` ``param_dtype``; autograd accumulates into views of it (they are
-      pre-set as ``param.grad``), then it is reduce-scattered in place;
+    * unsharded grads  ``(m*S,)`` ``param_dtype`` (or ``reduce_dtype``); allocated in the unit's
+      post-backward, after autograd computed each parameter's gradient as its own tensor: the grad
+      fold copies them in with one multi-tensor copy (Note [grad fold] in ``raggedfsdp/fsdp/_grads.py``;
+      views are pre-set as ``.grad`` only inside a no-sync window), then it is reduce-scattered in place;
     * sharded grads    ``(S,)``   original dtype, persistent; the optimizer-facing ``.grad``
       DTensors are views into it.
 
@@ -193,8 +195,14 @@ class DBuffer:
             return None
         return _all_gather_single(self.data, inp, group=group, async_op=async_op)
 
-    def reduce_scatter_(self, out: torch.Tensor | None, group, op=dist.ReduceOp.SUM, async_op: bool = False,
-                        consume_input: bool = False):
+    def reduce_scatter_(
+        self,
+        out: torch.Tensor | None,
+        group,
+        op=dist.ReduceOp.SUM,
+        async_op: bool = False,
+        consume_input: bool = False,
+    ):
         """Reduce this global buffer over ``group`` into ``out`` ((S,), same dtype) or, if ``None``, in place
         into :meth:`rank_slice`. Collective over ``group``.
 

@@ -6,9 +6,9 @@ keeps the records of in-flight work. Transitions (all local except where a colle
 
     gather_params   sharded --all-gather--> unsharded params      (allocates ``params``)
     free_params     unsharded params --> freed                    (reshard)
-    begin_grads     allocate + zero the unsharded grads           (views pre-set: a no-sync window, a user .grad)
+    begin_grads     allocate + zero the unsharded grads           (views pre-set only for a no-sync window or a user .grad)
     fold_grads      autograd's per-parameter grads --> the flat buffer, once per backward (post-backward,
-                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold])
+                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold] in fsdp/_grads.py)
     hold_grads      no-sync backward: fold the grads into the ``reduce_dtype`` accumulator, free them
     reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
                     the returned handle is waited; the caller then frees it)
@@ -17,7 +17,7 @@ Gradient layout: the grad roles (``grads``, ``acc``, the reduce-scatter input/ou
 are laid out by ``grad_layout``: the parameter layout itself while every tensor of the unit has gradient
 storage, or a :class:`~raggedfsdp.planner.GradLayout` (only the trainable tensors' pieces, compacted per
 rank) after :meth:`UnitBuffers.set_grad_members` named a subset -- frozen parameters then hold no
-gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_param_group.py``).
+gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_grads.py``).
 
 Every buffer is allocated on the current (compute) stream; collectives are issued from the stream
 passed in, which first waits on the compute stream (Note [stream invariant] in ``streams.py``).
@@ -48,25 +48,53 @@ class UnitBuffers:
         pin: pin the CPU sharded buffers (offload with an accelerator).
     """
 
-    def __init__(self, layout: Layout, *, rank: int, shapes: Sequence[torch.Size], orig_dtype: torch.dtype,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device,
-                 storage_device: torch.device, pin: bool = False):
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        rank: int,
+        shapes: Sequence[torch.Size],
+        orig_dtype: torch.dtype,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        storage_device: torch.device,
+        pin: bool = False,
+    ):
         self.layout, self.rank, self.shapes = layout, rank, list(shapes)
         self.orig_dtype, self.param_dtype, self.reduce_dtype = orig_dtype, param_dtype, reduce_dtype
         self.device, self.storage_device, self.pin = device, storage_device, pin
-        self.sharded = DBuffer(layout, sharded=True, rank=rank, dtype=orig_dtype, device=storage_device,
-                               shapes=shapes, pin_memory=pin, name="sharded params")
+        self.sharded = DBuffer(
+            layout,
+            sharded=True,
+            rank=rank,
+            dtype=orig_dtype,
+            device=storage_device,
+            shapes=shapes,
+            pin_memory=pin,
+            name="sharded params",
+        )
         self.params = self._unsharded(param_dtype, "unsharded params", layout=layout)
         self.grad_layout: Layout | GradLayout = layout  # see the module docstring
         self._grad_layouts: dict[tuple[int, ...], GradLayout] = {}  # cached per member set
         self.param_layout_grads = self._unsharded(param_dtype, "unsharded grads")  # the views' buffer
         self.grads = self.param_layout_grads
-        self.acc: DBuffer | None = None  # reduce_dtype no-sync accumulator (FSDP2: unsharded_accumulated_grad)
+        self.acc: DBuffer | None = (
+            None  # reduce_dtype no-sync accumulator (FSDP2: unsharded_accumulated_grad)
+        )
         self.sharded_grads: DBuffer | None = None
 
     def _unsharded(self, dtype: torch.dtype, name: str, allocate: bool = False, layout=None) -> DBuffer:
-        return DBuffer(layout or self.grad_layout, sharded=False, rank=self.rank, dtype=dtype, device=self.device,
-                       shapes=self.shapes, allocate=allocate, name=name)
+        return DBuffer(
+            layout or self.grad_layout,
+            sharded=False,
+            rank=self.rank,
+            dtype=dtype,
+            device=self.device,
+            shapes=self.shapes,
+            allocate=allocate,
+            name=name,
+        )
 
     # ---- gradient layout ---------------------------------------------------------------------
     @property
@@ -93,8 +121,11 @@ class UnitBuffers:
             return None
         old, old_grads, old_acc, old_sg = self.grad_layout, self.grads, self.acc, self.sharded_grads
         self.grad_layout = new
-        self.grads = self.param_layout_grads if new is self.layout else self._unsharded(self.param_dtype,
-                                                                                          "unsharded grads")
+        self.grads = (
+            self.param_layout_grads
+            if new is self.layout
+            else self._unsharded(self.param_dtype, "unsharded grads")
+        )
         self.acc, self.sharded_grads = None, None
         if old_grads.is_allocated:
             self.begin_grads()
@@ -141,7 +172,9 @@ class UnitBuffers:
             into, fresh = self.grads, self.begin_grads()
         dsts, srcs = [], []
         for i, g in grads:
-            flat = (g if g.layout is torch.strided else g.to_dense()).reshape(-1)  # sparse: nn.Embedding(sparse=True)
+            flat = (g if g.layout is torch.strided else g.to_dense()).reshape(
+                -1
+            )  # sparse: nn.Embedding(sparse=True)
             if not self.compact_grads:
                 dsts.append(into.data.narrow(0, self.layout.offsets[i], flat.numel()))
                 srcs.append(flat)
@@ -158,15 +191,29 @@ class UnitBuffers:
     def sharded_output(self, dtype: torch.dtype, name: str = "reduce-scatter output") -> DBuffer:
         """A fresh ``(Sg,)`` buffer (the grad layout's shard) on the compute device (zero-filled padding is
         not needed: it is written)."""
-        return DBuffer(self.grad_layout, sharded=True, rank=self.rank, dtype=dtype, device=self.device,
-                       shapes=self.shapes, name=name)
+        return DBuffer(
+            self.grad_layout,
+            sharded=True,
+            rank=self.rank,
+            dtype=dtype,
+            device=self.device,
+            shapes=self.shapes,
+            name=name,
+        )
 
     def sharded_grad_buffer(self) -> DBuffer:
         """The persistent ``(Sg,)`` sharded grads (orig dtype, storage device), created zeroed on first use."""
         if self.sharded_grads is None:
-            self.sharded_grads = DBuffer(self.grad_layout, sharded=True, rank=self.rank, dtype=self.orig_dtype,
-                                         device=self.storage_device, shapes=self.shapes, pin_memory=self.pin,
-                                         name="sharded grads")
+            self.sharded_grads = DBuffer(
+                self.grad_layout,
+                sharded=True,
+                rank=self.rank,
+                dtype=self.orig_dtype,
+                device=self.storage_device,
+                shapes=self.shapes,
+                pin_memory=self.pin,
+                name="sharded grads",
+            )
             self.sharded_grads.zero_()
         elif self.sharded_grads.alloc():  # released by release_sharded_grads(): re-grown, zeroed
             self.sharded_grads.zero_()
@@ -185,8 +232,9 @@ class UnitBuffers:
         return True
 
     # ---- params ----------------------------------------------------------------------------
-    def gather_params(self, group, *, stream=None, source: torch.Tensor | None = None,
-                      source_group=None) -> CommHandle:
+    def gather_params(
+        self, group, *, stream=None, source: torch.Tensor | None = None, source_group=None
+    ) -> CommHandle:
         """Allocate the unsharded params and all-gather them from ``source`` (default: the sharded
         master) over ``source_group or group``, issued from ``stream``. Collective over that group."""
         compute = current_stream(self.device)
@@ -231,7 +279,9 @@ class UnitBuffers:
         if self.acc is not None:
             self.acc.free()
 
-    def reduce_grads(self, group, *, out: DBuffer, op=dist.ReduceOp.SUM, stream=None) -> tuple[CommHandle, DBuffer]:
+    def reduce_grads(
+        self, group, *, out: DBuffer, op=dist.ReduceOp.SUM, stream=None
+    ) -> tuple[CommHandle, DBuffer]:
         """Reduce-scatter the unit's unsharded grads (cast to ``reduce_dtype``) into ``out`` ``(S,)``,
         issued from ``stream``. Collective over ``group``.
 
@@ -265,6 +315,7 @@ class UnitBuffers:
 def _move_pieces(old, new, src: torch.Tensor, dst: torch.Tensor, *, sharded: bool, rank: int) -> None:
     """Copy every piece of the tensors present in both grad layouts from ``src`` (laid out by ``old``) to
     ``dst`` (by ``new``): this rank's pieces for sharded buffers, every rank's for unsharded ones."""
+
     def members(lay):
         return set(lay.members) if isinstance(lay, GradLayout) else set(range(len(lay.numels)))
 

@@ -201,6 +201,20 @@ class CommHandle:
             b._note_waited(self, key)
 
 
-__all__ = ["BufferLifetimeError", "CollectiveError", "CommHandle", "current_stream", "debug_enabled", "new_event",
-           "new_stream", "on_stream", "record_event", "set_debug", "set_stream_model", "stream_key", "stream_model",
-           "wait_event", "wait_stream"]
+__all__ = [
+    "BufferLifetimeError",
+    "CollectiveError",
+    "CommHandle",
+    "current_stream",
+    "debug_enabled",
+    "new_event",
+    "new_stream",
+    "on_stream",
+    "record_event",
+    "set_debug",
+    "set_stream_model",
+    "stream_key",
+    "stream_model",
+    "wait_event",
+    "wait_stream",
+]

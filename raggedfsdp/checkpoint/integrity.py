@@ -140,5 +140,3 @@ def own_step_folders(folder: Path, run_id: str) -> list[tuple[int, Path]]:
         if man is not None and man.get("run_id") == run_id:
             found.append((step, path))
     return sorted(found)
-
-

@@ -10,6 +10,7 @@ COMMANDS = (
     "plan",
     "bench",
     "estimate_memory",
+    "estimate_time",
     "convert",
     "tokenize",
     "wrap_bench",

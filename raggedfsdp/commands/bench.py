@@ -66,12 +66,24 @@ def run_bench(args: argparse.Namespace) -> int:
     from torch.distributed.run import parse_args, run
 
     if not args.quiet:
-        print(f"raggedfsdp bench: launching {args.nproc} rank(s) (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}): "
-              f"model {args.model}/{args.flavor}, {args.steps} alternated steps per system",
-              file=sys.stderr, flush=True)
+        print(
+            f"raggedfsdp bench: launching {args.nproc} rank(s) (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}): "
+            f"model {args.model}/{args.flavor}, {args.steps} alternated steps per system",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "--module",
-                        "raggedfsdp.bench.worker", *worker_argv(args)]))
+        run(
+            parse_args(
+                [
+                    "--standalone",
+                    f"--nproc-per-node={args.nproc}",
+                    "--module",
+                    "raggedfsdp.bench.worker",
+                    *worker_argv(args),
+                ]
+            )
+        )
     except ChildFailedError as e:
         from raggedfsdp.launch.failures import failure_report
 

@@ -8,8 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-
-_DESCRIPTION = "Hugging Face in and out: DCP training checkpoints <-> safetensors folders for the LLaMA model."
+_DESCRIPTION = (
+    "Hugging Face in and out: DCP training checkpoints <-> safetensors folders for the LLaMA model "
+    "(and out, as MixtralForCausalLM, for the MoE)."
+)
 
 
 def add_parser(subparsers):
@@ -83,16 +85,23 @@ def run(args) -> int:
         name, cfg = _model_config(args, step_dir)
     except ValueError as e:
         return error(str(e))
-    if name != "llama":
+    if name not in ("llama", "moe"):
         return error(
-            f"--to safetensors supports the llama model (HF LlamaForCausalLM); this checkpoint is {name!r}: "
-            "use --to torch"
+            f"--to safetensors supports the llama (HF LlamaForCausalLM) and moe (HF MixtralForCausalLM) models; "
+            f"this checkpoint is {name!r}: use --to torch"
         )
     try:
-        out = write_safetensors(args.out, state, cfg)
+        if (
+            name == "moe"
+        ):  # MixtralForCausalLM (also expert-parallel checkpoints: DCP holds the global stacks)
+            from raggedfsdp.checkpoint.hf_moe import write_moe_safetensors
+
+            out = write_moe_safetensors(args.out, state, cfg)
+        else:
+            out = write_safetensors(args.out, state, cfg)
     except ImportError:
         return error("--to safetensors needs the safetensors package: pip install 'raggedfsdp[hf]'")
-    except KeyError as e:
+    except (KeyError, ValueError) as e:
         return error(str(e))
     print(f"wrote {out / 'model.safetensors'} and config.json ({cfg.num_params():,} params) from {step_dir}")
     return 0

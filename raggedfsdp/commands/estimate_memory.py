@@ -57,7 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--unit", default="layer", help="FSDP unit with --model: layer | superblock (hybrids)")
     p.add_argument(
-        "--ep", type=int, default=1,
+        "--ep",
+        type=int,
+        default=1,
         help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N",
     )
     p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
@@ -119,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
             )
     except ValueError as exc:
         msg = str(exc)
-        return _error(f"--ep {args.ep}: {msg}" if args.ep != 1 and "ep" in msg and not msg.startswith("--ep") else msg)
+        return _error(
+            f"--ep {args.ep}: {msg}" if args.ep != 1 and "ep" in msg and not msg.startswith("--ep") else msg
+        )
     if args.json:
         out = [dict(r.to_dict(), model=label or None) for r in results]
         text = json.dumps(out[0] if len(out) == 1 else out, indent=1)

@@ -290,7 +290,9 @@ def _run_ep(args, units, spec) -> int:
         return _error(f"--unit auto with --ep {args.ep}: not supported; give --unit layer")
     try:
         policy = gcd_fallback(spec) if args.on_indivisible == "gcd" else spec
-        plan = plan_model_ep(units, args.world_size, args.ep, policy=policy, align=args.align, order=args.order)
+        plan = plan_model_ep(
+            units, args.world_size, args.ep, policy=policy, align=args.align, order=args.order
+        )
     except BlockError as exc:
         return _error(f"--granularity {args.granularity}: {exc}")
     except ValueError as exc:

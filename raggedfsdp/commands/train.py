@@ -94,9 +94,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "SLURM_JOB_ID and the endpoint from MASTER_ADDR:MASTER_PORT or the first host of the node list",
     )
     nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="nodes in the job (default: 1)")
-    nodes.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node, 0..N-1 (default: 0)")
-    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                       help="node 0's address, the same on every node (required with --nnodes > 1)")
+    nodes.add_argument(
+        "--node-rank", type=int, default=None, metavar="R", help="this node, 0..N-1 (default: 0)"
+    )
+    nodes.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address, the same on every node (required with --nnodes > 1)",
+    )
     nodes.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by the nodes")
     p.add_argument(
         "--reproduce-batch",
@@ -123,7 +129,9 @@ def run_train(args: argparse.Namespace) -> int:
         from raggedfsdp.train import run_dir
 
         if node.nnodes > 1 and not cfg.job.out:
-            raise ValueError(f"--nnodes {node.nnodes} needs --out: one folder on a file system every node shares")
+            raise ValueError(
+                f"--nnodes {node.nnodes} needs --out: one folder on a file system every node shares"
+            )
         # A bad config or --data fails here, not after the launch on every rank; so does a missing or
         # corrupt --resume path (verified here, once for the whole job), or a taken --out. With several
         # nodes, node 0's launcher checks and locks --out; the others only validate.
@@ -157,9 +165,14 @@ def run_train(args: argparse.Namespace) -> int:
         "raggedfsdp.launch.worker",
         *override_argv(args.config, overrides),
     ]
-    where = "--standalone" if node.nnodes == 1 else (
-        f"node {node.node_rank}/{node.nnodes}, ranks {node.node_rank * args.nproc}-"
-        f"{(node.node_rank + 1) * args.nproc - 1} of {world}, rendezvous {node.endpoint}")
+    where = (
+        "--standalone"
+        if node.nnodes == 1
+        else (
+            f"node {node.node_rank}/{node.nnodes}, ranks {node.node_rank * args.nproc}-"
+            f"{(node.node_rank + 1) * args.nproc - 1} of {world}, rendezvous {node.endpoint}"
+        )
+    )
     print(
         f"raggedfsdp train: launching {args.nproc} rank(s) with torchrun {where} "
         f"(OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, backend {cfg.fsdp.backend}) -> {cfg.job.out}",

@@ -182,7 +182,11 @@ class FSDPModule(torch_fsdp.FSDPModule):
         units of the root; before a unit launches its reduce-scatter the oldest ones are waited and their
         unsharded grad buffers freed (FSDP2's ``set_reduce_scatter_max_input_buffers``). Peak gradient
         memory in backward: K + 1 unsharded units. Raises ``ValueError`` for K < 1. Local setting."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+        if (
+            isinstance(max_input_buffers, bool)
+            or not isinstance(max_input_buffers, int)
+            or max_input_buffers < 1
+        ):
             raise ValueError(
                 f"set_reduce_scatter_max_input_buffers: max_input_buffers={max_input_buffers!r} must be an int >= 1"
             )
@@ -198,7 +202,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
         scale with a custom divide factor); the reduced gradients are the same up to rounding either way."""
         self._fsdp_state()._force_sum_reduction = bool(enable)
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
         """Accepted for API parity: raggedfsdp always reduce-scatters a unit's whole flat gradient buffer
         (zeros for parameters this rank did not use), so ranks with different control flow never issue
         mismatched collectives; which parameters get a ``.grad`` is decided over all ranks."""
@@ -216,8 +222,10 @@ class FSDPModule(torch_fsdp.FSDPModule):
         input/output (no staging buffers to allocate from the process group). Raises
         ``NotImplementedError`` for ``True``."""
         if enable:
-            _unsupported("set_allocate_memory_from_process_group_for_comm(True)",
-                         "raggedfsdp's all-gather and reduce-scatter run in place on the unit's flat buffers")
+            _unsupported(
+                "set_allocate_memory_from_process_group_for_comm(True)",
+                "raggedfsdp's all-gather and reduce-scatter run in place on the unit's flat buffers",
+            )
 
     def set_custom_all_gather(self, comm) -> None:
         """Not supported (raises ``NotImplementedError``): the all-gather runs in place on the flat buffer."""
@@ -225,7 +233,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """Not supported (raises ``NotImplementedError``): the reduce-scatter runs in place on the flat buffer."""
-        _unsupported("set_custom_reduce_scatter", "the reduce-scatter runs in place on the unit's flat buffer")
+        _unsupported(
+            "set_custom_reduce_scatter", "the reduce-scatter runs in place on the unit's flat buffer"
+        )
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Not supported (raises ``NotImplementedError``); HSDP's replicate all-reduce is built in."""
@@ -234,7 +244,9 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Only ``False`` is supported (raises ``NotImplementedError`` for ``True``)."""
         if enable:
-            _unsupported("set_separate_reduce_scatter_group(True)", "all collectives of a unit use its mesh's group")
+            _unsupported(
+                "set_separate_reduce_scatter_group(True)", "all collectives of a unit use its mesh's group"
+            )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported (raises ``NotImplementedError``): no symmetric-memory all-gather yet."""

@@ -127,8 +127,11 @@ class FSDPParam:
         if self.tp_spec is None:
             return t
         meta = self.tp_spec.tensor_meta
-        spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements,
-                           tensor_meta=TensorMeta(meta.shape, meta.stride, t.dtype))
+        spec = DTensorSpec(
+            self.tp_spec.mesh,
+            self.tp_spec.placements,
+            tensor_meta=TensorMeta(meta.shape, meta.stride, t.dtype),
+        )
         return DTensor(t, spec, requires_grad=False)
 
     def local_grad(self, g: torch.Tensor) -> torch.Tensor:

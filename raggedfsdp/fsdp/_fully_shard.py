@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from raggedfsdp.fsdp._api import FSDPModule, UnshardHandle
 from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
+from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._init import (
     _device_of,
     _granularity_fn,
@@ -26,7 +27,7 @@ from raggedfsdp.fsdp._init import (
     _managed_params,
     _move_states_to_device,
 )
-from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.fsdp._param_group import FSDPParamGroup, _mark_units_stepped
 from raggedfsdp.fsdp._state import FSDPState
 
 _cls_cache: dict[type, type] = {}
@@ -36,7 +37,21 @@ def _after_load(group: FSDPParamGroup) -> None:
     group.adopt_registered_params()  # load_state_dict(assign=True) replaced the sharded params
     group.mark_master_changed()
 
+
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+
+
+_OPTIMIZER_HOOK = None
+
+
+def _register_optimizer_hook() -> None:
+    """Register the global ``torch.optim`` step post-hook ``_mark_units_stepped`` once per process, on
+    the first ``fully_shard`` call (so ``import raggedfsdp`` changes nothing global)."""
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_mark_units_stepped)
 
 
 @overload
@@ -111,6 +126,7 @@ def fully_shard(
         NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements, a
             non-contiguous (e.g. ``channels_last``) parameter.
     """
+    _register_optimizer_hook()
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules")
@@ -142,7 +158,9 @@ def fully_shard(
             )
         reshard_after_forward = False
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+        raise TypeError(
+            f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
+        )
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     mesh = _init_mesh(mesh)
     post_forward_mesh = None
@@ -172,9 +190,17 @@ def fully_shard(
     device = _device_of(params, mesh, offload)
     gran_fn = _granularity_fn(shard_placement_fn)
     group = (
-        FSDPParamGroup(params, mesh, mp_policy, device, gran_fn, offload=offload,
-                       pin_memory=getattr(offload_policy, "pin_memory", True))
-        if params else None
+        FSDPParamGroup(
+            params,
+            mesh,
+            mp_policy,
+            device,
+            gran_fn,
+            offload=offload,
+            pin_memory=getattr(offload_policy, "pin_memory", True),
+        )
+        if params
+        else None
     )
     unit = type(modules[0]).__name__
     for p, fqn, _ in params:
@@ -188,8 +214,10 @@ def fully_shard(
     state = FSDPState(modules, group, mp_policy, reshard_after_forward)
     for m in modules:
         m._raggedfsdp_state = state
-        m.register_forward_pre_hook(lambda mod, a, k: state._pre_forward(mod, a, k), prepend=True, with_kwargs=True)
-        m.register_forward_hook(lambda mod, a, o: state._post_forward(mod, a, o))
+        m.register_forward_pre_hook(
+            eager_hook(lambda mod, a, k: state._pre_forward(mod, a, k)), prepend=True, with_kwargs=True
+        )
+        m.register_forward_hook(eager_hook(lambda mod, a, o: state._post_forward(mod, a, o)))
         if group is not None:
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))
@@ -205,7 +233,9 @@ def _fsdp_class(cls: type) -> type:
     ``type(m)`` shows which library sharded the module."""
     if cls not in _cls_cache:
         name = f"FSDP{cls.__name__}"
-        _cls_cache[cls] = type(name, (FSDPModule, cls), {"__module__": "raggedfsdp.fsdp", "__qualname__": name})
+        _cls_cache[cls] = type(
+            name, (FSDPModule, cls), {"__module__": "raggedfsdp.fsdp", "__qualname__": name}
+        )
     return _cls_cache[cls]
 
 

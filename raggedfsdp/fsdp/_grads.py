@@ -82,7 +82,9 @@ class GradPath:
     def _sync_grad_members(self) -> None:
         """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
         accumulation window (grads held), params that hold grads keep their slots. Local."""
-        held = self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
+        held = (
+            self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
+        )
         have = {id(fp) for fp in self.grad_fps}
         want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
         if {id(fp) for fp in want} == have:
@@ -100,8 +102,9 @@ class GradPath:
         for fp in self.fsdp_params:
             fp.sharded_grad = None
         for fp in kept:
-            fp.sharded_grad = DTensor(self.bufs.sharded_grad_buffer().local_view(self._index[id(fp)]), fp.spec,
-                                      requires_grad=False)
+            fp.sharded_grad = DTensor(
+                self.bufs.sharded_grad_buffer().local_view(self._index[id(fp)]), fp.spec, requires_grad=False
+            )
             fp.sharded.grad = fp.sharded_grad
         self.grad_fps = want
 
@@ -112,8 +115,11 @@ class GradPath:
         part in its reduce-scatter)."""
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
         compact = self.bufs.compact_grads
-        stray = [fp for fp in self.grad_fps
-                 if fp.unsharded.grad is not None and (compact or fp.unsharded.grad is not fp.grad_view)]
+        stray = [
+            fp
+            for fp in self.grad_fps
+            if fp.unsharded.grad is not None and (compact or fp.unsharded.grad is not fp.grad_view)
+        ]
         if stray:
             if self.grad_state is GradState.REDUCING:  # a second backward through this unit
                 self.comm.reduces.complete_group(self)
@@ -146,8 +152,13 @@ class GradPath:
         any_grad = self._collect_stray_grads() if self.any_trainable else False
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
-        if not any_grad and self.holds_unreduced_grads():  # HSDP: a deferred partial sum awaits its all-reduce
-            self.grad_state, any_grad = GradState.ACCUMULATING, True  # (it rides on a reduce-scatter of zeros)
+        if (
+            not any_grad and self.holds_unreduced_grads()
+        ):  # HSDP: a deferred partial sum awaits its all-reduce
+            self.grad_state, any_grad = (
+                GradState.ACCUMULATING,
+                True,
+            )  # (it rides on a reduce-scatter of zeros)
         if not any_grad:
             self._drop_unsharded_grads()
             return
@@ -170,7 +181,8 @@ class GradPath:
         if not self.reduce_grads:
             return False
         return self.grad_state is GradState.HELD or (
-            self.grad_state is GradState.NONE and self._partial_reduce is not None and self.all_reduce_grads)
+            self.grad_state is GradState.NONE and self._partial_reduce is not None and self.all_reduce_grads
+        )
 
     def _drop_unsharded_grads(self) -> None:
         for fp in self.grad_fps:

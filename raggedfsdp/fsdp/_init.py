@@ -16,14 +16,18 @@ from raggedfsdp.placement._redistribute import has_ragged, local_piece_of_full
 def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
         if not dist.is_initialized():
-            raise ValueError("fully_shard: no mesh given and torch.distributed is not initialized; "
-                             "call dist.init_process_group(...) first or pass mesh=")
+            raise ValueError(
+                "fully_shard: no mesh given and torch.distributed is not initialized; "
+                "call dist.init_process_group(...) first or pass mesh="
+            )
         dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(dev, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D")
+        raise ValueError(
+            f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D"
+        )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's fully_shard refuses it too (AssertionError)
         raise FSDPValueError(
             f"fully_shard: the 2-D (HSDP) mesh {mesh.mesh.tolist()} has no dim names; build it with "
@@ -143,7 +147,9 @@ def _states_to_move(modules, params, mesh, offload: bool = False) -> tuple[torch
     if mesh.device_type == "cpu":
         return None, [], []
     target = _mesh_device(mesh)
-    move_p = [] if offload else [p for p, _, _ in params if not isinstance(p, DTensor) and p.device.type == "cpu"]
+    move_p = (
+        [] if offload else [p for p, _, _ in params if not isinstance(p, DTensor) and p.device.type == "cpu"]
+    )
     move_b = []
 
     def visit(mod: nn.Module, top: bool):

@@ -30,9 +30,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from raggedfsdp._torch_patches import torch_minor
+from raggedfsdp._compat import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream, debug_enabled
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
@@ -45,6 +44,7 @@ from raggedfsdp.planner.policy import granularity_for, ragged_dims
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
 PADDING_WARN_EXCESS = 0.03  # warn when a unit pads this fraction of its elements more than FSDP2 would
 _padding_warned: set = set()
+
 
 def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
     """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
@@ -59,9 +59,6 @@ def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
                 g.mark_master_changed()
 
 
-register_optimizer_step_post_hook(_mark_units_stepped)
-
-
 class FSDPParamGroup(GradPath):
     """All parameters of one ``fully_shard`` call, laid out in one flat buffer per role.
 
@@ -73,9 +70,16 @@ class FSDPParamGroup(GradPath):
             ``raggedfsdp.planner.granularity_for``).
     """
 
-    def __init__(self, params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]], mesh, mp_policy,
-                 device: torch.device, granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
-                 offload: bool = False, pin_memory: bool = True):
+    def __init__(
+        self,
+        params: list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]],
+        mesh,
+        mp_policy,
+        device: torch.device,
+        granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
+        offload: bool = False,
+        pin_memory: bool = True,
+    ):
         from raggedfsdp.fsdp._comm import CommContext
 
         self.mesh = mesh
@@ -105,7 +109,9 @@ class FSDPParamGroup(GradPath):
         self.orig_dtype = params[0][0].dtype if params else torch.float32
         self.param_dtype = mp_policy.param_dtype or self.orig_dtype
         # reduce_dtype=None: torch <= 2.14 reduces in param_dtype, 2.15 in each parameter's own dtype (peers-2026-12 2.15-b)
-        self.reduce_dtype = mp_policy.reduce_dtype or (self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype)
+        self.reduce_dtype = mp_policy.reduce_dtype or (
+            self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype
+        )
         if not self.orig_dtype.is_floating_point:
             self.param_dtype = self.reduce_dtype = self.orig_dtype
         self.mp_policy = mp_policy
@@ -119,7 +125,9 @@ class FSDPParamGroup(GradPath):
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
-            if not local_tensor(p).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
+            if not local_tensor(
+                p
+            ).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
                 raise NotImplementedError(
                     f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
                     f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
@@ -136,9 +144,14 @@ class FSDPParamGroup(GradPath):
                     f"must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
-                FSDPParam(fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec)
+                FSDPParam(
+                    fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec
+                )
             )
-        elsizes = {torch.empty((), dtype=d).element_size() for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}}
+        elsizes = {
+            torch.empty((), dtype=d).element_size()
+            for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}
+        }
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
         self.layout = plan_layout(
             [fp.shape.numel() for fp in self.fsdp_params],
@@ -177,7 +190,9 @@ class FSDPParamGroup(GradPath):
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
-        self._partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
+        self._partial_flags: dict[int, bool] | None = (
+            None  # id(fsdp_param) -> used, of deferred micro-batches
+        )
         self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
 
     def _warn_padding(self) -> None:
@@ -210,9 +225,17 @@ class FSDPParamGroup(GradPath):
         )
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
-        return UnitBuffers(self.layout, rank=self.shard_rank, shapes=[fp.shape for fp in self.fsdp_params],
-                           orig_dtype=self.orig_dtype, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                           device=self.device, storage_device=storage, pin=self.pin)
+        return UnitBuffers(
+            self.layout,
+            rank=self.shard_rank,
+            shapes=[fp.shape for fp in self.fsdp_params],
+            orig_dtype=self.orig_dtype,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            device=self.device,
+            storage_device=storage,
+            pin=self.pin,
+        )
 
     # the four roles, by their historical names
     @property
@@ -274,10 +297,14 @@ class FSDPParamGroup(GradPath):
                     local.copy_(local_tensor(p).detach().reshape(-1)[a:b])
                 mesh = self.mesh if fp.tp_spec is None else spmd_mesh(self.mesh, fp.tp_spec.mesh)
                 gshape = fp.global_shape
-                fp.spec = DTensorSpec(mesh, self._placements(fp, i),
-                                      tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype))
-                fp.sharded = nn.Parameter(DTensor(local, fp.spec, requires_grad=fp.requires_grad),
-                                          requires_grad=fp.requires_grad)
+                fp.spec = DTensorSpec(
+                    mesh,
+                    self._placements(fp, i),
+                    tensor_meta=TensorMeta(gshape, contiguous_stride(gshape), fp.dtype),
+                )
+                fp.sharded = nn.Parameter(
+                    DTensor(local, fp.spec, requires_grad=fp.requires_grad), requires_grad=fp.requires_grad
+                )
                 fp.set_on_owners(fp.sharded)
             if not on_meta:
                 self._zero_sharded_padding()
@@ -298,9 +325,12 @@ class FSDPParamGroup(GradPath):
         self.bufs.params.alloc()
         grads.alloc()
         for i, fp in enumerate(self.fsdp_params):
-            fp.unsharded = nn.Parameter(fp.wrap_unsharded(self.bufs.params.tensor_view(i)),
-                                        requires_grad=fp.requires_grad)
-            fp.grad_view = fp.wrap_unsharded(grads.tensor_view(i))  # for every param: requires_grad may change
+            fp.unsharded = nn.Parameter(
+                fp.wrap_unsharded(self.bufs.params.tensor_view(i)), requires_grad=fp.requires_grad
+            )
+            fp.grad_view = fp.wrap_unsharded(
+                grads.tensor_view(i)
+            )  # for every param: requires_grad may change
             fp.extra["hooked"] = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
@@ -320,8 +350,13 @@ class FSDPParamGroup(GradPath):
         gradient as its own tensor until ``post_backward`` folds it in (Note [grad fold]). Local."""
         fp.got_grad = True
         self.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
-        if (fp.unsharded.grad is None and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-                and not self.bufs.compact_grads and self.bufs.grads.is_allocated and not torch.is_grad_enabled()):
+        if (
+            fp.unsharded.grad is None
+            and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
+            and not self.bufs.compact_grads
+            and self.bufs.grads.is_allocated
+            and not torch.is_grad_enabled()
+        ):
             fp.unsharded.grad = fp.grad_view
 
     def reset_sharded_storage(self) -> None:
@@ -404,10 +439,17 @@ class FSDPParamGroup(GradPath):
             new = mod._parameters.get(name)
             if new is None or new is fp.sharded:
                 continue
-            if (not isinstance(new, DTensor) or new.shape != fp.sharded.shape or new.device_mesh != fp.spec.mesh
-                    or tuple(new.placements) != tuple(fp.spec.placements)):
-                what = (f"a DTensor with placements {tuple(new.placements)}" if isinstance(new, DTensor)
-                        else f"a {type(new).__name__} of shape {tuple(new.shape)}")
+            if (
+                not isinstance(new, DTensor)
+                or new.shape != fp.sharded.shape
+                or new.device_mesh != fp.spec.mesh
+                or tuple(new.placements) != tuple(fp.spec.placements)
+            ):
+                what = (
+                    f"a DTensor with placements {tuple(new.placements)}"
+                    if isinstance(new, DTensor)
+                    else f"a {type(new).__name__} of shape {tuple(new.shape)}"
+                )
                 raise ValueError(
                     f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
                     f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); load a full "
@@ -429,8 +471,11 @@ class FSDPParamGroup(GradPath):
         self._master_changes += 1
 
     def _master_version(self) -> int:
-        return (self._master_changes + self.bufs.sharded.data._version
-                + sum(fp.sharded._version for fp in self.fsdp_params))
+        return (
+            self._master_changes
+            + self.bufs.sharded.data._version
+            + sum(fp.sharded._version for fp in self.fsdp_params)
+        )
 
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
@@ -461,8 +506,9 @@ class FSDPParamGroup(GradPath):
         with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
             if self.post_forward_buf is not None and version == self._post_forward_version:
                 buf, self.post_forward_buf = self.post_forward_buf, None
-                self._unshard = self.bufs.gather_params(None, stream=self.comm.ag_stream, source=buf,
-                                                        source_group=self.post_forward_group)
+                self._unshard = self.bufs.gather_params(
+                    None, stream=self.comm.ag_stream, source=buf, source_group=self.post_forward_group
+                )
             else:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
@@ -501,7 +547,9 @@ class FSDPParamGroup(GradPath):
         chunk = self.layout.total_size // k
         self._post_forward_version = self._master_version()
         with torch.no_grad():
-            self.post_forward_buf = self.bufs.params.data.narrow(0, self.post_forward_rank * chunk, chunk).clone()
+            self.post_forward_buf = self.bufs.params.data.narrow(
+                0, self.post_forward_rank * chunk, chunk
+            ).clone()
         self.reshard()
 
     def reshard(self, free: bool = True) -> None:
@@ -527,8 +575,11 @@ class FSDPParamGroup(GradPath):
         if self.shard_world == 1:
             return
         uid = self.unit_id
-        t = torch.tensor([uid, -uid, numel, -numel], dtype=torch.int64,
-                         device=self.device if self.device.type == "cuda" else "cpu")
+        t = torch.tensor(
+            [uid, -uid, numel, -numel],
+            dtype=torch.int64,
+            device=self.device if self.device.type == "cuda" else "cpu",
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
         hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
         if hi_id != -lo_id or hi_n != -lo_n:

@@ -228,7 +228,9 @@ class ReduceQueue:
     seq: list = field(default_factory=list)  # (unit name, kind), the first _SEQ_KEEP since the last check
     seq_len: int = 0
     counts: dict = field(default_factory=dict)  # unit id -> collectives issued since the last check
-    deferred: list = field(default_factory=list)  # (host copy, event, units, counts, ran): read at the next check
+    deferred: list = field(
+        default_factory=list
+    )  # (host copy, event, units, counts, ran): read at the next check
 
     def check_deferred(self) -> None:
         """Read back deferred unit-agreement results (Note [unit agreement]) and raise
@@ -263,9 +265,11 @@ class ReduceQueue:
         return text + (f", ... ({self.seq_len} in all)" if self.seq_len > len(self.seq) else "")
 
     def context(self, group: FSDPParamGroup):
-        return lambda: (f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
-                        f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
-                        "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_reduce.py)")
+        return lambda: (
+            f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
+            f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
+            "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_reduce.py)"
+        )
 
     def clear_sequence(self) -> None:
         self.seq_hash, self.seq_len = 0, 0
@@ -381,8 +385,10 @@ def exchange_used_flags(recs: list[PendingReduce], queue: ReduceQueue) -> dict[i
         if g.shard_world * g.replicate_world > 1:
             counts = [queue.counts.get(u.unit_id, 0) for u in gs]
             n = len(gs)
-            t = torch.tensor([queue.seq_hash, -queue.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
-                             dtype=torch.int64)
+            t = torch.tensor(
+                [queue.seq_hash, -queue.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
+                dtype=torch.int64,
+            )
             if g.device.type == "cuda":
                 t = t.pin_memory().to(g.device, non_blocking=True)
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group, async_op=True)
@@ -426,8 +432,11 @@ def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, lis
     """From the all-reduced ``[h, -h, counts, -counts, ...]``: whether the hashes differ, and the units
     whose counts differ (Note [unit agreement])."""
     n = len(gs)
-    differ = [f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
-              for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n]) if hi != -lo]
+    differ = [
+        f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
+        for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n])
+        if hi != -lo
+    ]
     return vals[0] != -vals[1], differ
 
 
@@ -437,8 +446,8 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
         "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
         "next forward to keep the step free of host syncs): the optimizer step of that iteration already used "
         "the wrong gradients, so restore the last checkpoint"
-        if late else
-        "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
+        if late
+        else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
         "were dropped (.grad is None)"
     )
     return CollectiveMismatchError(
@@ -454,8 +463,10 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
 def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     """Reduce-scatter ``group``'s unsharded grads (collective over its shard group), after making room
     in ``queue``; returns the record (already pushed)."""
-    check(group.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
-          f"reduce without grads (state {group.grad_state})")
+    check(
+        group.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
+        f"reduce without grads (state {group.grad_state})",
+    )
     queue.make_room()
     ws = group.shard_world * group.replicate_world
     factor = group.divide_factor()
@@ -491,7 +502,6 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
-
 
 
 def _nonfinite(bufs) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import GradState, ParamState
+from raggedfsdp.fsdp._compile import dynamo_disable
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
 
@@ -47,8 +48,13 @@ class _RegisterPostBackward(torch.autograd.Function):
 class FSDPState:
     """Hook state of one ``fully_shard``'ed module (one FSDP unit)."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy,
-                 reshard_after_forward: bool | None):
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy,
+        reshard_after_forward: bool | None,
+    ):
         self.modules = modules
         self.group = group
         self.mp_policy = mp_policy
@@ -127,6 +133,7 @@ class FSDPState:
         return None
 
     # ---- forward --------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
         root = self.root
@@ -149,7 +156,8 @@ class FSDPState:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
             args, kwargs = tree_map(
-                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs)
+                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
             )
         first_of_group = True
         if len(self.modules) > 1 and not in_bw:
@@ -184,6 +192,7 @@ class FSDPState:
             if st.group is not None:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
         in_bw = _in_backward()
         last_of_group = True
@@ -212,6 +221,7 @@ class FSDPState:
         return output
 
     # ---- backward -------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_backward(self, grad: torch.Tensor):
         root = self.root
         if root is not None and not root._final_callback_queued:
@@ -245,6 +255,7 @@ class FSDPState:
             if st.group is not None and not st._post_backward_done:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_backward_of_module(self) -> None:
         if len(self.modules) > 1:
             self._group_bwd_left -= 1
@@ -259,14 +270,17 @@ class FSDPState:
         self._pre_backward_done = False
         self.group.post_backward()
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _root_post_backward_final(self) -> None:
         for st in self.all_states:
             g = st.group
             if g is None:
                 continue
-            if g.grad_state is GradState.ACCUMULATING or (
-                not st._post_backward_done and g.param_state is not ParamState.SHARDED
-            ) or g.holds_unreduced_grads():
+            if (
+                g.grad_state is GradState.ACCUMULATING
+                or (not st._post_backward_done and g.param_state is not ParamState.SHARDED)
+                or g.holds_unreduced_grads()
+            ):
                 # inputs needed no grad (root), grads began again after the hook, or a unit that did
                 # not run in this synced backward holds grads of earlier micro-batches
                 g.post_backward()
@@ -306,5 +320,6 @@ def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device | None) ->
     does. Nothing moves for a CPU (or unknown) compute device. Local."""
     if device is None or device.type == "cpu":
         return args, kwargs
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t,
-                    (args, kwargs))
+    return tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, (args, kwargs)
+    )

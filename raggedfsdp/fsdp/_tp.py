@@ -56,8 +56,9 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
         return None
     spec = p._spec
     tp_mesh = spec.mesh
-    where = f"fully_shard: parameter {fqn!r} is a DTensor with placements {tuple(spec.placements)} " \
-            f"on {tp_mesh}"
+    where = (
+        f"fully_shard: parameter {fqn!r} is a DTensor with placements {tuple(spec.placements)} on {tp_mesh}"
+    )
     if _root(tp_mesh) is not _root(dp_mesh) and _root(tp_mesh) != _root(dp_mesh):
         raise ValueError(
             f"{where}, which is not derived from the same root mesh as the FSDP mesh {dp_mesh}; build both "
@@ -83,10 +84,14 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
                 )
             continue
         if pl.is_partial():
-            raise ValueError(f"{where}: a Partial parameter cannot be sharded; redistribute it to Replicate()")
+            raise ValueError(
+                f"{where}: a Partial parameter cannot be sharded; redistribute it to Replicate()"
+            )
         if isinstance(pl, RaggedShard):
             raise ValueError(f"{where}: it is already sharded by fully_shard (tied across units?)")  # noqa: TRY004
-        raise NotImplementedError(f"{where}: placement {pl} is not supported by fully_shard (use Shard/Replicate)")
+        raise NotImplementedError(
+            f"{where}: placement {pl} is not supported by fully_shard (use Shard/Replicate)"
+        )
     if not p._local_tensor.is_contiguous():
         raise ValueError(f"{where}: its local tensor is not contiguous; make the TP-local data .contiguous()")
     return spec

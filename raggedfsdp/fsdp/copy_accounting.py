@@ -23,8 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 COPY_OPS = {
-    aten.copy_.default, aten._to_copy.default, aten.cat.default, aten.split_with_sizes_copy.default,
-    aten._chunk_cat.default, aten._foreach_copy_.default, aten.clone.default,
+    aten.copy_.default,
+    aten._to_copy.default,
+    aten.cat.default,
+    aten.split_with_sizes_copy.default,
+    aten._chunk_cat.default,
+    aten._foreach_copy_.default,
+    aten.clone.default,
 }
 
 

@@ -69,10 +69,15 @@ from typing import NamedTuple, Self
 
 import torch
 
-from raggedfsdp._torch_patches import enable_cpu_allocator_accounting
+from raggedfsdp.placement._patches import enable_cpu_allocator_accounting
 
 __all__ = [
-    "MemoryWindow", "PeakMemory", "StepMemory", "live_tensor_bytes", "measure_train_step", "storage_bytes",
+    "MemoryWindow",
+    "PeakMemory",
+    "StepMemory",
+    "live_tensor_bytes",
+    "measure_train_step",
+    "storage_bytes",
 ]
 
 _MARK = "raggedfsdp.PeakMemory.reset"
@@ -103,10 +108,10 @@ def storage_bytes(tensors) -> int:
             continue
         try:
             st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # wrapper subclasses without a storage
-            continue
-        if st.nbytes():
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            if st.nbytes():
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses (e.g. TP's AsyncCollectiveTensor
+            continue  # outputs) without a storage, or whose storage is no longer valid
     return sum(seen.values())
 
 
@@ -204,8 +209,10 @@ def _cpu_windows(allocs, marks, baseline: int, global_total: bool) -> list[Memor
 def _peak_owners(allocs, marks, global_total: bool, top: int) -> list[list[tuple[int, str]]]:
     """Per window: the blocks allocated in it and live at its peak, ``(bytes, allocating op chain)``."""
     bounds = [m[1] for m in marks] + [float("inf")]
-    return [_window_owners([e for e in allocs if t0 < e[0] < t1], global_total, top)
-            for t0, t1 in zip(bounds[:-1], [m[0] for m in marks[1:]] + [float("inf")])]
+    return [
+        _window_owners([e for e in allocs if t0 < e[0] < t1], global_total, top)
+        for t0, t1 in zip(bounds[:-1], [m[0] for m in marks[1:]] + [float("inf")])
+    ]
 
 
 def _window_owners(evs, global_total: bool, top: int) -> list[tuple[int, str]]:
@@ -342,8 +349,10 @@ class PeakMemory:
         def mib(x):
             return "?" if x is None else f"{x / 2**20:.3f} MiB"
 
-        return (f"PeakMemory({self.device}, peak {mib(self.peak_bytes)} above baseline "
-                f"{mib(self.baseline_bytes)}, end {mib(self.end_bytes)})")
+        return (
+            f"PeakMemory({self.device}, peak {mib(self.peak_bytes)} above baseline "
+            f"{mib(self.baseline_bytes)}, end {mib(self.end_bytes)})"
+        )
 
 
 class StepMemory(NamedTuple):

@@ -102,5 +102,7 @@ def node_options(nnodes: int | None, node_rank: int | None, endpoint: str | None
             )
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT with a port in 1-65535, e.g. node0:29500")
+        raise ValueError(
+            f"--rdzv-endpoint {endpoint!r} must be HOST:PORT with a port in 1-65535, e.g. node0:29500"
+        )
     return NodeOptions(nnodes, node_rank, endpoint, rdzv_id)

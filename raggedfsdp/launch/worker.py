@@ -37,6 +37,7 @@ from raggedfsdp.launch.failures import ONE_LINE, PEER_FAILURE_HINTS
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
 
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog or "python -m raggedfsdp.launch.worker",
@@ -107,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(cfg, run, rank: int, world_size: int, local_rank: int, local_world_size: int, interrupts=None) -> int:
+def _run(
+    cfg, run, rank: int, world_size: int, local_rank: int, local_world_size: int, interrupts=None
+) -> int:
     import torch
     import torch.distributed as dist
 

@@ -93,7 +93,9 @@ def ep_dispatch_combine(
     if X % ep:
         raise ValueError(f"expert parallelism: {X} experts do not split over an EP group of {ep} ranks")
     L = X // ep
-    send = torch.tensor(list(counts), dtype=torch.int64, device=x.device)  # (X,) = (ep, L): rows I send to peer j's experts
+    send = torch.tensor(
+        list(counts), dtype=torch.int64, device=x.device
+    )  # (X,) = (ep, L): rows I send to peer j's experts
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # even pieces of L counts
     recv2 = recv.view(ep, L)  # recv2[s, e]: rows from source s for my local expert e

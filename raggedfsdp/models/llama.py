@@ -119,8 +119,14 @@ LLAMA_FLAVORS: dict[str, LlamaConfig] = {
     "base": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=2048),
     # LLaMA-3 8B shapes (the `llama3-8b` preset; GPU clusters, tokenized data with this vocabulary).
     "llama3-8b": LlamaConfig(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-        max_seq_len=8192, rope_theta=500000.0,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
 }
 

@@ -65,7 +65,13 @@ from raggedfsdp.models.llama import (
 )
 
 __all__ = [
-    "MOE_FLAVORS", "FusedExperts", "MoE", "MoEBlock", "MoEConfig", "MoEFeedForward", "SeparateExperts",
+    "MOE_FLAVORS",
+    "FusedExperts",
+    "MoE",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEFeedForward",
+    "SeparateExperts",
     "swiglu_experts",
 ]
 
@@ -113,7 +119,9 @@ class MoEConfig(LlamaConfig):
         if self.experts not in EXPERT_LAYOUTS:
             raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {self.experts!r}")
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(f"n_dense_layers must be in [0, n_layers={self.n_layers}], got {self.n_dense_layers}")
+            raise ValueError(
+                f"n_dense_layers must be in [0, n_layers={self.n_layers}], got {self.n_dense_layers}"
+            )
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
@@ -148,20 +156,52 @@ class MoEConfig(LlamaConfig):
 
 MOE_FLAVORS: dict[str, MoEConfig] = {
     # Unit tests: a few thousand parameters, 8 experts, a shared expert.
-    "moe-debug": MoEConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=256,
-                           n_experts=8, top_k=2, expert_dim=24, n_shared_experts=1),
+    "moe-debug": MoEConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=96,
+        max_seq_len=256,
+        n_experts=8,
+        top_k=2,
+        expert_dim=24,
+        n_shared_experts=1,
+    ),
     # `raggedfsdp train --model.name moe`: trains in minutes on 2 CPU ranks.
-    "moe-tiny": MoEConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512,
-                          n_experts=16, top_k=2, expert_dim=64),
+    "moe-tiny": MoEConfig(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512, n_experts=16, top_k=2, expert_dim=64
+    ),
     # The benchmark shape of issue 10: 4 blocks, d=256, 16 small experts per block, top-2.
-    "moe-small": MoEConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=1024,
-                           n_experts=16, top_k=2, expert_dim=128),
+    "moe-small": MoEConfig(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=1024, n_experts=16, top_k=2, expert_dim=128
+    ),
     # Real shapes, for planning / memory estimates on the meta device (public configs).
-    "mixtral-8x7b": MoEConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                              max_seq_len=4096, rope_theta=1e6, n_experts=8, top_k=2, expert_dim=14336,
-                              experts="fused"),
-    "olmoe-1b-7b": MoEConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=50304,
-                             max_seq_len=4096, n_experts=64, top_k=8, expert_dim=1024, route_norm=False),
+    "mixtral-8x7b": MoEConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        max_seq_len=4096,
+        rope_theta=1e6,
+        n_experts=8,
+        top_k=2,
+        expert_dim=14336,
+        experts="fused",
+    ),
+    "olmoe-1b-7b": MoEConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=16,
+        vocab_size=50304,
+        max_seq_len=4096,
+        n_experts=64,
+        top_k=8,
+        expert_dim=1024,
+        route_norm=False,
+    ),
 }
 
 
@@ -217,7 +257,10 @@ def swiglu_experts(
     ``unbind`` (not ``w[e]``) so backward stacks the grads once.
     """
     parts = x.split(counts)
-    ys = [(F.silu(xe @ a) * (xe @ c)) @ b for xe, a, c, b in zip(parts, w1.unbind(0), w3.unbind(0), w2.unbind(0))]
+    ys = [
+        (F.silu(xe @ a) * (xe @ c)) @ b
+        for xe, a, c, b in zip(parts, w1.unbind(0), w3.unbind(0), w2.unbind(0))
+    ]
     return torch.cat(ys)
 
 
@@ -265,7 +308,9 @@ class MoEFeedForward(nn.Module):
         token = order // self.top_k  # (N*k,) source token of each sorted assignment
         ys = self.experts(xf.index_select(0, token), counts.tolist())  # (N*k, D), host sync
         ys = ys * weights.flatten().index_select(0, order).unsqueeze(-1).to(ys.dtype)
-        out = torch.zeros_like(xf).index_add_(0, token, ys.to(xf.dtype))  # back to token order (ys: bf16 under autocast)
+        out = torch.zeros_like(xf).index_add_(
+            0, token, ys.to(xf.dtype)
+        )  # back to token order (ys: bf16 under autocast)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xf)
         return out.view(B, T, D)
@@ -341,11 +386,20 @@ class MoE(nn.Module):
                 std = 1.0 / cfg.dim
             elif p.ndim == 3:  # fused experts: expert e as its separate twin, transposed
                 prefix, w = name.rsplit(".", 1)  # "layers.L.feed_forward.experts", "w1"
-                std = 1.0 / math.sqrt(p.shape[1]) * (depth_scale if w == "w2" else 1.0)  # fan_in: D, or F for w2
+                std = (
+                    1.0 / math.sqrt(p.shape[1]) * (depth_scale if w == "w2" else 1.0)
+                )  # fan_in: D, or F for w2
                 seeds = [_param_seed(seed, f"{prefix}.{e}.{w}.weight") for e in range(p.shape[0])]
-                _fill_(p, lambda shape, std=std, seeds=seeds: torch.stack(
-                    [torch.randn(shape[2], shape[1], generator=torch.Generator().manual_seed(s)).T * std
-                     for s in seeds]))
+                _fill_(
+                    p,
+                    lambda shape, std=std, seeds=seeds: torch.stack(
+                        [
+                            torch.randn(shape[2], shape[1], generator=torch.Generator().manual_seed(s)).T
+                            * std
+                            for s in seeds
+                        ]
+                    ),
+                )
                 continue
             else:
                 std = 1.0 / math.sqrt(p.shape[1])

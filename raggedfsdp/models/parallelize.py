@@ -48,6 +48,7 @@ def parse_unit(unit: str) -> int | None:
         "layers:K (K >= 1)"
     )
 
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -160,11 +161,39 @@ def apply_fsdp(
     *units, _root = fsdp_unit_modules(model, unit)
     for _, modules in units:
         if experts_mesh is not None:
-            _shard_experts(modules, experts_mesh, mesh.size(), backend, fully_shard,
-                           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
+            _shard_experts(
+                modules,
+                experts_mesh,
+                mesh.size(),
+                backend,
+                fully_shard,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+                **kw,
+            )
         target = modules[0] if len(modules) == 1 else modules
         fully_shard(target, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, **kw)
+    return model
+
+
+def apply_compile(model: nn.Module, **compile_kw: Any) -> nn.Module:
+    """``block.compile(fullgraph=True)`` for each of ``model.layers``, in place: call it before ``fully_shard``.
+
+    Per-block compilation as torchtitan's ``apply_compile``: each block body becomes one graph (the
+    blocks share it when they are alike), the FSDP hooks stay eager around it (``fsdp/_compile.py``),
+    and parameter names do not change (the module is compiled in place, not wrapped). ``compile_kw``
+    goes to ``torch.compile`` (e.g. ``backend="aot_eager"``). Local; returns ``model``.
+
+    Raises:
+        ValueError: no ``model.layers`` ``ModuleList``.
+    """
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"apply_compile expects model.layers to be an nn.ModuleList, got {type(layers)}")
+    kw = {"fullgraph": True, **compile_kw}
+    for block in layers:
+        block.compile(**kw)
     return model
 
 
@@ -277,10 +306,15 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
         raise TypeError(f"apply_tp: mesh must be a 1-D DeviceMesh (e.g. root['tp']), got {mesh!r}")
     cfg = getattr(model, "cfg", None)
     layers = getattr(model, "layers", None)
-    if cfg is None or layers is None or not all(hasattr(b, "attention") and hasattr(b, "feed_forward")
-                                                for b in layers):
-        raise ValueError(f"apply_tp: {type(model).__name__} is not a raggedfsdp Llama (layers of attention + "
-                         "feed_forward blocks); write a parallelize_module plan for it")
+    if (
+        cfg is None
+        or layers is None
+        or not all(hasattr(b, "attention") and hasattr(b, "feed_forward") for b in layers)
+    ):
+        raise ValueError(
+            f"apply_tp: {type(model).__name__} is not a raggedfsdp Llama (layers of attention + "
+            "feed_forward blocks); write a parallelize_module plan for it"
+        )
     tp = mesh.size()
     errs = tp_plan_errors(cfg, tp)
     if errs:
@@ -288,12 +322,19 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
     if tp == 1:
         return model
     for block in layers:
-        parallelize_module(block, mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            },
+        )
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
     plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}

@@ -66,7 +66,9 @@ def split_matrices(item: int, mats: list[tuple[int, int, int, int]], ranges, hol
         if n == 0:
             continue
         parts = tuple(
-            (holders[q], max(s, a), min(s + n, b)) for q, (a, b) in enumerate(ranges) if max(s, a) < min(s + n, b)
+            (holders[q], max(s, a), min(s + n, b))
+            for q, (a, b) in enumerate(ranges)
+            if max(s, a) < min(s + n, b)
         )
         out.append(Matrix(item, s, n, r, c, parts))
     return out
@@ -170,8 +172,14 @@ class Exchange:
     scatter: bool = False
 
 
-def plan_exchange(matrices: list[Matrix], owners: list[int], chunk: list[int], n_chunks: int,
-                  replica: tuple[int, ...], me: int) -> list[Exchange]:
+def plan_exchange(
+    matrices: list[Matrix],
+    owners: list[int],
+    chunk: list[int],
+    n_chunks: int,
+    replica: tuple[int, ...],
+    me: int,
+) -> list[Exchange]:
     """Per-chunk :class:`Exchange` of world index ``me`` (pure; every rank builds the same lists).
 
     Gather: the owner takes each part it does not hold from that part's holder in the owner's
@@ -179,8 +187,16 @@ def plan_exchange(matrices: list[Matrix], owners: list[int], chunk: list[int], n
     part's orthogonalised rows to every holder of the part except itself.
     """
     ws = len(replica)
-    ex = [Exchange([], [[] for _ in range(ws)], [[] for _ in range(ws)], [[] for _ in range(ws)],
-                   [[] for _ in range(ws)]) for _ in range(n_chunks)]
+    ex = [
+        Exchange(
+            [],
+            [[] for _ in range(ws)],
+            [[] for _ in range(ws)],
+            [[] for _ in range(ws)],
+            [[] for _ in range(ws)],
+        )
+        for _ in range(n_chunks)
+    ]
     for j, m in enumerate(matrices):
         o, e = owners[j], ex[chunk[j]]
         if o == me:
@@ -203,4 +219,3 @@ def plan_exchange(matrices: list[Matrix], owners: list[int], chunk: list[int], n
                 if h == me:
                     e.scatter_recv[o].append((j, lo, hi))
     return ex
-

@@ -40,7 +40,7 @@ def _code_book(signed: bool) -> tuple[Tensor, Tensor]:
     mags = sorted(set(vals))
     book = [0.0, 1.0] + mags + ([-v for v in mags] + [-1.0] if signed else [])
     if signed:
-        book.append(float(2.0 ** -20))  # fill the 256th code with a tiny positive value
+        book.append(float(2.0**-20))  # fill the 256th code with a tiny positive value
     book = sorted(set(book))
     assert len(book) == 256, len(book)
     t = torch.tensor(book, dtype=torch.float32)
@@ -144,8 +144,19 @@ def tile_eligible(shape: tuple[int, ...], block: tuple[int, int] = (32, 32)) -> 
     return len(shape) >= 2 and math.prod(shape) >= MIN_8BIT_NUMEL and shape[-2] % block[0] == 0
 
 
-def adamw_math(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, step: int) -> None:
+def adamw_math(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     """The element-wise AdamW update shared by the reference and the sharded optimizer (in place).
 
     ``p`` (param dtype), ``g`` gradient, ``m``/``v`` fp32 moments (dequantised); all one shape.
@@ -155,8 +166,8 @@ def adamw_math(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1: 
     p.mul_(1 - lr * weight_decay)
     m.mul_(beta1).add_(gf * (1 - beta1))
     v.mul_(beta2).add_(gf * gf * (1 - beta2))
-    denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-    p.sub_((m / denom * (lr / (1 - beta1 ** step))).to(p.dtype))
+    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    p.sub_((m / denom * (lr / (1 - beta1**step))).to(p.dtype))
 
 
 def as_matrix(t: Tensor, shape: tuple[int, ...]) -> Tensor:

@@ -30,8 +30,16 @@ import math
 import torch
 from torch import Tensor
 
-SHAMPOO_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "block_size": 128,
-                    "shampoo_beta": 1.0, "precondition_frequency": 10, "matrix_eps": 1e-6}
+SHAMPOO_DEFAULTS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "block_size": 128,
+    "shampoo_beta": 1.0,
+    "precondition_frequency": 10,
+    "matrix_eps": 1e-6,
+}
 
 
 def shampoo_state_shapes(shape: tuple[int, ...], block: int) -> dict[str, tuple[int, ...]] | None:
@@ -40,8 +48,12 @@ def shampoo_state_shapes(shape: tuple[int, ...], block: int) -> dict[str, tuple[
         return None
     r_b, _, nbc, cmax = band_geometry(shape, block)
     nb = math.prod(shape[:-1]) // r_b
-    return {"L": (nb, nbc, r_b, r_b), "R": (nb, nbc, cmax, cmax), "L_root": (nb, nbc, r_b, r_b),
-            "R_root": (nb, nbc, cmax, cmax)}
+    return {
+        "L": (nb, nbc, r_b, r_b),
+        "R": (nb, nbc, cmax, cmax),
+        "L_root": (nb, nbc, r_b, r_b),
+        "R_root": (nb, nbc, cmax, cmax),
+    }
 
 
 def block_rows(rows: int, block: int) -> int:
@@ -66,9 +78,23 @@ def inv_fourth_root(a: Tensor, eps: float) -> Tensor:
 
 
 def shampoo_update(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, stats: dict[str, Tensor], *, block: int, r_b: int, lr: float,
-    beta1: float, beta2: float, eps: float, weight_decay: float, step: int, shampoo_beta: float,
-    precondition_frequency: int, matrix_eps: float,
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    stats: dict[str, Tensor],
+    *,
+    block: int,
+    r_b: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    shampoo_beta: float,
+    precondition_frequency: int,
+    matrix_eps: float,
 ) -> None:
     """One step on whole bands, in place.
 
@@ -80,8 +106,8 @@ def shampoo_update(
     p.mul_(1 - lr * weight_decay)
     m.mul_(beta1).add_(gf * (1 - beta1))
     v.mul_(beta2).add_(gf * gf * (1 - beta2))
-    m_hat = m / (1 - beta1 ** step)
-    direction = m_hat / (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    m_hat = m / (1 - beta1**step)
+    direction = m_hat / (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
     refresh = step % precondition_frequency == 0
     if direction.numel():
         L, R, Lr, Rr = stats["L"], stats["R"], stats["L_root"], stats["R_root"]

@@ -117,8 +117,18 @@ def shard_info(p: Tensor, name: str = "", *, tp: str = "reject") -> ShardInfo:
     local_shape = tuple(local_shape)
     if not tp_dims or tp == "local":
         world, me, holders, replica = _world_layout(mesh, rs_dim)
-        return ShardInfo(local_shape, local_flat(p), group, mesh.get_local_rank(rs_dim),
-                         tuple(rs.flat_ranges(local_shape)), ranks, world, me, holders, replica)
+        return ShardInfo(
+            local_shape,
+            local_flat(p),
+            group,
+            mesh.get_local_rank(rs_dim),
+            tuple(rs.flat_ranges(local_shape)),
+            ranks,
+            world,
+            me,
+            holders,
+            replica,
+        )
     if len(tp_dims) > 1:
         raise NotImplementedError(
             f"raggedfsdp.optim: parameter {name or tuple(shape)} has placements {p.placements}: more than "
@@ -133,11 +143,25 @@ def shard_info(p: Tensor, name: str = "", *, tp: str = "reject") -> ShardInfo:
         )
     world, me, holders, replica = _world_layout(mesh, rs_dim, j)
     n_local = math.prod(local_shape)
-    ranges = tuple((t * n_local + a, t * n_local + b)
-                   for t in range(mesh.size(j)) for a, b in rs.flat_ranges(local_shape))
+    ranges = tuple(
+        (t * n_local + a, t * n_local + b)
+        for t in range(mesh.size(j))
+        for a, b in rs.flat_ranges(local_shape)
+    )
     piece = mesh.get_local_rank(j) * mesh.size(rs_dim) + mesh.get_local_rank(rs_dim)
-    return ShardInfo(shape, local_flat(p), group, piece, ranges, ranks, world, me, holders, replica,
-                     tp_cols=mesh.size(j) if d == 1 else 0)
+    return ShardInfo(
+        shape,
+        local_flat(p),
+        group,
+        piece,
+        ranges,
+        ranks,
+        world,
+        me,
+        holders,
+        replica,
+        tp_cols=mesh.size(j) if d == 1 else 0,
+    )
 
 
 def tp_major_to_matrix(x: Tensor, rows: int, cols: int, tp_cols: int) -> Tensor:
@@ -174,7 +198,9 @@ def _world_layout(mesh, rs_dim: int, tp_dim: int | None = None):
         if tp_dim is None:
             moved = grid.movedim(rs_dim, -1).reshape(-1, grid.shape[rs_dim])  # (replicas, pieces)
         else:  # (replicas, tp, rs) -> pieces t-major
-            moved = grid.movedim((tp_dim, rs_dim), (-2, -1)).reshape(-1, grid.shape[tp_dim] * grid.shape[rs_dim])
+            moved = grid.movedim((tp_dim, rs_dim), (-2, -1)).reshape(
+                -1, grid.shape[tp_dim] * grid.shape[rs_dim]
+            )
         holders = tuple(tuple(index[int(g)] for g in moved[:, s].tolist()) for s in range(moved.shape[1]))
         replica = [0] * len(world)
         for hs in holders:
@@ -194,8 +220,14 @@ def like_param(p: Tensor, local: Tensor) -> Tensor:
 
     if not isinstance(p, DTensor):
         return local.view(p.shape)
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                              stride=torch.empty(p.shape, device="meta").stride())
+    return DTensor.from_local(
+        local,
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=p.shape,
+        stride=torch.empty(p.shape, device="meta").stride(),
+    )
 
 
 def wrap_like(p: Tensor, local: Tensor, shape, units) -> Tensor:

@@ -75,17 +75,31 @@ class AdamW8bit(Optimizer):
     shard_placement_fn = staticmethod(tile_placement_fn((32, 32)))
     """``fully_shard(..., shard_placement_fn=AdamW8bit.shard_placement_fn)`` keeps 32x32 tiles whole."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, block: tuple[int, int] = (32, 32)) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block: tuple[int, int] = (32, 32),
+    ) -> None:
         if not float(lr) >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
             raise ValueError(f"AdamW8bit: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"AdamW8bit: betas={betas} must lie in [0, 1)")
         block = tuple(int(b) for b in block)
         if len(block) != 2 or min(block) < 1:
-            raise ValueError(f"AdamW8bit: block={block} must be two positive ints (rows, cols), e.g. (32, 32)")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "block": block})
-        self._index = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
+            raise ValueError(
+                f"AdamW8bit: block={block} must be two positive ints (rows, cols), e.g. (32, 32)"
+            )
+        super().__init__(
+            params,
+            {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "block": block},
+        )
+        self._index = {
+            id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))
+        }
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_param(p, tuple(group["block"]))
@@ -145,12 +159,12 @@ class AdamW8bit(Optimizer):
                 return Shard(1 if pl.dim % p.ndim == p.ndim - 1 else 0)
             return pl
 
-        placements = tuple(
-            (scale_pl(pl) if units is not None else pl) for pl in p.placements
-        )
+        placements = tuple((scale_pl(pl) if units is not None else pl) for pl in p.placements)
         shape = tuple(shape)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+        return DTensor.from_local(
+            local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,8 +176,13 @@ class AdamW8bit(Optimizer):
         for group in self.param_groups:
             b1, b2 = group["betas"]
             block = tuple(group["block"])
-            kw = {"lr": float(group["lr"]), "beta1": b1, "beta2": b2, "eps": group["eps"],
-                      "weight_decay": group["weight_decay"]}
+            kw = {
+                "lr": float(group["lr"]),
+                "beta1": b1,
+                "beta2": b2,
+                "eps": group["eps"],
+                "weight_decay": group["weight_decay"],
+            }
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -178,8 +197,10 @@ class AdamW8bit(Optimizer):
                 ncb = -(-ncols // block[1])
                 codes = [local_flat(st[k]) for k in ("exp_avg_codes", "exp_avg_sq_codes")]
                 scales = [local_flat(st[k]) for k in ("exp_avg_scale", "exp_avg_sq_scale")]
-                m, v = (dequantize_tiles(cd.view(-1, ncols), sc.view(-1, ncb), block, signed)
-                        for cd, sc, signed in zip(codes, scales, (True, False)))
+                m, v = (
+                    dequantize_tiles(cd.view(-1, ncols), sc.view(-1, ncb), block, signed)
+                    for cd, sc, signed in zip(codes, scales, (True, False))
+                )
                 adamw_math(pl.view(-1, ncols), gl.view(-1, ncols), m, v, step=t, **kw)
                 for x, cd, sc, signed in zip((m, v), codes, scales, (True, False)):
                     newc, news = quantize_tiles(x, block, signed)

@@ -122,14 +122,25 @@ class Muon(Optimizer):
             raise ValueError(f"Muon: adjust_lr_fn={adjust_lr_fn!r} must be one of {ADJUST_LR_FNS}")
         if ns_steps >= 100:
             raise ValueError(f"Muon: ns_steps={ns_steps} must be < 100")
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
-                        "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps,
-                        "adjust_lr_fn": adjust_lr_fn, "algorithm": "muon", "betas": tuple(betas)}
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "algorithm": "muon",
+            "betas": tuple(betas),
+        }
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.balance_slack = balance_slack
         if not isinstance(pipeline_chunks, int) or pipeline_chunks < 1:
-            raise ValueError(f"Muon: pipeline_chunks={pipeline_chunks!r} must be an int >= 1 (1: no pipelining)")
+            raise ValueError(
+                f"Muon: pipeline_chunks={pipeline_chunks!r} must be an int >= 1 (1: no pipelining)"
+            )
         self.pipeline_chunks = pipeline_chunks
         self._ns = compiled_newton_schulz() if compile_ns else newton_schulz
         self._groups: dict[tuple[int, ...], Any] = {}
@@ -139,7 +150,9 @@ class Muon(Optimizer):
         self.last_step_stats: dict[str, Any] = {}
         for group in self.param_groups:
             if group["algorithm"] not in ALGORITHMS:
-                raise ValueError(f"Muon: param group algorithm={group['algorithm']!r} must be one of {ALGORITHMS}")
+                raise ValueError(
+                    f"Muon: param group algorithm={group['algorithm']!r} must be one of {ALGORITHMS}"
+                )
             for p in group["params"]:
                 self._index[id(p)] = len(self._index)
                 if group["algorithm"] == "muon":
@@ -179,8 +192,16 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = {"collectives": 0, "ns_calls": 0, "ns_flops": 0, "ns_matrices": [], "sent_elements": 0,
-                 "chunks": 0, "ns_s": 0.0, "wait_s": 0.0}
+        stats = {
+            "collectives": 0,
+            "ns_calls": 0,
+            "ns_flops": 0,
+            "ns_matrices": [],
+            "sent_elements": 0,
+            "chunks": 0,
+            "ns_s": 0.0,
+            "wait_s": 0.0,
+        }
         buckets: dict[tuple, list] = defaultdict(list)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
@@ -231,7 +252,7 @@ class Muon(Optimizer):
         group = self._world_group(info0) if any(e.gather or e.scatter for e in ex) else None
 
         def piece_of(j, lo, hi):  # my update's elements [lo, hi) of matrix j (param-flat)
-            return items[mats[j].item][3][lo - starts[j]:hi - starts[j]]
+            return items[mats[j].item][3][lo - starts[j] : hi - starts[j]]
 
         def launch_gather(c):
             e = ex[c]
@@ -244,7 +265,11 @@ class Muon(Optimizer):
             e = ex[c]
             if not e.scatter:
                 return None
-            send = [ortho[j][lo - mats[j].start:hi - mats[j].start] for lst in e.scatter_send for j, lo, hi in lst]
+            send = [
+                ortho[j][lo - mats[j].start : hi - mats[j].start]
+                for lst in e.scatter_send
+                for j, lo, hi in lst
+            ]
             return self._all_to_all(send, e.scatter_send, e.scatter_recv, info0, group, stats)
 
         def finish_scatter(c, handle):
@@ -254,7 +279,7 @@ class Muon(Optimizer):
             off = 0
             for lst in ex[c].scatter_recv:
                 for j, lo, hi in lst:
-                    self._apply(items, mats[j], recv[off:off + hi - lo], lo, hi, starts[j])
+                    self._apply(items, mats[j], recv[off : off + hi - lo], lo, hi, starts[j])
                     off += hi - lo
 
         nxt = launch_gather(0) if ex else None
@@ -266,7 +291,7 @@ class Muon(Optimizer):
                 recv, off = self._wait(cur, stats), 0
                 for lst in e.gather_recv:
                     for j, lo, hi in lst:
-                        received[(j, lo)] = recv[off:off + hi - lo]
+                        received[(j, lo)] = recv[off : off + hi - lo]
                         off += hi - lo
             ortho: dict[int, Tensor] = {}
             t0 = time.perf_counter()
@@ -276,15 +301,20 @@ class Muon(Optimizer):
                 src = [piece_of(j, lo, hi) if me in hs else received[(j, lo)] for hs, lo, hi in m.parts]
                 src = src[0] if len(src) == 1 else torch.cat([x.to(dt) for x in src])
                 tp_cols = items[m.item][1].tp_cols  # FSDP x TP rowwise: TP-major parts -> the matrix
-                o = self._ns(tp_major_to_matrix(src, m.rows, m.cols, tp_cols), group_["ns_coefficients"],
-                             group_["ns_steps"], group_["eps"], dt)
+                o = self._ns(
+                    tp_major_to_matrix(src, m.rows, m.cols, tp_cols),
+                    group_["ns_coefficients"],
+                    group_["ns_steps"],
+                    group_["eps"],
+                    dt,
+                )
                 ortho[j] = matrix_to_tp_major(o, tp_cols)
                 stats["ns_calls"] += 1
                 stats["ns_flops"] += ns_flops(m.rows, m.cols, group_["ns_steps"])
                 stats["ns_matrices"].append((self._index[id(items[m.item][0])], m.start // m.numel))
                 for hs, lo, hi in m.parts:
                     if me in hs:  # the owner's own rows: no message
-                        self._apply(items, m, ortho[j][lo - m.start:hi - m.start], lo, hi, starts[j])
+                        self._apply(items, m, ortho[j][lo - m.start : hi - m.start], lo, hi, starts[j])
             stats["ns_s"] += time.perf_counter() - t0
             handle = launch_scatter(c, ortho)
             if prev is not None:
@@ -298,7 +328,7 @@ class Muon(Optimizer):
         """``p[lo:hi] -= adjusted_lr * delta`` on this rank's piece starting at param-flat ``a``."""
         _, info, group, _ = items[m.item]
         lr = adjust_lr(float(group["lr"]), group["adjust_lr_fn"], m.rows, m.cols)
-        info.local[lo - a:hi - a].add_(delta, alpha=-lr)
+        info.local[lo - a : hi - a].add_(delta, alpha=-lr)
 
     def _world_group(self, info: ShardInfo):
         """The process group of every rank of the mesh (``info.world``; group rank = world index)."""
@@ -345,5 +375,19 @@ class Muon(Optimizer):
         if not ps:
             return
         b1, b2 = group["betas"]
-        adamw(ps, gs, ms, vs, [], steps, foreach=group.get("foreach"), amsgrad=False, beta1=b1, beta2=b2,
-              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(
+            ps,
+            gs,
+            ms,
+            vs,
+            [],
+            steps,
+            foreach=group.get("foreach"),
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

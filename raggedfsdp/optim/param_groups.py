@@ -43,7 +43,13 @@ def muon_param_groups(
             adamw.append(p)
     groups = [
         {"params": muon, "algorithm": "muon", "lr": lr, "weight_decay": weight_decay},
-        {"params": adamw, "algorithm": "adamw", "lr": adamw_lr, "betas": tuple(adamw_betas), "eps": adamw_eps,
-             "weight_decay": adamw_weight_decay},
+        {
+            "params": adamw,
+            "algorithm": "adamw",
+            "lr": adamw_lr,
+            "betas": tuple(adamw_betas),
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+        },
     ]
     return [g for g in groups if g["params"]]

@@ -62,8 +62,8 @@ def muon_reference_step(
     param.mul_(1 - lr * weight_decay)
     flat_p, flat_u = param.view(-1), update.reshape(-1)
     for s, n, r, c in matrices_of(tuple(param.shape)):
-        ortho = newton_schulz(flat_u[s:s + n].view(r, c), ns_coefficients, ns_steps, eps, ns_dtype)
-        flat_p[s:s + n].add_(ortho.reshape(-1), alpha=-adjust_lr(lr, adjust_lr_fn, r, c))
+        ortho = newton_schulz(flat_u[s : s + n].view(r, c), ns_coefficients, ns_steps, eps, ns_dtype)
+        flat_p[s : s + n].add_(ortho.reshape(-1), alpha=-adjust_lr(lr, adjust_lr_fn, r, c))
 
 
 @torch.no_grad()
@@ -99,13 +99,33 @@ def adamw8bit_reference_step(
     if q:
         m = dequantize_tiles(state["exp_avg_codes"], state["exp_avg_scale"], block, True)
         v = dequantize_tiles(state["exp_avg_sq_codes"], state["exp_avg_sq_scale"], block, False)
-        adamw_math(as_matrix(param, shape), as_matrix(grad, shape), m, v, lr=lr, beta1=betas[0],
-                   beta2=betas[1], eps=eps, weight_decay=weight_decay, step=state["step"])
+        adamw_math(
+            as_matrix(param, shape),
+            as_matrix(grad, shape),
+            m,
+            v,
+            lr=lr,
+            beta1=betas[0],
+            beta2=betas[1],
+            eps=eps,
+            weight_decay=weight_decay,
+            step=state["step"],
+        )
         state["exp_avg_codes"], state["exp_avg_scale"] = quantize_tiles(m, block, True)
         state["exp_avg_sq_codes"], state["exp_avg_sq_scale"] = quantize_tiles(v, block, False)
     else:
-        adamw_math(param, grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=betas[0],
-                   beta2=betas[1], eps=eps, weight_decay=weight_decay, step=state["step"])
+        adamw_math(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            lr=lr,
+            beta1=betas[0],
+            beta2=betas[1],
+            eps=eps,
+            weight_decay=weight_decay,
+            step=state["step"],
+        )
 
 
 @torch.no_grad()
@@ -132,12 +152,35 @@ def shampoo_reference_step(param: Tensor, grad: Tensor, state: dict, **hp) -> No
     state["step"] += 1
     b1, b2 = h["betas"]
     if shapes is None:
-        adamw_math(param, grad, state["exp_avg"], state["exp_avg_sq"], lr=h["lr"], beta1=b1, beta2=b2, eps=h["eps"],
-                   weight_decay=h["weight_decay"], step=state["step"])
+        adamw_math(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            lr=h["lr"],
+            beta1=b1,
+            beta2=b2,
+            eps=h["eps"],
+            weight_decay=h["weight_decay"],
+            step=state["step"],
+        )
         return
     r_b = band_geometry(shape, h["block_size"])[0]
-    shampoo_update(as_matrix(param, shape), as_matrix(grad, shape), as_matrix(state["exp_avg"], shape),
-                   as_matrix(state["exp_avg_sq"], shape), state, block=h["block_size"], r_b=r_b, lr=h["lr"],
-                   beta1=b1, beta2=b2, eps=h["eps"], weight_decay=h["weight_decay"], step=state["step"],
-                   shampoo_beta=h["shampoo_beta"], precondition_frequency=h["precondition_frequency"],
-                   matrix_eps=h["matrix_eps"])
+    shampoo_update(
+        as_matrix(param, shape),
+        as_matrix(grad, shape),
+        as_matrix(state["exp_avg"], shape),
+        as_matrix(state["exp_avg_sq"], shape),
+        state,
+        block=h["block_size"],
+        r_b=r_b,
+        lr=h["lr"],
+        beta1=b1,
+        beta2=b2,
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+        step=state["step"],
+        shampoo_beta=h["shampoo_beta"],
+        precondition_frequency=h["precondition_frequency"],
+        matrix_eps=h["matrix_eps"],
+    )

@@ -77,22 +77,45 @@ class Shampoo(Optimizer):
     shard_placement_fn = staticmethod(shampoo_placement_fn(SHAMPOO_DEFAULTS["block_size"]))
     """``fully_shard(..., shard_placement_fn=Shampoo.shard_placement_fn)`` keeps 128-wide bands whole."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, block_size: int = 128, shampoo_beta: float = 1.0,
-                 precondition_frequency: int = 10, matrix_eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        block_size: int = 128,
+        shampoo_beta: float = 1.0,
+        precondition_frequency: int = 10,
+        matrix_eps: float = 1e-6,
+    ) -> None:
         if not float(lr) >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0 or not matrix_eps > 0.0:
-            raise ValueError(f"Shampoo: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0 and "
-                             f"matrix_eps={matrix_eps} > 0")
+            raise ValueError(
+                f"Shampoo: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0 and "
+                f"matrix_eps={matrix_eps} > 0"
+            )
         if not all(0.0 <= b < 1.0 for b in betas) or not 0.0 < shampoo_beta <= 1.0:
-            raise ValueError(f"Shampoo: betas={betas} must lie in [0, 1) and shampoo_beta={shampoo_beta} in (0, 1]")
+            raise ValueError(
+                f"Shampoo: betas={betas} must lie in [0, 1) and shampoo_beta={shampoo_beta} in (0, 1]"
+            )
         for nm, v in (("block_size", block_size), ("precondition_frequency", precondition_frequency)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Shampoo: {nm}={v!r} must be an int >= 1")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                    "block_size": block_size, "shampoo_beta": shampoo_beta,
-                    "precondition_frequency": precondition_frequency, "matrix_eps": matrix_eps}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "block_size": block_size,
+            "shampoo_beta": shampoo_beta,
+            "precondition_frequency": precondition_frequency,
+            "matrix_eps": matrix_eps,
+        }
         super().__init__(params, defaults)
-        self._index = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
+        self._index = {
+            id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))
+        }
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_param(p, int(group["block_size"]))
@@ -122,7 +145,9 @@ class Shampoo(Optimizer):
         units = tuple((b - a) // band for a, b in info.ranges)
         for k in _STAT_KEYS:
             s = shapes[k]
-            local = torch.zeros(units[info.rank] * s[1] * s[2] * s[3], dtype=torch.float32, device=info.local.device)
+            local = torch.zeros(
+                units[info.rank] * s[1] * s[2] * s[3], dtype=torch.float32, device=info.local.device
+            )
             st[k] = wrap_like(p, local, s, units)
 
     @torch.no_grad()
@@ -135,8 +160,13 @@ class Shampoo(Optimizer):
         for group in self.param_groups:
             b1, b2 = group["betas"]
             block = int(group["block_size"])
-            kw = {"lr": float(group["lr"]), "beta1": b1, "beta2": b2, "eps": group["eps"],
-                  "weight_decay": group["weight_decay"]}
+            kw = {
+                "lr": float(group["lr"]),
+                "beta1": b1,
+                "beta2": b2,
+                "eps": group["eps"],
+                "weight_decay": group["weight_decay"],
+            }
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -154,13 +184,27 @@ class Shampoo(Optimizer):
                 for k in _STAT_KEYS:
                     s = st[k].shape
                     stats[k] = local_flat(st[k]).view(-1, s[1], s[2], s[3])
-                shampoo_update(pl.view(-1, cols), gl.view(-1, cols), m.view(-1, cols), v.view(-1, cols), stats,
-                               block=block, r_b=r_b, step=t, shampoo_beta=group["shampoo_beta"],
-                               precondition_frequency=group["precondition_frequency"],
-                               matrix_eps=group["matrix_eps"], **kw)
+                shampoo_update(
+                    pl.view(-1, cols),
+                    gl.view(-1, cols),
+                    m.view(-1, cols),
+                    v.view(-1, cols),
+                    stats,
+                    block=block,
+                    r_b=r_b,
+                    step=t,
+                    shampoo_beta=group["shampoo_beta"],
+                    precondition_frequency=group["precondition_frequency"],
+                    matrix_eps=group["matrix_eps"],
+                    **kw,
+                )
         return loss
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (local pieces; ``step`` scalars excluded)."""
-        return sum(local_flat(v).numel() * v.element_size() for st in self.state.values()
-                   for k, v in st.items() if k != "step" and isinstance(v, Tensor))
+        return sum(
+            local_flat(v).numel() * v.element_size()
+            for st in self.state.values()
+            for k, v in st.items()
+            if k != "step" and isinstance(v, Tensor)
+        )

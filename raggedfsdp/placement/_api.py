@@ -1,7 +1,7 @@
 """RaggedShard through torch's DTensor entry points: ``distribute_tensor``, ``from_local``, factories.
 
 Each ``make_*`` takes torch's original function (``stock``) and returns the implementation that
-``raggedfsdp/_torch_patches.py`` installs in the original's code object, so every alias of
+``raggedfsdp/placement/_patches.py`` installs in the original's code object, so every alias of
 ``torch.distributed.tensor.distribute_tensor`` / ``DTensor.from_local`` / ``zeros`` ... reaches it,
 whenever it was imported. Without a RaggedShard in ``placements`` they call ``stock`` unchanged.
 
@@ -47,8 +47,9 @@ def make_distribute_tensor(stock):
 
 
 def make_from_local(stock):
-    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
-                   stride=None, **kwargs):
+    def from_local(
+        local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None, **kwargs
+    ):
         """RaggedShard: ``shape=`` and ``stride=`` are required (a flat piece does not imply them)."""
         if placements is not None and has_ragged(placements):
             if shape is None or stride is None:
@@ -68,8 +69,9 @@ def make_from_local(stock):
                     f"on this rank for global shape {tuple(shape)}, got shape {tuple(local_tensor.shape)}; "
                     "use local_tensor.reshape(-1) of the rows placement.row_range(shape, rank)"
                 )
-        return stock(local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride,
-                     **kwargs)
+        return stock(
+            local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride, **kwargs
+        )
 
     return from_local
 
@@ -122,7 +124,9 @@ def make_dtensor_init_helper(stock):
                 f"DTensor factory {name} is not supported with {placements}; create the tensor with "
                 "Replicate() and redistribute, or use distribute_tensor"
             )
-        stride = tuple(int(s) for s in torch._prims_common.make_contiguous_strides_for(size)) if len(size) else ()
+        stride = (
+            tuple(int(s) for s in torch._prims_common.make_contiguous_strides_for(size)) if len(size) else ()
+        )
         assert local.numel() == numel and math.prod(size) >= numel
         spec = make_spec(mesh, placements, size, stride, local.dtype)
         return DTensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)

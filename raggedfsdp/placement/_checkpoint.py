@@ -8,7 +8,7 @@ in GLOBAL coordinates, so each rank writes only its own piece and DCP's ordinary
 matching loads any saved layout into any other one (other local_units or dims, Shard, Replicate,
 a plain tensor, another world size).
 
-Installed by ``raggedfsdp/_torch_patches.py`` in the code of torch's functions (so every alias and
+Installed by ``raggedfsdp/placement/_patches.py`` in the code of torch's functions (so every alias and
 every DTensor, e.g. optimizer states from ``zeros_like`` and ``load_state_dict(assign=True)`` copies,
 is covered). All delegate to torch when no RaggedShard is present:
 
@@ -109,8 +109,9 @@ def _stock_clsgo():
 
 def _empty_chunk_owner(dt) -> bool:
     """For a 0-element tensor one rank must still write a (0-size) chunk so the key is saved."""
-    return dt.numel() == 0 and all(dt.device_mesh.get_coordinate() is None or c == 0
-                                   for c in dt.device_mesh.get_coordinate())
+    return dt.numel() == 0 and all(
+        dt.device_mesh.get_coordinate() is None or c == 0 for c in dt.device_mesh.get_coordinate()
+    )
 
 
 def create_write_items(dt, fqn: str):
@@ -182,8 +183,9 @@ def make_compute_local_shape_and_global_offset(stock):
     (always possible for ``dims=(0,)`` and empty pieces) and raises ``ValueError`` otherwise.
     """
 
-    def _compute_local_shape_and_global_offset(global_shape, mesh_shape, my_coordinate, placements,
-                                               skip_offset=False):
+    def _compute_local_shape_and_global_offset(
+        global_shape, mesh_shape, my_coordinate, placements, skip_offset=False
+    ):
         if not has_ragged(placements):
             return stock(global_shape, mesh_shape, my_coordinate, placements, skip_offset)
         placements = tuple(placements)
@@ -192,7 +194,9 @@ def make_compute_local_shape_and_global_offset(stock):
         i = ragged_mesh_dim(placements)
         rs: RaggedShard = placements[i]
         coord = int(my_coordinate[i] if isinstance(my_coordinate, (list, tuple)) else my_coordinate(i))
-        base_shape, base_off = stock(gshape, mesh_shape, my_coordinate, list(base_placements(placements)), False)
+        base_shape, base_off = stock(
+            gshape, mesh_shape, my_coordinate, list(base_placements(placements)), False
+        )
         base_shape = tuple(int(s) for s in base_shape)
         a, b = rs.flat_range(base_shape, coord)
         if skip_offset:
@@ -240,7 +244,9 @@ def make_distribute_tensors(stock):
                 i = ragged_mesh_dim(pl)
                 piece = pl[i].shard_full(base, _coord(mesh, i)).to(device)
                 if local_state.is_meta:
-                    ret = DTensor.from_local(piece, mesh, pl, shape=local_state.shape, stride=local_state.stride())
+                    ret = DTensor.from_local(
+                        piece, mesh, pl, shape=local_state.shape, stride=local_state.stride()
+                    )
                 else:
                     ret = local_state
                     ret.to_local().copy_(piece)

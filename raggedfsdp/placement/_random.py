@@ -18,7 +18,7 @@ chunked generation is bit-equal to one-shot generation (``tests/unit/test_ragged
 Other cases (CUDA's offset-based Philox, ``*_like`` ops, Shard(d) compositions) still generate the
 full tensor once. Works for RaggedShard composed with Replicate / Shard(d >= len(dims)).
 
-Installed by ``raggedfsdp/_torch_patches.py`` as DTensor custom op handlers
+Installed by ``raggedfsdp/placement/_patches.py`` as DTensor custom op handlers
 (``DTensor._op_dispatcher._custom_op_handlers``, torch/distributed/tensor/_dispatch.py); for
 DTensors without a RaggedShard the handler steps aside (removes itself for the nested call, under
 a lock) and torch's own dispatch runs. Random ops whose parameters are DTensors (e.g.
@@ -47,13 +47,28 @@ def _ops(pairs):
     return out
 
 
-RANDOM_INPLACE_OPS = _ops([
-    ("normal_", "default"), ("uniform_", "default"), ("bernoulli_", "float"), ("exponential_", "default"),
-    ("log_normal_", "default"), ("cauchy_", "default"), ("geometric_", "default"), ("random_", "default"),
-    ("random_", "from"), ("random_", "to"),
-])
-RANDOM_LIKE_OPS = _ops([("rand_like", "default"), ("randn_like", "default"), ("randint_like", "default"),
-                        ("randint_like", "low_dtype")])
+RANDOM_INPLACE_OPS = _ops(
+    [
+        ("normal_", "default"),
+        ("uniform_", "default"),
+        ("bernoulli_", "float"),
+        ("exponential_", "default"),
+        ("log_normal_", "default"),
+        ("cauchy_", "default"),
+        ("geometric_", "default"),
+        ("random_", "default"),
+        ("random_", "from"),
+        ("random_", "to"),
+    ]
+)
+RANDOM_LIKE_OPS = _ops(
+    [
+        ("rand_like", "default"),
+        ("randn_like", "default"),
+        ("randint_like", "default"),
+        ("randint_like", "low_dtype"),
+    ]
+)
 
 _LOCK = threading.RLock()
 CHUNK_ELEMS = 1 << 20  # elements per generated chunk on the chunked CPU path (multiple of 16)
@@ -144,6 +159,8 @@ def install(custom_handlers: dict) -> list:
     for op in ops:
         cur = custom_handlers.get(op)
         if cur is not None and cur is not random_inplace_handler:
-            raise RuntimeError(f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_random.py")
+            raise RuntimeError(
+                f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_random.py"
+            )
         custom_handlers[op] = random_inplace_handler
     return ops

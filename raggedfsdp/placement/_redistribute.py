@@ -133,7 +133,9 @@ def _group(mesh, mesh_dim: int):
 # ---------------------------------------------------------------------------------------------
 # collectives over one mesh dim
 # ---------------------------------------------------------------------------------------------
-def gather_ragged(local: torch.Tensor, placement: RaggedShard, base_shape, mesh, mesh_dim: int) -> torch.Tensor:
+def gather_ragged(
+    local: torch.Tensor, placement: RaggedShard, base_shape, mesh, mesh_dim: int
+) -> torch.Tensor:
     """All-gather the flat pieces of ``placement`` over ``mesh_dim`` into a tensor of ``base_shape``.
 
     Collective: every rank of the mesh-dim group calls it. Pads each piece to the largest piece
@@ -168,7 +170,12 @@ def gather_ragged(local: torch.Tensor, placement: RaggedShard, base_shape, mesh,
     return out.view(base_shape)
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def reduce_scatter_ragged(
@@ -181,7 +188,9 @@ def reduce_scatter_ragged(
     contiguous tensor of ``placement.local_numel(tensor.shape, rank)`` elements.
     """
     if reduce_op not in _REDUCE_OPS:
-        raise ValueError(f"reduce_scatter_ragged: reduce_op={reduce_op!r} must be one of {sorted(_REDUCE_OPS)}")
+        raise ValueError(
+            f"reduce_scatter_ragged: reduce_op={reduce_op!r} must be one of {sorted(_REDUCE_OPS)}"
+        )
     world = mesh.size(mesh_dim)
     shape = tuple(tensor.shape)
     placement.validate_shape(shape, world)
@@ -204,9 +213,7 @@ def reduce_scatter_ragged(
     return out[: sizes[rank]]
 
 
-def alltoall_intervals(
-    flat: torch.Tensor, src_ranges, dst_ranges, mesh, mesh_dim: int
-) -> torch.Tensor:
+def alltoall_intervals(flat: torch.Tensor, src_ranges, dst_ranges, mesh, mesh_dim: int) -> torch.Tensor:
     """Move contiguous flat element intervals between ranks with ONE ``all_to_all_single``.
 
     ``src_ranges[r]`` / ``dst_ranges[r]``: element interval ``[a, b)`` of the flattened tensor that
@@ -264,7 +271,9 @@ def _wait(t):
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, stock) -> torch.Tensor:
+def redistribute_ragged(
+    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, stock
+) -> torch.Tensor:
     """Redistribute ``local`` from ``current`` to ``target`` when either contains a RaggedShard.
 
     Collective over the mesh dims whose placement changes. ``stock`` is torch's original
@@ -307,7 +316,11 @@ def redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTens
                     return out
                 a, b = _chunk_rows(base[0], world, _coord(mesh, i))
                 return out.view((b - a, *base[1:]))
-            if isinstance(dst[i], RaggedShard) and type(src[i]) is Partial and src[i].reduce_op in _REDUCE_OPS:
+            if (
+                isinstance(dst[i], RaggedShard)
+                and type(src[i]) is Partial
+                and src[i].reduce_op in _REDUCE_OPS
+            ):
                 return reduce_scatter_ragged(local.reshape(base), dst[i], src[i].reduce_op, mesh, i)
 
     # general path: un-ragged source, stock redistribute, ragged target sliced locally
@@ -344,11 +357,13 @@ def local_piece_of_full(full: torch.Tensor, mesh, placements) -> torch.Tensor:
 
 
 def make_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
+    return DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)
+    )
 
 
 def make_redistribute_local_tensor(stock):
-    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/_torch_patches.py`` (ragged specs -> here)."""
+    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/placement/_patches.py`` (ragged specs -> here)."""
 
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
         if has_ragged(current_spec.placements) or has_ragged(target_spec.placements):

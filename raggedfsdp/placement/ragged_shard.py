@@ -9,7 +9,7 @@ with ``U = sum(local_units)`` (which must divide ``N``), rank ``i`` owns the con
 The class is a real ``torch.distributed.tensor.placement_types.Placement`` subclass. It works
 through torch's own DTensor APIs (``distribute_tensor``, ``from_local``, ``redistribute``,
 ``full_tensor``, the DTensor factories, pointwise ops, ``torch.optim``, ``clip_grad_norm_``, DCP)
-through the patches in ``raggedfsdp/_torch_patches.py``, which the first ``RaggedShard(...)`` of a
+through the patches in ``raggedfsdp/placement/_patches.py``, which the first ``RaggedShard(...)`` of a
 process installs (``import raggedfsdp`` alone changes nothing in torch).
 See ``docs/raggedshard.md`` for the supported op set and mesh compositions.
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Placement, Shard
 
-from raggedfsdp import _torch_patches
+from raggedfsdp.placement import _patches
 
 
 class RaggedShard(Placement):
@@ -68,7 +68,7 @@ class RaggedShard(Placement):
             )
         self.dims = dims
         self.local_units = local_units
-        _torch_patches.apply()  # lazy: the first RaggedShard of the process installs the patches
+        _patches.apply()  # lazy: the first RaggedShard of the process installs the patches
 
     # ---- identity -------------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
@@ -127,7 +127,7 @@ class RaggedShard(Placement):
     # ---- layout math (pure, no communication) -------------------------------------------
     def row_numel(self, shape: Sequence[int]) -> int:
         """Elements per row ``R = prod(shape[k:])``."""
-        return math.prod(shape[len(self.dims):])
+        return math.prod(shape[len(self.dims) :])
 
     def num_rows(self, shape: Sequence[int]) -> int:
         """Rows ``N = prod(shape[:k])``."""

@@ -67,8 +67,10 @@ class GradLayout:
         try:
             return self.members.index(i)
         except ValueError:
-            raise KeyError(f"tensor {i} ({self.base.name(i)}) has no gradient storage in this layout "
-                           f"(members: {self.members})") from None
+            raise KeyError(
+                f"tensor {i} ({self.base.name(i)}) has no gradient storage in this layout "
+                f"(members: {self.members})"
+            ) from None
 
     def piece(self, i: int, rank: int) -> tuple[int, int]:
         """Tensor ``i``'s piece on ``rank`` (within the tensor), as in the parameter layout."""
@@ -112,7 +114,9 @@ def plan_grad_layout(layout: Layout, members) -> GradLayout:
     n, m, al = len(layout.numels), layout.world_size, layout.align
     mem = tuple(sorted({int(i) for i in members}))
     if len(mem) != len(list(members)) or any(not 0 <= i < n for i in mem):
-        raise ValueError(f"plan_grad_layout: members={list(members)} must be distinct tensor indices in [0, {n})")
+        raise ValueError(
+            f"plan_grad_layout: members={list(members)} must be distinct tensor indices in [0, {n})"
+        )
     by_rank_offsets = {i: [0] * m for i in mem}
     need = 0
     for r in range(m):

@@ -233,7 +233,9 @@ def granularity_for_local(
     lshape = _shape_of(local_shape)
     who = f"parameter {name!r}" if name else f"tensor of shape {gshape}"
     if len(gshape) != len(lshape):
-        raise ValueError(f"granularity_for_local: {who}: local shape {lshape} and global shape {gshape} differ")
+        raise ValueError(
+            f"granularity_for_local: {who}: local shape {lshape} and global shape {gshape} differ"
+        )
     if block is None:
         return granularity_for(lshape, None, name=name)
     spec = BlockSpec.parse(block)

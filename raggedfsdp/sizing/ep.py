@@ -40,7 +40,9 @@ def _n_experts(unit: Unit) -> int | None:
         return max(ids) + 1
     lead = {s[0] for n, s in unit.params if _FUSED.search(n) and len(s) >= 2}
     if len(lead) > 1:
-        raise ValueError(f"unit {unit.name}: fused expert stacks disagree on the expert count: {sorted(lead)}")
+        raise ValueError(
+            f"unit {unit.name}: fused expert stacks disagree on the expert count: {sorted(lead)}"
+        )
     return lead.pop() if lead else None
 
 
@@ -65,7 +67,9 @@ def split_units_for_ep(units: Sequence[Unit], ep: int) -> tuple[list[Unit], list
             dense.append(u)
             continue
         if E % ep:
-            raise ValueError(f"--ep {ep}: unit {u.name} has {E} experts, not divisible by {ep}; pick a divisor of {E}")
+            raise ValueError(
+                f"--ep {ep}: unit {u.name} has {E} experts, not divisible by {ep}; pick a divisor of {E}"
+            )
         keep_e = E // ep
         rest: list[tuple[str, Shape]] = []
         mine: list[tuple[str, Shape]] = []
@@ -153,4 +157,3 @@ def plan_model_ep(units: Sequence[Unit], world_size: int, ep: int = 1, **plan_kw
     dplan = plan_model(dense, world_size, **plan_kw)
     eplan = plan_model(experts, world_size // ep, **plan_kw) if experts else None
     return EPPlan(world_size, ep, dplan, eplan)
-

@@ -269,9 +269,13 @@ def estimate_memory(
         from raggedfsdp.sizing.ep import split_units_for_ep
 
         if units is None:
-            raise ValueError("estimate_memory: ep > 1 needs units (shapes: --model), not a bare parameter count")
+            raise ValueError(
+                "estimate_memory: ep > 1 needs units (shapes: --model), not a bare parameter count"
+            )
         if m % ep:
-            raise ValueError(f"estimate_memory: ep={ep} must divide the FSDP group size {m} (world / replicate)")
+            raise ValueError(
+                f"estimate_memory: ep={ep} must divide the FSDP group size {m} (world / replicate)"
+            )
         dense, experts = split_units_for_ep(units, ep)
         groups = [(dense, m), (experts, m // ep)]
     if units is not None:
@@ -306,7 +310,9 @@ def estimate_memory(
             num_params = int(num_params)
         count = _check_int("num_params", num_params, 0)
         shard = -(-count // m)
-    full = float(count if ep == 1 else sum(n for _, n, _ in unit_rows))  # EP: a rank's replica has 1/ep experts
+    full = float(
+        count if ep == 1 else sum(n for _, n, _ in unit_rows)
+    )  # EP: a rank's replica has 1/ep experts
     sh = float(shard)
     r = recipe
     stages = (

@@ -64,7 +64,8 @@ class JobConfig:
 class ModelConfig:
     name: str = _f("llama", "model family: llama | moe | hybrid (Gated DeltaNet + full attention)")
     flavor: str = _f(
-        "tiny", "named size: debug | tiny | small | base (moe: moe-debug | moe-tiny | ...; hybrid: debug | tiny | small)",
+        "tiny",
+        "named size: debug | tiny | small | base (moe: moe-debug | moe-tiny | ...; hybrid: debug | tiny | small)",
         flag="--model",
     )
     dim: int | None = _f(None, "override the flavor's model dim")
@@ -73,7 +74,9 @@ class ModelConfig:
     n_kv_heads: int | None = _f(None, "override the flavor's key/value heads (GQA)")
     ffn_dim: int | None = _f(None, "override the flavor's SwiGLU hidden dim (0: 8/3 * dim)")
     tie_embeddings: bool | None = _f(None, "tie the output projection to the input embedding")
-    experts: str | None = _f(None, "moe: expert storage, separate (many small tensors) | fused ((X, D, F) stacks)")
+    experts: str | None = _f(
+        None, "moe: expert storage, separate (many small tensors) | fused ((X, D, F) stacks)"
+    )
     n_experts: int | None = _f(None, "moe: override the flavor's routed experts per block")
     top_k: int | None = _f(None, "moe: override the flavor's experts per token")
     aux_loss_coef: float | None = _f(None, "moe: weight of the load-balancing loss added to the LM loss")
@@ -112,6 +115,9 @@ class TrainingConfig:
     )
     max_consecutive_skips: int = _f(5, "on_nonfinite=skip: stop after more non-finite steps in a row")
     divergence_ratio: float = _f(3.0, "stop when the loss exceeds this times the run's first loss (0: off)")
+    compile: bool = _f(
+        False, "torch.compile each block (fullgraph=True) before fully_shard; the hooks stay eager", flag="--compile"
+    )
 
 
 @dataclass(kw_only=True)
@@ -163,6 +169,7 @@ class ParallelConfig:
         "expert-parallel size (moe): each MoE layer's routed experts split over this many ranks, tokens "
         "exchanged by all-to-all, experts FSDP-sharded over world/ep ranks; implies --model.experts fused",
     )
+
 
 @dataclass(kw_only=True)
 class MetricsConfig:
@@ -227,8 +234,19 @@ class TrainConfig:
 
     def model_overrides(self) -> dict[str, Any]:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
-        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
-                "experts", "n_experts", "top_k", "aux_loss_coef", "vocab_size")
+        keys = (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "tie_embeddings",
+            "experts",
+            "n_experts",
+            "top_k",
+            "aux_loss_coef",
+            "vocab_size",
+        )
         out = {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
         if self.parallel.ep > 1 and self.model.experts is None:
             out["experts"] = "fused"  # expert parallelism splits fused (X, D, F) stacks (same numbers)
@@ -367,7 +385,9 @@ class TrainConfig:
             )
         par = self.parallel
         if par.tp < 1 or par.dp_replicate < 1:
-            raise ValueError(f"parallel.tp={par.tp} and parallel.dp_replicate={par.dp_replicate} must be >= 1")
+            raise ValueError(
+                f"parallel.tp={par.tp} and parallel.dp_replicate={par.dp_replicate} must be >= 1"
+            )
         if par.ep > 1 and (par.tp > 1 or par.dp_replicate > 1):
             raise ValueError(
                 f"parallel.ep={par.ep} with parallel.tp={par.tp} / parallel.dp_replicate={par.dp_replicate}: "
@@ -382,11 +402,15 @@ class TrainConfig:
             from raggedfsdp.models.parallelize import tp_plan_errors
 
             if self.model.name != "llama":
-                raise ValueError(f"parallel.tp={par.tp} has a TP plan for model.name='llama' only, "
-                                 f"got {self.model.name!r}; use --parallel.tp 1")
+                raise ValueError(
+                    f"parallel.tp={par.tp} has a TP plan for model.name='llama' only, "
+                    f"got {self.model.name!r}; use --parallel.tp 1"
+                )
             errs = tp_plan_errors(mcfg, par.tp)
             if errs:
-                raise ValueError(f"parallel.tp={par.tp}: " + "; ".join(errs) + " (pick a tp that divides them)")
+                raise ValueError(
+                    f"parallel.tp={par.tp}: " + "; ".join(errs) + " (pick a tp that divides them)"
+                )
         if world_size is not None:
             world_size //= par.tp  # data-parallel ranks: the tp ranks of a group share one batch
             denom = world_size * t.grad_accum

@@ -105,7 +105,6 @@ class FaultPlan:
         inject = self.save_fault(step)
         return (lambda path: fault_writer(path, inject)) if inject else None
 
-
     def inject_forward(self, step: int) -> None:
         """Inside step N's forward: ``oom``."""
         if self.take("oom", step):

@@ -3,7 +3,11 @@ which ranks saw a non-finite loss or gradient, and which ranks were asked to sto
 
 Why fused: the global gradient norm needs an all-reduce anyway (of each rank's sum of squares of its
 local gradient shards, FSDP's shards being disjoint), so the per-rank flags ride along in the same
-``(2 + 3 W,)`` float64 vector at no extra collective. Reading the result is one host sync per step
+``(3 + 4 W,)`` float64 vector at no extra collective, and so do the parameters' sum of squares and
+per-rank flags (a NaN written into a shard is found at the next step, named by rank and tensor).
+With the raggedfsdp backend the gradient flag is taken on each rank's own gradients before the
+reduce-scatter (``FSDPModule.set_nonfinite_grad_probe``), so one rank's NaN is not blamed on every
+rank. Reading the result is one host sync per step
 (``Tensor.tolist``), which the decision "step or not" needs before ``optimizer.step``; the metrics of
 the step come from the same vector, so logging needs no further collective.
 
@@ -32,7 +36,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["DivergenceError", "FaultError", "NonFiniteError", "StepGuard", "StepStats", "nonfinite_names", "nonfinite_ranks"]
+__all__ = [
+    "DivergenceError", "FaultError", "NonFiniteError", "StepGuard", "StepStats", "check_params", "check_saveable",
+    "nonfinite_detail", "nonfinite_names", "nonfinite_ranks",
+]  # fmt: skip
 
 
 class FaultError(RuntimeError):
@@ -292,3 +299,48 @@ def nonfinite_ranks(tensors: list[torch.Tensor], device: torch.device) -> list[i
     if w > 1:
         dist.all_reduce(flags)
     return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def nonfinite_detail(model, probe: list | None, what: str) -> str:
+    """Local, on a failure only: this rank's non-finite ``what`` (``"parameters"`` / ``"gradients"``):
+    the tensors' names, or the FSDP units whose own gradients ``probe`` flagged before the reduce-scatter."""
+    if what == "parameters":
+        return nonfinite_names(list(model.named_parameters()))
+    units = [name for name, flag in (probe or []) if bool(flag)]
+    if units:
+        return f"its own gradients of FSDP unit(s) {', '.join(units)}, before the reduce-scatter"
+    return nonfinite_names([(n, p.grad) for n, p in model.named_parameters() if p.grad is not None])
+
+
+def check_params(step: int, model, probe: list | None, device) -> None:
+    """Collective: ``NonFiniteError`` naming the rank(s) and (on those ranks) the tensors if a parameter
+    shard holds NaN/Inf after ``step``'s optimizer step (the trainer calls it after its last step; every
+    earlier update is checked by the next step's fused reduction)."""
+    bad = nonfinite_ranks(list(model.parameters()), device)
+    if bad:
+        mine = f": {nonfinite_detail(model, probe, 'parameters')}" if dist.get_rank() in bad else ""
+        raise NonFiniteError(
+            f"non-finite parameters on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} after "
+            f"step {step}'s optimizer step{mine}",
+            tuple(bad),
+        )
+
+
+def check_saveable(step: int, model, optimizer, device) -> None:
+    """Collective: ``FaultError`` naming the rank(s) and tensors if the model or optimizer state holds
+    NaN/Inf (a checkpoint of it is refused; the newest one on disk is kept)."""
+    named = list(model.named_parameters())
+    names = {id(p): n for n, p in named}
+    for p, state in optimizer.state.items():
+        named += [(f"optimizer {k} of {names.get(id(p), '?')}", v) for k, v in state.items()
+                  if isinstance(v, torch.Tensor) and v.ndim > 0]  # fmt: skip
+    bad = nonfinite_ranks([t for _, t in named], device)
+    if bad:
+        rank = dist.get_rank()
+        mine = f" ({nonfinite_names(named)} on rank {rank})" if rank in bad else ""
+        raise FaultError(
+            f"refusing to save step {step}: the model or optimizer state holds NaN/Inf on "
+            f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}{mine} (the newest checkpoint "
+            "is kept as it is)",
+            tuple(bad),
+        )

@@ -62,16 +62,23 @@ def build_optimizer(o: Any, model: nn.Module) -> torch.optim.Optimizer:
     if o.name == "muon":
         from raggedfsdp.optim import Muon, muon_param_groups
 
-        groups = muon_param_groups(model, lr=o.lr, weight_decay=o.weight_decay, adamw_lr=o.lr,
-                                   adamw_betas=betas, adamw_eps=o.eps)
+        groups = muon_param_groups(
+            model, lr=o.lr, weight_decay=o.weight_decay, adamw_lr=o.lr, adamw_betas=betas, adamw_eps=o.eps
+        )
         muon = next((g for g in groups if g["algorithm"] == "muon"), {"params": []})
         rest = [p for g in groups if g["algorithm"] == "adamw" for p in g["params"]]
         adamw = {"algorithm": "adamw", "lr": o.lr, "betas": betas, "eps": o.eps}
-        return Muon([dict(muon, algorithm="muon"),
-                     dict(adamw, params=[p for p in rest if p.ndim >= 2], weight_decay=o.weight_decay),
-                     dict(adamw, params=[p for p in rest if p.ndim < 2], weight_decay=0.0)],
-                    lr=o.lr, weight_decay=o.weight_decay, adjust_lr_fn="match_rms_adamw",
-                    ns_dtype=_ns_dtype(params))
+        return Muon(
+            [
+                dict(muon, algorithm="muon"),
+                dict(adamw, params=[p for p in rest if p.ndim >= 2], weight_decay=o.weight_decay),
+                dict(adamw, params=[p for p in rest if p.ndim < 2], weight_decay=0.0),
+            ],
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adjust_lr_fn="match_rms_adamw",
+            ns_dtype=_ns_dtype(params),
+        )
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

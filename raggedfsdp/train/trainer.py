@@ -30,7 +30,16 @@ from raggedfsdp.checkpoint.dcp import (
     resolve_resume,
     save_checkpoint,
 )
-from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, aux_loss, build_model, build_model_config, make_mp_policy
+from raggedfsdp.models import (
+    apply_compile,
+    apply_ep,
+    apply_fsdp,
+    apply_tp,
+    aux_loss,
+    build_model,
+    build_model_config,
+    make_mp_policy,
+)
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
@@ -46,9 +55,10 @@ from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
     FaultError,
     StepGuard,
+    check_params,
+    check_saveable,
     gather_signals,
-    nonfinite_names,
-    nonfinite_ranks,
+    nonfinite_detail,
     out_of_memory,
     signal_name,
 )
@@ -151,7 +161,9 @@ class Trainer:
             mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
             ep_kw["experts_mesh"] = world_mesh["dp"]
         else:
-            mesh, tp_mesh = self._meshes(device)  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
+            mesh, tp_mesh = self._meshes(
+                device
+            )  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
         mp_policy = make_mp_policy(
             cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
         )
@@ -168,6 +180,8 @@ class Trainer:
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             if tp_mesh is not None:
                 apply_tp(model, tp_mesh)
+            if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
             model.to_empty(device=device)
             model.init_weights(cfg.job.seed)
@@ -179,6 +193,8 @@ class Trainer:
                 apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
             if ep > 1:
                 apply_ep(model, world_mesh["ep"])
+            if t.compile:
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.checkpoint.hf import load_hf_weights
@@ -332,20 +348,7 @@ class Trainer:
 
     def save(self, step: int, lr: float) -> Path:
         """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
-        named = list(self.model.named_parameters())
-        names = {id(p): n for n, p in named}
-        for p, state in self.optimizer.state.items():
-            named += [(f"optimizer {k} of {names.get(id(p), '?')}", v) for k, v in state.items()
-                      if isinstance(v, torch.Tensor) and v.ndim > 0]  # fmt: skip
-        bad = nonfinite_ranks([t for _, t in named], self.device)
-        if bad:
-            mine = f" ({nonfinite_names(named)} on rank {self.rank})" if self.rank in bad else ""
-            raise FaultError(
-                f"refusing to save step {step}: the model or optimizer state holds NaN/Inf on "
-                f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}{mine} (the newest checkpoint "
-                "is kept as it is)",
-                tuple(bad),
-            )
+        check_saveable(step, self.model, self.optimizer, self.device)
         with self.watchdog.paused(f"saving step {step}"):
             return self._save(step, lr)
 
@@ -393,8 +396,9 @@ class Trainer:
         if par.tp == 1 and par.dp_replicate == 1:
             return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
         shard = par.dp_shard(self.world_size)
-        mesh = init_device_mesh(device.type, (par.dp_replicate, shard, par.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh = init_device_mesh(
+            device.type, (par.dp_replicate, shard, par.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
         dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
         return dp, (mesh["tp"] if par.tp > 1 else None)
 
@@ -482,26 +486,7 @@ class Trainer:
 
     def _nonfinite_detail(self, what: str) -> str:
         """Local, on a failure only: this rank's non-finite tensors (``what``: parameters / gradients)."""
-        if what == "parameters":
-            return nonfinite_names(list(self.model.named_parameters()))
-        units = [name for name, flag in (self._grad_probe or []) if bool(flag)]
-        if units:
-            return f"its own gradients of FSDP unit(s) {', '.join(units)}, before the reduce-scatter"
-        return nonfinite_names([(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None])
-
-    def check_params(self, step: int) -> None:
-        """Collective: raise ``NonFiniteError`` naming the rank(s) and tensors if a parameter shard holds
-        NaN/Inf (after the last step: every other step's update is checked by the next step's guard)."""
-        from raggedfsdp.train.guard import NonFiniteError
-
-        bad = nonfinite_ranks(list(self.model.parameters()), self.device)
-        if bad:
-            mine = f": {self._nonfinite_detail('parameters')}" if self.rank in bad else ""
-            raise NonFiniteError(
-                f"non-finite parameters on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} after "
-                f"step {step}'s optimizer step{mine}",
-                tuple(bad),
-            )
+        return nonfinite_detail(self.model, self._grad_probe, what)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -676,7 +661,7 @@ class Trainer:
                             f"--resume auto --out {cfg.job.out}"))  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
         if t.steps >= first:
-            self.check_params(t.steps)  # the last update (earlier ones: the next step's guard)
+            check_params(t.steps, self.model, self._grad_probe, self.device)  # the last update; earlier: the guard
         elapsed = time.perf_counter() - start
         self.watchdog.progress("done")
         summary = {

@@ -127,6 +127,18 @@ def _run(rank, ws):
     theirs = _sharded(mesh, "torch")
     t_losses = _train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2), batches, rows, dp_group, 2)
 
+    # a block spec on the global shape that the TP split would cut: refused by fully_shard, naming the param
+    from raggedfsdp import fully_shard
+    from raggedfsdp.models import apply_tp
+
+    bad = apply_tp(_model(), mesh["tp"])
+    try:
+        fully_shard(bad.layers[0], mesh=mesh["dp"], shard_placement_fn=lambda p: "matrix")
+    except ValueError as e:
+        assert "'attention.wq.weight'" in str(e) and "cut by the tensor-parallel split" in str(e), e
+    else:
+        raise AssertionError("a 'matrix' block cut by the TP split was accepted")
+
     ours = _sharded(mesh, "ragged")
     _check_layout(ours, ref0, mesh)
     o_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), batches, rows, dp_group, 2)

@@ -4,11 +4,15 @@ Saved at dp 2 x ep 2 (``apply_ep`` + ``apply_fsdp(experts_mesh=)``, expert stack
 after 2 AdamW steps) with ``torch.distributed.checkpoint``; loaded into dp 4 x ep 1 (plain
 ``fully_shard`` over 4, every rank all experts' shards), dp 1 x ep 4 (one expert pair per rank) and a
 single-process model (plain tensors, every rank reads all): the full parameters equal the saved ones
-exactly, and every layout's logits on the same tokens equal the saved model's (fp32, rel 1e-5).
+exactly, and every layout's logits on the same tokens equal the saved model's (fp32, rel 1e-5). Then the
+HF export of that EP-trained checkpoint (``read_dcp_model`` + ``write_moe_safetensors``, what
+``raggedfsdp convert --to safetensors`` runs) loaded by transformers' ``MixtralForCausalLM`` gives the
+same logits.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _dist import run_distributed
 from _toy_models import full_params
@@ -17,7 +21,7 @@ from _toy_models import full_params
 def _build():
     from raggedfsdp.models import build_model
 
-    m = build_model("moe", "debug", experts="fused", n_experts=8, top_k=2, n_shared_experts=1)
+    m = build_model("moe", "debug", experts="fused", n_experts=8, top_k=2, n_shared_experts=0)  # Mixtral
     m.init_weights(3)
     return m
 
@@ -72,5 +76,19 @@ def _ckpt(rank, ws, path):
             torch.testing.assert_close(m(tok), want_logits, rtol=1e-5, atol=1e-6, msg=lambda s, t=tag: f"{t}: {s}")
 
 
+    if rank == 0:
+        from transformers import MixtralForCausalLM
+
+        from raggedfsdp.checkpoint.hf import read_dcp_model
+        from raggedfsdp.checkpoint.hf_moe import write_moe_safetensors
+
+        hf_dir = write_moe_safetensors(path + "-hf", read_dcp_model(path), _build().cfg)
+        hf = MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(tok).logits, want_logits, rtol=1e-5, atol=1e-6)
+    dist.barrier()
+
+
+@pytest.mark.slow
 def test_moe_ep_checkpoint_dp2xep2_to_dp4_ep4_and_single_process(tmp_path):
     run_distributed(_ckpt, 4, str(tmp_path / "ckpt"))

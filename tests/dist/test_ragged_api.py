@@ -76,7 +76,7 @@ def _api_cases(rank, ws, units, path):
     mesh = init_device_mesh("cpu", (ws,))
     # 1. torch's own fully_shard with raggedfsdp imported but no RaggedShard made: no patch applied
     import raggedfsdp
-    from raggedfsdp import _torch_patches as tp
+    from raggedfsdp.placement import _patches as tp
 
     plain, plain_losses, ref0 = _torch_fsdp_run()
     assert not tp.is_applied(), "import raggedfsdp or torch's fully_shard applied the patches"

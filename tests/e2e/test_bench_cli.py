@@ -14,8 +14,27 @@ from raggedfsdp.cli import main
 
 
 def test_bench_json_smoke_moe_two_ranks():
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--flavor", "moe-debug",
-           "--nproc", "2", "--steps", "2", "--warmup", "1", "--batch", "2", "--seq", "16", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "raggedfsdp.cli",
+        "bench",
+        "--model",
+        "moe",
+        "--flavor",
+        "moe-debug",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--json",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -25,8 +44,16 @@ def test_bench_json_smoke_moe_two_ranks():
         assert key in r
     a, b = r["raggedfsdp"], r["torch"]
     for sysr in (a, b):
-        for key in ("step_seconds_median", "copy_bytes", "padding_bytes", "collectives", "final_loss",
-                    "peak_memory_bytes", "host_syncs", "collective_bytes"):
+        for key in (
+            "step_seconds_median",
+            "copy_bytes",
+            "padding_bytes",
+            "collectives",
+            "final_loss",
+            "peak_memory_bytes",
+            "host_syncs",
+            "collective_bytes",
+        ):
             assert key in sysr, key
         assert len(sysr["step_seconds"]) == 2 and sysr["peak_memory_bytes"] > 0
     assert r["nproc"] == 2 and r["model"] == "moe"
@@ -38,7 +65,8 @@ def test_bench_json_smoke_moe_two_ranks():
     for n, sysr in (("raggedfsdp", a), ("torch", b)):  # the step's collectives replayed alone
         assert sysr["comm_only_seconds"] > 0
         assert r["non_comm_overhead_seconds"][n] == pytest.approx(
-            sysr["step_seconds_median"] - fl - sysr["comm_only_seconds"])
+            sysr["step_seconds_median"] - fl - sysr["comm_only_seconds"]
+        )
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)
@@ -58,8 +86,29 @@ def test_bench_json_smoke_moe_two_ranks():
 def test_bench_json_moe_ep2_four_ranks():
     """``--ep 2``: both systems run the same expert-parallel model (dp 2 x ep 2): same losses, the same
     all-to-alls (per MoE layer 3 in forward: counts, dispatch, combine; 2 in backward), no floor/replay."""
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--flavor", "moe-debug", "--ep", "2",
-           "--nproc", "4", "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "16", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "raggedfsdp.cli",
+        "bench",
+        "--model",
+        "moe",
+        "--flavor",
+        "moe-debug",
+        "--ep",
+        "2",
+        "--nproc",
+        "4",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--json",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -73,16 +122,19 @@ def test_bench_json_moe_ep2_four_ranks():
     assert a["all_to_all_bytes"] == b["all_to_all_bytes"]
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--model", "sparse"], "invalid choice"),
-    (["--model", "dense", "--ep", "2"], "applies to --model moe only"),
-    (["--ep", "3"], "must divide --nproc 4"),
-    (["--ep", "2", "--experts", "separate"], "splits fused expert stacks"),
-    (["--model", "dense", "--experts", "fused"], "apply to --model moe only"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--model", "moe", "--flavor", "huge"], "unknown moe flavor 'huge'"),
-    (["--wrap", "superblock2"], "is not a policy of model 'moe'"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--model", "sparse"], "invalid choice"),
+        (["--model", "dense", "--ep", "2"], "applies to --model moe only"),
+        (["--ep", "3"], "must divide --nproc 4"),
+        (["--ep", "2", "--experts", "separate"], "splits fused expert stacks"),
+        (["--model", "dense", "--experts", "fused"], "apply to --model moe only"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--model", "moe", "--flavor", "huge"], "unknown moe flavor 'huge'"),
+        (["--wrap", "superblock2"], "is not a policy of model 'moe'"),
+    ],
+)
 def test_bench_bad_arguments_fail_before_launch(argv, match, capsys):
     try:
         rc = main(["bench", *argv])

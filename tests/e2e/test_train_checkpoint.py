@@ -20,15 +20,6 @@ import pytest
 
 from raggedfsdp.cli import main as cli_main
 
-try:
-    from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
-
-    HAVE_RAGGED = True
-except ImportError:
-    HAVE_RAGGED = False
-
-pytestmark = pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")
-
 STEPS = 8
 # Batch 12 splits over 1, 2 and 3 ranks; log every step so that every loss is compared.
 ARGS = [

@@ -17,16 +17,9 @@ import pytest
 
 from raggedfsdp.cli import main as cli_main
 
-try:
-    from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
-
-    HAVE_RAGGED = True
-except ImportError:
-    HAVE_RAGGED = False
-
 BACKENDS = [
     "torch",
-    pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")),
+    "ragged",
 ]
 
 # Small and fast: ~40k params, 8 x 64 tokens per step, 300 kB of the stdlib corpus.
@@ -72,7 +65,7 @@ def _records(out: Path) -> tuple[list[dict], list[dict]]:
 def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     """One 2-rank run per available backend, shared by the tests below."""
     runs = {}
-    for backend in ("torch", "ragged") if HAVE_RAGGED else ("torch",):
+    for backend in ("torch", "ragged"):
         out = tmp_path_factory.mktemp(f"run_{backend}")
         proc, _ = _run(
             [*_cli(), "train", "--nproc", "2", *SMALL, "--backend", backend, "--out", str(out)], 180

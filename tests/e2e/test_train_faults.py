@@ -23,15 +23,6 @@ import pytest
 from raggedfsdp.cli import main as cli_main
 from _dist import run_distributed
 
-try:
-    from raggedfsdp import fully_shard as _ragged_fully_shard  # noqa: F401
-
-    HAVE_RAGGED = True
-except ImportError:
-    HAVE_RAGGED = False
-
-pytestmark = pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")
-
 TINY = {
     "model.flavor": "debug",
     "training.steps": "4",
@@ -550,7 +541,9 @@ def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_p
     time.sleep(0.2)
     lines = "".join(err).strip().splitlines()
     assert proc.returncode == 130, "".join(err)
-    assert lines[-1] == f"raggedfsdp train: interrupted by SIGINT; resume with --resume auto --out {out}", lines
+    assert lines[-1] == f"raggedfsdp train: interrupted by SIGINT; resume with --resume auto --out {out}", (
+        lines
+    )
     assert "Traceback" not in "".join(err), "".join(err)
     assert elapsed < 30, f"{elapsed:.1f}s from the first Ctrl-C to the job's end"
     partial = ck / "step-4.tmp"
@@ -600,10 +593,14 @@ def test_unwritable_out_is_one_line_before_the_launch(tmp_path):
     home.chmod(0o777)
     cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *_cli(), "train", *ARGS,
            "--steps", "2", "--out", str(locked / "o")]  # fmt: skip
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env={**_env(), "HOME": str(home)})
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=120, env={**_env(), "HOME": str(home)}
+    )
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     o = locked / "o"  # the path named is the first one the user could not touch (o, or o/run.json)
-    assert last.startswith(f"raggedfsdp train: error: cannot use --out {o}: Permission denied: '{o}"), proc.stderr
+    assert last.startswith(f"raggedfsdp train: error: cannot use --out {o}: Permission denied: '{o}"), (
+        proc.stderr
+    )
     assert last.endswith("' (choose a path this user can write)"), proc.stderr
     assert "Traceback" not in proc.stderr and "launching" not in proc.stderr

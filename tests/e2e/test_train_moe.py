@@ -14,9 +14,23 @@ from test_train_cli import SMALL, _cli
 def test_train_moe_two_ranks_loss_falls_and_aux_loss_logged(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
     proc = subprocess.run(
-        [*_cli(), "train", "--nproc", "2", *SMALL, "--model.name", "moe", "--model.experts", "fused",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=180, env=env,
+        [
+            *_cli(),
+            "train",
+            "--nproc",
+            "2",
+            *SMALL,
+            "--model.name",
+            "moe",
+            "--model.experts",
+            "fused",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "| aux " in proc.stdout  # console line shows the load-balancing loss
@@ -41,9 +55,27 @@ def test_train_moe_expert_parallel_matches_ep1(tmp_path):
     for ep in (2, 1):
         out = tmp_path / f"ep{ep}"
         proc = subprocess.run(
-            [*_cli(), "train", "--nproc", "4", *SMALL, "--model.name", "moe", "--model.experts", "fused",
-             "--batch-size", "8", "--parallel.ep", str(ep), "--out", str(out)],
-            capture_output=True, text=True, timeout=300, env=env,
+            [
+                *_cli(),
+                "train",
+                "--nproc",
+                "4",
+                *SMALL,
+                "--model.name",
+                "moe",
+                "--model.experts",
+                "fused",
+                "--batch-size",
+                "8",
+                "--parallel.ep",
+                str(ep),
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
         )
         assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -58,10 +90,16 @@ def test_train_moe_expert_parallel_matches_ep1(tmp_path):
 
 def test_train_ep_bad_combinations_fail_before_launch():
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    for argv, match in ((["--nproc", "3", "--parallel.ep", "2"], "must divide the number of ranks (3"),
-                        (["--nproc", "2", "--parallel.ep", "3"], "must divide the 8 experts"),
-                        (["--nproc", "2", "--parallel.ep", "2", "--model.experts", "separate"],
-                         "splits fused expert stacks")):
-        proc = subprocess.run([*_cli(), "train", *SMALL, "--model.name", "moe", *argv], capture_output=True,
-                              text=True, timeout=120, env=env)
+    for argv, match in (
+        (["--nproc", "3", "--parallel.ep", "2"], "must divide the number of ranks (3"),
+        (["--nproc", "2", "--parallel.ep", "3"], "must divide the 8 experts"),
+        (["--nproc", "2", "--parallel.ep", "2", "--model.experts", "separate"], "splits fused expert stacks"),
+    ):
+        proc = subprocess.run(
+            [*_cli(), "train", *SMALL, "--model.name", "moe", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert proc.returncode == 2 and match in proc.stderr, (argv, proc.returncode, proc.stderr[-2000:])

@@ -40,8 +40,9 @@ def _launch(node_rank: int, port: int, out, steps: int, extra=()):
     cmd = [sys.executable, "-m", "raggedfsdp.cli", "train", *ARGS, "--steps", str(steps), "--nproc", "1",
            "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--out", str(out), *extra]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+    )
 
 
 def _losses(out) -> dict[int, float]:

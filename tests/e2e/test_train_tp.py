@@ -28,7 +28,10 @@ def test_train_tp2_matches_dp4(tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--nproc", "4", "--parallel.tp", "3"], "parallel.dp_replicate * parallel.tp = 1 * 3 does not divide --nproc 4"),
+        (
+            ["--nproc", "4", "--parallel.tp", "3"],
+            "parallel.dp_replicate * parallel.tp = 1 * 3 does not divide --nproc 4",
+        ),
         (["--nproc", "8", "--parallel.tp", "8"], "n_heads=4 is not divisible by tp=8"),
         (["--nproc", "8", "--parallel.tp", "2", "--parallel.dp_replicate", "3"], "does not divide --nproc 8"),
         (["--parallel.tp", "2", "--model.name", "moe"], "model.name='llama' only"),
@@ -36,5 +39,22 @@ def test_train_tp2_matches_dp4(tmp_path):
 )
 def test_bad_parallel_layouts_fail_before_launch(argv, message, capsys):
     assert cli_main(["train", "--model", "debug", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "dense", "--tp", "3", "--nproc", "4"], "--tp 3 must divide --nproc 4"),
+        (["--model", "moe", "--tp", "2"], "--tp 2 applies to --model dense"),
+        (
+            ["--model", "dense", "--flavor", "debug", "--tp", "8", "--nproc", "8"],
+            "n_heads=4 is not divisible by tp=8",
+        ),
+    ],
+)
+def test_bench_tp_bad_input_fails_before_launch(argv, message, capsys):
+    assert cli_main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err

@@ -26,8 +26,14 @@ def _worker(fn, rank, ws, store_path, args, q):
 
         torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, ws)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=120),
-                                device_id=torch.device("cuda", rank))
+        dist.init_process_group(
+            "nccl",
+            store=store,
+            rank=rank,
+            world_size=ws,
+            timeout=timedelta(seconds=120),
+            device_id=torch.device("cuda", rank),
+        )
         out = fn(rank, ws, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -46,8 +52,10 @@ def run_nccl(fn, *args, world_size: int | None = None, timeout: float = 240.0) -
     q = ctx.Queue()
     results: dict[int, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(fn, r, ws, os.path.join(tmp, "store"), args, q), daemon=True)
-                 for r in range(ws)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, ws, os.path.join(tmp, "store"), args, q), daemon=True)
+            for r in range(ws)
+        ]
         for p in procs:
             p.start()
         failure = None
@@ -57,7 +65,9 @@ def run_nccl(fn, *args, world_size: int | None = None, timeout: float = 240.0) -
                 try:
                     rank, out, tb = q.get(timeout=1.0)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                    dead = [
+                        r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)
+                    ]
                     if dead:
                         failure = (dead[0], f"exited with code {procs[dead[0]].exitcode} without a report")
                     elif time.monotonic() > deadline:

@@ -46,8 +46,13 @@ def _full(t):
     if not isinstance(t, DTensor):
         return t
     if t.device.type != t.device_mesh.device_type:  # CPU offload: the shard lives on the host
-        t = DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
-                               shape=t.shape, stride=t.stride())
+        t = DTensor.from_local(
+            t.to_local().to(t.device_mesh.device_type),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
+        )
     return t.full_tensor()
 
 
@@ -114,7 +119,9 @@ def test_no_host_sync_in_forward_backward_optimizer_step():
     res = run_nccl(_sync_case)
     record("sync_debug", res[0])
     bad = {f"rank {r}: {ph}": e for r, o in enumerate(res) for ph, e in o["ragged"].items() if e}
-    assert not bad, f"host syncs in the raggedfsdp step: {bad} (torch fully_shard on the same step: {res[0]['torch']})"
+    assert not bad, (
+        f"host syncs in the raggedfsdp step: {bad} (torch fully_shard on the same step: {res[0]['torch']})"
+    )
 
 
 # ---- peak memory vs torch -------------------------------------------------------------------------
@@ -130,12 +137,19 @@ def _peak_case(rank, ws, d, n, batch):
     out = {}
     for dt_name, dt in (("fp32", None), ("bf16", torch.bfloat16)):
         psize, gsize = (2, 6) if dt else (4, 4)
-        r = {b: measure_train_step(builder(b, init, mesh, dt, d=d, n=n), loss_fn(x), "cuda")._asdict()
-             for b in ("ragged", "torch")}
+        r = {
+            b: measure_train_step(builder(b, init, mesh, dt, d=d, n=n), loss_fn(x), "cuda")._asdict()
+            for b in ("ragged", "torch")
+        }
         # sharded state + current/prefetched units + the root's params and grads + (K+1) grad units + one weight-gradient
         # temporary (as tests/dist/test_fsdp_memory.py, K = 1)
-        r["bound_without_activations"] = (int(1.01 * 4 * n_params * 4 / ws) + 2 * unit * psize
-                                          + (d * d + d) * (psize + gsize) + 2 * unit * gsize + d * d * psize)
+        r["bound_without_activations"] = (
+            int(1.01 * 4 * n_params * 4 / ws)
+            + 2 * unit * psize
+            + (d * d + d) * (psize + gsize)
+            + 2 * unit * gsize
+            + d * d * psize
+        )
         r["ratio_fwd_bwd"] = r["ragged"]["fwd_bwd_peak_bytes"] / r["torch"]["fwd_bwd_peak_bytes"]
         r["ratio_optim"] = r["ragged"]["optim_peak_bytes"] / r["torch"]["optim_peak_bytes"]
         out[dt_name] = r
@@ -144,7 +158,10 @@ def _peak_case(rank, ws, d, n, batch):
 
 def test_peak_memory_at_most_torch_fully_shard():
     res = run_nccl(_peak_case, 2048, 8, 32)
-    record("peak_memory", {"world_size": world_size(), "model": "8 x 2 Linear(2048,2048) + root Linear", "rank0": res[0]})
+    record(
+        "peak_memory",
+        {"world_size": world_size(), "model": "8 x 2 Linear(2048,2048) + root Linear", "rank0": res[0]},
+    )
     bad = []
     for r, o in enumerate(res):
         for dt, v in o.items():
@@ -154,8 +171,10 @@ def test_peak_memory_at_most_torch_fully_shard():
                 bad.append(f"rank {r} {dt}: optimizer-step peak {v['ratio_optim']:.3f}x torch's")
             # activations here are < 1 MiB (batch 32 x 2048), so the bound gets 4 MiB of slack for them
             if v["ragged"]["fwd_bwd_peak_bytes"] > v["bound_without_activations"] + 4 * MiB:
-                bad.append(f"rank {r} {dt}: fwd+bwd peak {v['ragged']['fwd_bwd_peak_bytes'] / MiB:.1f} MiB > bound "
-                           f"{v['bound_without_activations'] / MiB + 4:.1f} MiB")
+                bad.append(
+                    f"rank {r} {dt}: fwd+bwd peak {v['ragged']['fwd_bwd_peak_bytes'] / MiB:.1f} MiB > bound "
+                    f"{v['bound_without_activations'] / MiB + 4:.1f} MiB"
+                )
     assert not bad, bad
 
 
@@ -167,16 +186,24 @@ def _offload_case(rank, ws):
     torch.manual_seed(0)
     base = MemNet(512, 3)
     ref = copy.deepcopy(base).cuda()
-    model = _shard(copy.deepcopy(base), raggedfsdp.fully_shard, mesh,
-                   offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=True))
-    x1 = torch.randn(8, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1))  # same on all ranks
+    model = _shard(
+        copy.deepcopy(base),
+        raggedfsdp.fully_shard,
+        mesh,
+        offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=True),
+    )
+    x1 = torch.randn(
+        8, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )  # same on all ranks
     x2 = torch.randn(8, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     for m in (ref, model):
         loss_fn(x1)(m).backward()
         loss_fn(x2)(m).backward()  # accumulates into the (offloaded) sharded grads
     torch.cuda.synchronize()
     err = _rel_err(_full_grads(model), _full_grads(ref))
-    devices = sorted({p.grad.device.type for p in model.parameters()} | {p.device.type for p in model.parameters()})
+    devices = sorted(
+        {p.grad.device.type for p in model.parameters()} | {p.device.type for p in model.parameters()}
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()  # runs on the CPU shards
     opt.zero_grad()
@@ -199,14 +226,20 @@ def _bf16_case(rank, ws):
     mesh = _mesh(ws)
     torch.manual_seed(0)
     base = MemNet(512, 4)
-    x = torch.randn(16, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(3))  # same on all ranks
+    x = torch.randn(
+        16, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(3)
+    )  # same on all ranks
     ref = copy.deepcopy(base).cuda().to(torch.bfloat16)
     loss_fn(x.to(torch.bfloat16))(ref).backward()
     ref_g = _full_grads(ref)
     out = {}
     for name, (fs, mp_cls) in backends().items():
-        model = _shard(copy.deepcopy(base).cuda(), fs, mesh,
-                       mp_policy=mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        model = _shard(
+            copy.deepcopy(base).cuda(),
+            fs,
+            mesh,
+            mp_policy=mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
         loss_fn(x)(model).backward()
         out[name] = _rel_err(_full_grads(model), ref_g)
     return out
@@ -249,8 +282,11 @@ def _meta_case(rank, ws):
     x = torch.randn(8, 384, device="cuda")
     loss_fn(x)(model).backward()
     opt.step()
-    return {"max_abs_diff_vs_single_device_init": max_diff, "devices": devices,
-            "finite": bool(all(torch.isfinite(_full(p)).all() for p in model.parameters()))}
+    return {
+        "max_abs_diff_vs_single_device_init": max_diff,
+        "devices": devices,
+        "finite": bool(all(torch.isfinite(_full(p)).all() for p in model.parameters())),
+    }
 
 
 def test_meta_device_init_on_cuda_matches_single_device_init():
@@ -290,8 +326,12 @@ def _overlap_case(rank, ws):
 
     mesh = _mesh(ws)
     torch.manual_seed(0)
-    model = _shard(MemNet(4096, 6).cuda(), raggedfsdp.fully_shard, mesh,
-                   mp_policy=raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model = _shard(
+        MemNet(4096, 6).cuda(),
+        raggedfsdp.fully_shard,
+        mesh,
+        mp_policy=raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    )
     x = torch.randn(8192, 4096, device="cuda")
     with torch.no_grad():
         model(x)  # warm-up: lazy init, recorded forward order (implicit prefetch)
@@ -307,8 +347,13 @@ def _overlap_case(rank, ws):
         overlapped += sum(e - s for s, e in cover) if cover else 0.0
     total = sum(a1 - a0 for a0, a1 in ag)
     n_overlapping = sum(any(c0 < a1 and a0 < c1 for c0, c1 in compute) for a0, a1 in ag)
-    return {"allgather_kernels": len(ag), "overlapping_compute": n_overlapping, "compute_kind": "gemm" if gemm else "any",
-            "allgather_us": total, "overlapped_us_upper_bound": overlapped}
+    return {
+        "allgather_kernels": len(ag),
+        "overlapping_compute": n_overlapping,
+        "compute_kind": "gemm" if gemm else "any",
+        "allgather_us": total,
+        "overlapped_us_upper_bound": overlapped,
+    }
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the overlap check needs >= 2 GPUs")

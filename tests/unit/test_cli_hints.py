@@ -32,7 +32,11 @@ def test_cuda_job_fails_before_launch_without_enough_gpus(monkeypatch, capsys, t
     err = capsys.readouterr().err
     assert rc == 2
     assert "job.device='cuda'" in err
-    assert ("sees no CUDA device" in err) if visible == 0 else ("only 1 CUDA device(s)" in err and "--nproc 1" in err)
+    assert (
+        ("sees no CUDA device" in err)
+        if visible == 0
+        else ("only 1 CUDA device(s)" in err and "--nproc 1" in err)
+    )
     assert "launching" not in err  # no rank was started
 
 

@@ -44,10 +44,15 @@ def test_out_of_memory_becomes_one_line_naming_rank_step_and_batch():
     from raggedfsdp.train.guard import ResourceError, out_of_memory
 
     ids = {1: "step3:rows2-3 (rank 1, micro-step 0)"}
-    for e in (MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB")):
+    for e in (
+        MemoryError(),
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"),
+    ):
         r = out_of_memory(e, 3, 1, torch.device("cpu"), ids)
         assert isinstance(r, ResourceError) and r.culprits == (1,)
-        assert str(r).startswith("out of memory on rank 1 (cpu) at step 3 (batch step3:rows2-3 (rank 1, micro-step 0)): ")
+        assert str(r).startswith(
+            "out of memory on rank 1 (cpu) at step 3 (batch step3:rows2-3 (rank 1, micro-step 0)): "
+        )
     other = RuntimeError("shape mismatch")
     assert out_of_memory(other, 3, 1, "cpu", ids) is other  # not an OOM: re-raised as it is
 

@@ -218,6 +218,11 @@ def test_check_data_stdlib_is_cheap(monkeypatch):
 
     real_open = builtins.open
     monkeypatch.setattr(pathlib.Path, "read_bytes", no_read)
-    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: no_read() if "b" in mode and str(f).endswith(".py")
-                        else real_open(f, mode, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "open",
+        lambda f, mode="r", *a, **k: (
+            no_read() if "b" in mode and str(f).endswith(".py") else real_open(f, mode, *a, **k)
+        ),
+    )
     assert _check("", seq_len=128, max_bytes=0, val_fraction=0.05) > 1_000_000

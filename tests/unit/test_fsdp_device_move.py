@@ -50,7 +50,9 @@ def test_cpu_params_on_a_cuda_mesh_are_moved_not_refused(monkeypatch):
     params = _managed_params([net], set())
     target, move_p, move_b = _states_to_move([net], params, CUDA_MESH)
     assert target == torch.device("cuda", 0)
-    assert {id(p) for p in move_p} == {id(p) for p in (net.a.weight, net.a.bias, net.norm.weight, net.norm.bias)}
+    assert {id(p) for p in move_p} == {
+        id(p) for p in (net.a.weight, net.a.bias, net.norm.weight, net.norm.bias)
+    }
     assert sorted(n for _, n in move_b) == ["num_batches_tracked", "running_mean", "running_var", "table"]
     # CPU offload: the parameters stay on the CPU (the sharded master lives there); buffers still move
     target, move_p, move_b = _states_to_move([net], params, CUDA_MESH, offload=True)

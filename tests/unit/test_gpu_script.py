@@ -17,8 +17,8 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
 
-import _common
-import run as driver
+import _common  # noqa: E402 (from benchmarks/gpu, put on sys.path above)
+import run as driver  # noqa: E402
 
 
 def _kernel(stream, ts, dur, cat="kernel", name="k"):
@@ -27,9 +27,14 @@ def _kernel(stream, ts, dur, cat="kernel", name="k"):
 
 def test_stream_overlap_matches_brute_force():
     rng = random.Random(0)
-    ev = [_kernel(7, rng.randrange(0, 1000), rng.randrange(1, 60)) for _ in range(40)]  # compute: most kernel time
-    side = [_kernel(s, rng.randrange(0, 1000), rng.randrange(1, 30), cat=rng.choice(["kernel", "gpu_memcpy"]))
-            for s in (20, 24) for _ in range(8)]
+    ev = [
+        _kernel(7, rng.randrange(0, 1000), rng.randrange(1, 60)) for _ in range(40)
+    ]  # compute: most kernel time
+    side = [
+        _kernel(s, rng.randrange(0, 1000), rng.randrange(1, 30), cat=rng.choice(["kernel", "gpu_memcpy"]))
+        for s in (20, 24)
+        for _ in range(8)
+    ]
     got = _common.stream_overlap(ev + side + [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 5}])
     busy = set()
     for e in ev:
@@ -44,11 +49,23 @@ def test_stream_overlap_matches_brute_force():
 
 def test_sync_calls_are_counted_inside_their_annotation_only():
     ann = {"ph": "X", "cat": "user_annotation", "name": "step::backward", "ts": 100, "dur": 50}
-    calls = [{"ph": "X", "cat": "cuda_runtime", "name": n, "ts": t, "dur": 1}
-             for n, t in (("cudaStreamSynchronize", 120), ("cudaEventSynchronize", 149), ("cudaLaunchKernel", 130),
-                          ("cudaStreamSynchronize", 99), ("cudaDeviceSynchronize", 151), ("cudaMemcpyAsync", 110))]
+    calls = [
+        {"ph": "X", "cat": "cuda_runtime", "name": n, "ts": t, "dur": 1}
+        for n, t in (
+            ("cudaStreamSynchronize", 120),
+            ("cudaEventSynchronize", 149),
+            ("cudaLaunchKernel", 130),
+            ("cudaStreamSynchronize", 99),
+            ("cudaDeviceSynchronize", 151),
+            ("cudaMemcpyAsync", 110),
+        )
+    ]
     got = _common.sync_calls_in([ann, *calls], "step::backward")
-    assert got == {"calls": 2, "by_name": {"cudaStreamSynchronize": 1, "cudaEventSynchronize": 1}, "ranges": 1}
+    assert got == {
+        "calls": 2,
+        "by_name": {"cudaStreamSynchronize": 1, "cudaEventSynchronize": 1},
+        "ranges": 1,
+    }
     assert _common.sync_calls_in(calls, "step::backward")["calls"] == 0  # no annotation: nothing counted
 
 
@@ -60,14 +77,16 @@ def test_stage_plan_fits_the_deadline():
     # every later stage keeps half its budget even when an earlier one could take all that is left
     t0 = time.monotonic() - 100  # 100 s already used
     for i in range(len(driver.STAGES)):
-        later = sum(b for _, _, b in driver.STAGES[i + 1:]) / 2
+        later = sum(b for _, _, b in driver.STAGES[i + 1 :]) / 2
         assert driver.stage_timeout(i, t0, 420, 1000, False) <= 420 - 100 - later + 1
 
 
 def test_stage_timeout_kills_the_whole_process_group(tmp_path):
     pidfile = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
     t0 = time.monotonic()
     rc, _, _ = driver.run_stage([sys.executable, "-c", code], 3.0, str(tmp_path / "log"))
     assert rc == "timeout" and time.monotonic() - t0 < 30

@@ -44,7 +44,9 @@ def test_grad_layout_matches_reduce_scatter_simulation(seed):
         assert covered == layout.numels[i]
         off = gl.contiguous_offset(i)
         if off is not None:  # one view [off, off + numel) holds the tensor in order
-            assert [buf[off + k] for k in range(layout.numels[i])] == [(i, k) for k in range(layout.numels[i])]
+            assert [buf[off + k] for k in range(layout.numels[i])] == [
+                (i, k) for k in range(layout.numels[i])
+            ]
     need = 0
     for r in range(m):
         shard = buf[r * sg : (r + 1) * sg]

@@ -1,6 +1,10 @@
-"""Imports inside the package go one way: placement -> planner -> buffer -> fsdp -> optim -> models ->
-checkpoint -> train/launch -> bench -> commands/cli. A module may import its own layer or lower layers
-only (checked with ast)."""
+"""Imports inside the package go one way through the rooms of docs/architecture.md: placement ->
+planner -> buffer -> fsdp -> optim -> models -> checkpoint -> train/launch -> sizing/bench ->
+commands/cli. A module may import its own layer or lower layers only (checked with ast, function-level
+imports included), and no two files import each other in a circle at module level.
+
+``checkpoint`` sits above ``models`` (not beside ``optim``): ``checkpoint/hf.py`` maps the LLaMA
+model's names and config to Hugging Face's, and nothing below ``train`` saves checkpoints."""
 
 from __future__ import annotations
 
@@ -9,16 +13,20 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "raggedfsdp"
 LAYER = {
-    "placement": 0, "_torch_patches": 0,
+    "placement": 0,
+    "_compat": 0,
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,
     "optim": 4,
     "models": 5,
     "checkpoint": 6,
-    "train": 7, "launch": 7,
-    "sizing": 8, "bench": 8,
-    "commands": 9, "cli": 9,
+    "train": 7,
+    "launch": 7,
+    "sizing": 8,
+    "bench": 8,
+    "commands": 9,
+    "cli": 9,
 }
 
 
@@ -52,6 +60,60 @@ def test_imports_go_one_way():
             if dep is not None and dep > own:
                 bad.append(f"{path.relative_to(PKG.parent)} (layer {own}) imports {mod} (layer {dep})")
     assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def _module_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level_deps(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports at module level (not inside functions or TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module in modules:
+                    out.add(node.module)
+                out.update(
+                    f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
+                )
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody)
+
+    visit(tree.body)
+    return out
+
+
+def test_no_import_circles_between_files():
+    files = {_module_of(p): p for p in PKG.rglob("*.py")}
+    deps = {m: _module_level_deps(p, set(files)) - {m} for m, p in files.items()}
+    # a package's __init__ re-exporting its own submodules is not a circle between files
+    for m in deps:
+        deps[m] = {d for d in deps[m] if not (m == d.rsplit(".", 1)[0] or d == m.rsplit(".", 1)[0])}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def dfs(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(deps[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d) :] + [d] if d in stack else [m, d])
+            elif d not in state:
+                dfs(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(deps):
+        if m not in state:
+            dfs(m, [m])
+    assert not cycles, "module-level import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_files_stay_small():

@@ -101,7 +101,7 @@ def test_frees_on_other_threads_are_counted():
     """gloo frees collective scratch on its worker thread; c10's process-wide accounting sees it."""
     import threading
 
-    from raggedfsdp import _torch_patches
+    from raggedfsdp.placement import _patches as _torch_patches
 
     assert _torch_patches.enable_cpu_allocator_accounting(), "c10 flag not exported by this torch build"
     holder = [None]
@@ -164,8 +164,9 @@ def test_peak_matches_rss_high_water_mark():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
     peak, rss_growth = int(out[-2]), int(out[-1])
     print(f"PeakMemory peak {peak / 2**20:.2f} MiB, RSS high-water growth {rss_growth / 2**20:.2f} MiB")
     # the peak: lin's weight + bias and their grads (kept), y (24 MB), keep freed then regrown (net 0)

@@ -36,7 +36,9 @@ def test_flavors_are_valid_and_named():
     for name in LLAMA_FLAVORS:
         cfg = LlamaConfig.flavor(name)
         # byte-level flavors; llama3-8b (the real-size preset) has LLaMA-3's vocabulary
-        assert cfg.vocab_size == (128256 if name == "llama3-8b" else 256) and cfg.n_heads % cfg.n_kv_heads == 0
+        assert (
+            cfg.vocab_size == (128256 if name == "llama3-8b" else 256) and cfg.n_heads % cfg.n_kv_heads == 0
+        )
     with pytest.raises(ValueError, match="unknown llama flavor 'huge'"):
         LlamaConfig.flavor("huge")
     with pytest.raises(ValueError, match="unknown LlamaConfig field 'dimm'"):

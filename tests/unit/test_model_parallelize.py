@@ -11,16 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import apply_fsdp, build_model, make_mp_policy
 
-try:
-    from raggedfsdp import fully_shard as _ragged  # noqa: F401
-
-    HAVE_RAGGED = True
-except ImportError:
-    HAVE_RAGGED = False
-
 BACKENDS = [
     "torch",
-    pytest.param("ragged", marks=pytest.mark.skipif(not HAVE_RAGGED, reason="no raggedfsdp.fully_shard")),
+    "ragged",
 ]
 
 

@@ -44,7 +44,8 @@ def _naive_moe(ff: MoEFeedForward, cfg: MoEConfig, x: torch.Tensor):
         if ff.shared_expert is not None:
             se = ff.shared_expert
             out[n] += se.w2.weight.double() @ (
-                F.silu(se.w1.weight.double() @ xd[n]) * (se.w3.weight.double() @ xd[n]))
+                F.silu(se.w1.weight.double() @ xd[n]) * (se.w3.weight.double() @ xd[n])
+            )
     N = xd.shape[0]
     aux = X * ((counts / (N * k)) * (prob_sum / N)).sum()
     return out.view(x.shape), aux, counts
@@ -92,8 +93,11 @@ def test_fused_and_separate_experts_are_the_same_model():
         (F.cross_entropy(logits.flatten(0, 1), tok.flatten()) + m.aux_loss).backward()
         outs[layout] = (logits.detach(), m.aux_loss.detach(), m.expert_counts)
         ex = m.layers[1].feed_forward.experts
-        grads[layout] = (torch.stack([ex[e].w1.weight.grad.T for e in range(len(ex))])
-                         if layout == "separate" else ex.w1.grad)
+        grads[layout] = (
+            torch.stack([ex[e].w1.weight.grad.T for e in range(len(ex))])
+            if layout == "separate"
+            else ex.w1.grad
+        )
     torch.testing.assert_close(outs["separate"][0], outs["fused"][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["separate"][1], outs["fused"][1])
     assert torch.equal(outs["separate"][2], outs["fused"][2])

@@ -56,11 +56,11 @@ def test_quantizer_matches_brute_force_per_tile():
         assert scales.shape == (2, 3) and codes.dtype == torch.uint8
         for i in range(2):
             for j in range(3):
-                tile = v[32 * i:32 * i + 32, 16 * j:16 * j + 16]
+                tile = v[32 * i : 32 * i + 32, 16 * j : 16 * j + 16]
                 s = tile.abs().max()
                 assert scales[i, j] == s
                 want = (tile.reshape(-1, 1) / s - book).abs().argmin(1).view(tile.shape)
-                got = codes[32 * i:32 * i + 32, 16 * j:16 * j + 16].long()
+                got = codes[32 * i : 32 * i + 32, 16 * j : 16 * j + 16].long()
                 # nearest code (ties may go either way): same distance as the brute-force choice
                 assert torch.equal((book[got] - tile / s).abs(), (book[want] - tile / s).abs())
         back = dequantize_tiles(codes, scales, (32, 16), signed)
@@ -86,7 +86,9 @@ def _llama_matrices(ws, policy):
         lay = up.layout
         for i, (name, shape) in enumerate(zip(lay.names, lay.shapes)):
             if len(shape) == 2 and "embed" not in name and "lm_head" not in name:
-                mats += split_matrices(len(mats), matrices_of(tuple(shape)), [lay.piece(i, r) for r in range(ws)])
+                mats += split_matrices(
+                    len(mats), matrices_of(tuple(shape)), [lay.piece(i, r) for r in range(ws)]
+                )
     return mats
 
 
@@ -177,7 +179,9 @@ def test_fast_encoder_equals_bucketize_nearest_code():
     torch.manual_seed(5)
     for signed in (True, False):
         book, mids = _code_book(signed)
-        edge = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), book])
+        edge = torch.cat(
+            [mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), book]
+        )
         x = torch.cat([torch.rand(50000) * 2 - 1, edge]).clamp(-1 if signed else 0, 1)
         x = x * torch.logspace(-9, 0, x.numel())[torch.randperm(x.numel())]
         assert torch.equal(encode(x, signed), torch.bucketize(x, mids).to(torch.uint8))
@@ -193,8 +197,9 @@ def _hsdp_matrices(model, reps, shards):
         lay = up.layout
         for i, (name, shape) in enumerate(zip(lay.names, lay.shapes)):
             if len(shape) == 2 and "embed" not in name and "lm_head" not in name:
-                mats += split_matrices(len(mats), matrices_of(tuple(shape)),
-                                       [lay.piece(i, r) for r in range(shards)], holders)
+                mats += split_matrices(
+                    len(mats), matrices_of(tuple(shape)), [lay.piece(i, r) for r in range(shards)], holders
+                )
     return mats
 
 
@@ -230,7 +235,9 @@ def test_world_plan_runs_each_newton_schulz_once_balanced(reps, shards):
     for j, m in enumerate(mats):
         for holders, lo, hi in m.parts:
             for h in holders:
-                got = [(lo2, hi2) for e in plans[h] for lst in e.scatter_recv for jj, lo2, hi2 in lst if jj == j]
+                got = [
+                    (lo2, hi2) for e in plans[h] for lst in e.scatter_recv for jj, lo2, hi2 in lst if jj == j
+                ]
                 assert got == ([] if h == owners[j] else [(lo, hi)]), (j, h, got)
     # whole matrices mostly stay where they lie (no gather), on one of the piece's holders
     whole = [j for j, m in enumerate(mats) if m.whole_on is not None]

@@ -21,7 +21,12 @@ class _QwenLikeLayer(nn.Module):
         lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
         self.q, self.k, self.v, self.o = lin(2560, 4096), lin(2560, 1024), lin(2560, 1024), lin(4096, 2560)
         self.gate, self.up, self.down = lin(2560, 9728), lin(2560, 9728), lin(9728, 2560)
-        self.n1, self.n2, self.qn, self.kn = nn.RMSNorm(2560), nn.RMSNorm(2560), nn.RMSNorm(128), nn.RMSNorm(128)
+        self.n1, self.n2, self.qn, self.kn = (
+            nn.RMSNorm(2560),
+            nn.RMSNorm(2560),
+            nn.RMSNorm(128),
+            nn.RMSNorm(128),
+        )
 
 
 def _case(rank, ws):
@@ -47,8 +52,9 @@ def _case(rank, ws):
         ref = _QwenLikeLayer()
     shapes = [tuple(p.shape) for p in ref.parameters()]
     torch_fully_shard(ref, mesh=mesh)
-    out["torch_padding"] = sum((p.to_local().shape[0] * ws - p.shape[0]) * (p.numel() // p.shape[0])
-                               for p in ref.parameters())
+    out["torch_padding"] = sum(
+        (p.to_local().shape[0] * ws - p.shape[0]) * (p.numel() // p.shape[0]) for p in ref.parameters()
+    )
     out["ours_fsdp2_padding"] = dim0_shard_padding(shapes, ws)
     out["odd_shapes"] = dim0_shard_padding([(513, 4), (3,), (0, 7), (31, 2, 2)], 4)
     return out
@@ -58,7 +64,10 @@ def test_padding_warning_once_and_fsdp2_reference():
     r = run_fake_rank(_case, 32, 0)
     assert len(r["default"]) == 1, r["default"]  # warned once for the three identical units
     msg = r["default"][0]
-    assert "'down.weight' (2560, 9728) (9728 elements)" in msg and "shard_placement_fn=lambda p: 'element'" in msg, msg
+    assert (
+        "'down.weight' (2560, 9728) (9728 elements)" in msg
+        and "shard_placement_fn=lambda p: 'element'" in msg
+    ), msg
     assert "(torch's fully_shard: 0.0%)" in msg, msg
     assert r["element"] == [], r["element"]  # element blocks pad no more than FSDP2
     # our FSDP2 padding formula equals torch's actual sharding, and brute force on odd shapes

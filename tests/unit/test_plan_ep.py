@@ -35,8 +35,10 @@ def test_split_matches_apply_ep_local_shapes(fake_world8, ep):
     kw = {"experts": "fused", "n_experts": 8, "n_dense_layers": 1}
     with torch.device("meta"):
         model = apply_ep(build_model("moe", "debug", **kw), world["ep"])
-    local = {n: tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
-             for n, p in model.named_parameters()}
+    local = {
+        n: tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
+        for n, p in model.named_parameters()
+    }
     dense, experts = split_units_for_ep(our_units("moe", "debug", **kw), ep)
     got = {}
     for u in dense + experts:
@@ -54,7 +56,8 @@ def test_separate_experts_and_errors():
     assert len(experts) == 58  # 3 dense layers of 61
     e = experts[0]
     assert len(e.params) == 3 * 256 // 8 and {n.split(".experts.")[1].split(".")[0] for n, _ in e.params} == {
-        str(j) for j in range(32)}
+        str(j) for j in range(32)
+    }
     assert all("shared_experts" in n or ".experts." not in n for u in dense for n, _ in u.params)
     assert sum(u.numel for u in dense) + 8 * sum(u.numel for u in experts) == sum(u.numel for u in units)
     assert split_units_for_ep(units, 1) == (list(units), [])
@@ -105,9 +108,11 @@ def test_plan_cli_ep(capsys):
     out = capsys.readouterr().out
     ours, f2 = plan.layer_all_gather("layers.0")
     assert f"ours {ours:,} elements" in out and f"FSDP2 Shard(0) {f2:,}" in out and "FSDP groups of 32" in out
-    for argv, match in ((["-m", "96", "--ep", "3"], "128 experts, not divisible by 3"),
-                        (["-m", "256", "--ep", "7"], "must divide --world-size 256"),
-                        (["-m", "256", "--ep", "0"], "int >= 1")):
+    for argv, match in (
+        (["-m", "96", "--ep", "3"], "128 experts, not divisible by 3"),
+        (["-m", "256", "--ep", "7"], "must divide --world-size 256"),
+        (["-m", "256", "--ep", "0"], "int >= 1"),
+    ):
         assert top_main(["plan", "--model", "gpt-oss-120b", *argv]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("raggedfsdp plan: error: --ep") and match in err[0], err
@@ -127,7 +132,47 @@ def test_estimate_memory_ep_matches_the_ep_plan(capsys):
     assert est.padding_numel == 256 * plan.shard_numel - est.num_params
     assert top_main(["estimate-memory", "--model", "gpt-oss-120b", "-m", "256", "--ep", "8"]) == 0
     assert "EP 8 (routed experts sharded over 32 ranks, the rest over 256)" in capsys.readouterr().out
-    for argv, match in ((["--params", "1e9"], "needs units"), (["--model", "llama3-8b"], "no routed experts")):
+    for argv, match in (
+        (["--params", "1e9"], "needs units"),
+        (["--model", "llama3-8b"], "no routed experts"),
+    ):
         assert top_main(["estimate-memory", *argv, "-m", "256", "--ep", "8"]) == 2
         err = capsys.readouterr().err.splitlines()
-        assert len(err) == 1 and err[0].startswith("raggedfsdp estimate-memory: error: --ep 8") and match in err[0]
+        assert (
+            len(err) == 1
+            and err[0].startswith("raggedfsdp estimate-memory: error: --ep 8")
+            and match in err[0]
+        )
+
+
+def test_fully_shard_with_ep_on_fake_8_ranks_matches_the_ep_plan(fake_world8):
+    """dp 4 x ep 2 on a fake 8-rank group (rank 5): ``apply_ep`` + ``apply_fsdp(experts_mesh=)`` build one
+    expert unit per MoE block over the 4 dp ranks and the other units over all 8, holding exactly the
+    parameters ``split_units_for_ep`` plans there; each rank's sharded bytes are its planned shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from raggedfsdp.models import apply_ep, apply_fsdp, build_model
+    from raggedfsdp.sizing.registry import model_units as our_units
+
+    kw = {"experts": "fused", "n_experts": 8, "n_shared_experts": 1}
+    world = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "ep"))
+    model = apply_ep(build_model("moe", "debug", **kw), world["ep"])
+    apply_fsdp(model, world["dp", "ep"]._flatten("dp_ep"), experts_mesh=world["dp"])
+    groups = {}
+    for m in model.modules():
+        st = getattr(m, "_raggedfsdp_state", None)
+        g = getattr(st, "group", None)
+        if g is not None:
+            groups[id(g)] = g
+    got = sorted((g.layout.world_size, g.layout.total_numel) for g in groups.values())
+    dense, experts = split_units_for_ep(our_units("moe", "debug", **kw), 2)
+    want = sorted([(8, u.numel) for u in dense] + [(4, u.numel) for u in experts])
+    assert got == want
+    stacks = [p for p in model.parameters() if isinstance(p, DTensor) and p.ndim == 3]
+    assert len(stacks) == 3 * 2 and all(p.device_mesh.ndim == 2 for p in stacks)
+    # memory: a rank's shards are exactly the EP plan's (fully_shard plans with order best, fp32 align 4)
+    plan = plan_model_ep(our_units("moe", "debug", **kw), 8, 2, align=4, order="best")
+    assert sum(g.layout.shard_size for g in groups.values()) == plan.shard_numel
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    assert held <= plan.shard_numel  # the parameters' local pieces live in the unit shards (padding on top)

@@ -1,4 +1,4 @@
-"""The torch-internal patches of raggedfsdp/_torch_patches.py: lazy, complete at every alias, guarded.
+"""The torch-internal patches of raggedfsdp/placement/_patches.py: lazy, complete at every alias, guarded.
 
 These fail loudly when a torch upgrade moves, renames or changes a patched internal, when an alias
 of a patched function still holds torch's original code, or when importing raggedfsdp changes torch.
@@ -16,13 +16,18 @@ import pytest
 import torch
 
 from raggedfsdp import RaggedShard
-from raggedfsdp import _torch_patches as tp
+from raggedfsdp.placement import _patches as tp
 
 
 def _run(code: str) -> str:
     """Run ``code`` in a fresh interpreter; return its stdout (fails with its stderr)."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
 
@@ -35,7 +40,7 @@ def test_import_and_plan_apply_nothing():
         from torch.distributed.tensor import _utils
         codes = (T.distribute_tensor.__code__, _utils._compute_local_shape_and_global_offset.__code__)
         import raggedfsdp
-        from raggedfsdp import _torch_patches as tp
+        from raggedfsdp.placement import _patches as tp
         from raggedfsdp.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["plan", "--model", "llama3-8b", "--world-size", "8", "--json"]) == 0
@@ -60,7 +65,9 @@ def test_all_targets_patched_in_place():
     assert keys <= syms and len(keys) == len(tp.TARGETS) == 14
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
     assert syms == keys | handlers
-    assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(_ops.NORM_OPS)
+    assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(
+        _ops.NORM_OPS
+    )
     for op in _ops.NORM_OPS:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _ops.inf_norm_handler
     for module, qualname, params, _ in tp.TARGETS:
@@ -78,8 +85,11 @@ def _torch_modules():
     import torch.distributed.tensor.debug
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    return [(n, m) for n, m in list(sys.modules.items())
-            if m is not None and (n == "torch" or n.startswith("torch.")) and isinstance(m, types.ModuleType)]
+    return [
+        (n, m)
+        for n, m in list(sys.modules.items())
+        if m is not None and (n == "torch" or n.startswith("torch.")) and isinstance(m, types.ModuleType)
+    ]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -135,14 +145,24 @@ def test_apply_is_idempotent():
     assert not getattr(orig, "__ragged_patched__", False)
 
 
-@pytest.mark.parametrize("version, known", [("2.11.0", True), ("2.12.1+cu126", True), ("2.13.0+cpu", True),
-                                            ("2.14.1", True), ("2.15.0+cu132", True)])
+@pytest.mark.parametrize(
+    "version, known",
+    [
+        ("2.11.0", True),
+        ("2.12.1+cu126", True),
+        ("2.13.0+cpu", True),
+        ("2.14.1", True),
+        ("2.15.0+cu132", True),
+    ],
+)
 def test_version_policy_tested_minors(version, known):
     assert tp.check_torch_version(version) is known
 
 
 def test_version_policy_new_and_old_minors():
-    with pytest.warns(UserWarning, match=r"torch 2\.16\.0 is newer than the tested 2\.11 - 2\.15.*self-checked"):
+    with pytest.warns(
+        UserWarning, match=r"torch 2\.16\.0 is newer than the tested 2\.11 - 2\.15.*self-checked"
+    ):
         assert tp.check_torch_version("2.16.0") is False
     with pytest.raises(RuntimeError, match=r"needs torch >= 2\.11.*found torch 2\.10\.2"):
         tp.check_torch_version("2.10.2")
@@ -157,7 +177,7 @@ def test_unknown_minor_runs_self_check(monkeypatch):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             raggedfsdp.RaggedShard((0,), (1, 2))
-        assert raggedfsdp._torch_patches.is_applied()
+        assert raggedfsdp.placement._patches.is_applied()
         print([str(x.message)[:40] for x in w if "newer than the tested" in str(x.message)])
     """)
     assert "torch 2.16.0 is newer" in out
@@ -177,6 +197,7 @@ def test_target_guard_fails_loudly():
 
         def inner(a, b):
             return a + b + x
+
         return inner
 
     with pytest.raises(RuntimeError, match=r"mod:f is a closure.*must be ported"):
@@ -207,8 +228,14 @@ def test_is_shard_poses_as_sharding_but_shard_methods_raise():
     rs = RaggedShard((0, 1), (1, 2))
     assert rs.is_shard() and rs.is_shard(1) and not rs.is_shard(2) and rs.dim == 0
     assert rs != Shard(0) and Shard(0) != rs
-    shard_only = [n for n in dir(Shard) if n.startswith("_") and not n.startswith("__")
-                  and n not in type(rs).__dict__ and n not in dir(type(rs))]
+    shard_only = [
+        n
+        for n in dir(Shard)
+        if n.startswith("_")
+        and not n.startswith("__")
+        and n not in type(rs).__dict__
+        and n not in dir(type(rs))
+    ]
     assert "_split_tensor" in shard_only and "_local_shard_size_and_offset" in shard_only
     for n in shard_only:
         with pytest.raises(AttributeError, match=r"treated RaggedShard.*as an even Shard\(0\)"):
@@ -225,8 +252,12 @@ def test_original_signatures_unchanged():
 
     assert callable(DTensor._raise_if_contains_partial_placements)
     assert isinstance(DTensor._op_dispatcher._custom_op_handlers, dict)
-    assert "get_placement_from_reduction_op" in tp.original(
-        "torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction").__globals__
+    assert (
+        "get_placement_from_reduction_op"
+        in tp.original(
+            "torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction"
+        ).__globals__
+    )
     from torch.distributed.device_mesh import _mesh_resources
 
     assert callable(_mesh_resources.get_current_mesh)
@@ -237,8 +268,10 @@ def test_patch_a_expands_placeholders_to_ragged():
     from torch.distributed.tensor._ops import single_dim_strategy as sds
 
     rs = RaggedShard((0,), (1, 2))
-    rules = [[sds._ShardingPlaceholder(0), sds._ShardingPlaceholder(0), Replicate()],
-             [sds._ShardingPlaceholder(1), sds._ShardingPlaceholder(1), Replicate()]]
+    rules = [
+        [sds._ShardingPlaceholder(0), sds._ShardingPlaceholder(0), Replicate()],
+        [sds._ShardingPlaceholder(1), sds._ShardingPlaceholder(1), Replicate()],
+    ]
     out = sds._fill_single_dim_strategy_placeholders({rs, Shard(0)}, rules)
     assert [rs, rs, Replicate()] in out and [Shard(0), Shard(0), Replicate()] in out
     assert [rs, rs, Replicate()] == out[-1] and all(p != rs for s in out[:-1] for p in s)
@@ -272,7 +305,9 @@ def test_local_shape_and_offset_of_ragged_pieces():
     el = RaggedShard((0, 1), (3, 3, 2))  # element granularity: rank 0 holds 9 of 24 elements
     with pytest.raises(ValueError, match="is not a rectangle"):
         f((6, 4), (3,), [0], [el])
-    with pytest.raises(ValueError, match="has 3 entries but mesh dim 0 of mesh of shape \\(2,\\) has 2 ranks"):
+    with pytest.raises(
+        ValueError, match="has 3 entries but mesh dim 0 of mesh of shape \\(2,\\) has 2 ranks"
+    ):
         f((6, 4), (2,), [0], [rs])
     assert f((6, 4), (3,), [2], [Replicate()]) == ((6, 4), (0, 0))
 
@@ -281,14 +316,34 @@ def test_op_classification():
     from raggedfsdp.placement._ops import classify
 
     aten = torch.ops.aten
-    for op in (aten.add.Tensor, aten.mul_.Tensor, aten._foreach_lerp_.Scalar, aten.clone.default,
-               aten.zeros_like.default, aten.addcdiv_.default, aten._foreach_addcmul_.Scalar, aten.copy_.default):
+    for op in (
+        aten.add.Tensor,
+        aten.mul_.Tensor,
+        aten._foreach_lerp_.Scalar,
+        aten.clone.default,
+        aten.zeros_like.default,
+        aten.addcdiv_.default,
+        aten._foreach_addcmul_.Scalar,
+        aten.copy_.default,
+    ):
         assert classify(op) == "pointwise", op
     for op in (aten.sum.default, aten.linalg_vector_norm.default, aten._foreach_norm.Scalar):
         assert classify(op) == "reduction", op
-    for op in (aten.view.default, aten.t.default, aten.mm.default, aten.select.int, aten.slice.Tensor,
-               aten.permute.default, aten.mean.default, aten.rand_like.default, aten.native_dropout.default,
-               aten.addmm.default, aten.index.Tensor, aten._foreach_max.default, aten.cat.default):
+    for op in (
+        aten.view.default,
+        aten.t.default,
+        aten.mm.default,
+        aten.select.int,
+        aten.slice.Tensor,
+        aten.permute.default,
+        aten.mean.default,
+        aten.rand_like.default,
+        aten.native_dropout.default,
+        aten.addmm.default,
+        aten.index.Tensor,
+        aten._foreach_max.default,
+        aten.cat.default,
+    ):
         assert classify(op) is None, op
 
 

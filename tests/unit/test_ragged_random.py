@@ -69,7 +69,9 @@ def _make(mesh, pl, shape, n):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    stride = tuple(int(torch.tensor(shape[i + 1 :]).prod().item()) if i + 1 < len(shape) else 1
-                   for i in range(len(shape)))
+    stride = tuple(
+        int(torch.tensor(shape[i + 1 :]).prod().item()) if i + 1 < len(shape) else 1
+        for i in range(len(shape))
+    )
     spec = DTensorSpec(mesh, (pl,), tensor_meta=TensorMeta(torch.Size(shape), stride, torch.float32))
     return DTensor(torch.zeros(n), spec, requires_grad=False)

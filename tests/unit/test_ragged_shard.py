@@ -45,7 +45,9 @@ def test_identity_pickle_repr():
     assert a == b and hash(a) == hash(b) and a != RaggedShard((0,), (1, 0, 2))
     assert pickle.loads(pickle.dumps(a)) == a
     assert repr(a) == "RaggedShard(dims=(0, 1), local_units=(1, 0, 2))" and str(a) == "RS(0, 1)(1, 0, 2)"
-    assert a.is_shard() and a.is_shard(1) and not a.is_shard(2) and not a.is_replicate() and not a.is_partial()
+    assert (
+        a.is_shard() and a.is_shard(1) and not a.is_shard(2) and not a.is_replicate() and not a.is_partial()
+    )
     assert a.dim == 0
 
 
@@ -70,7 +72,9 @@ def test_layout_math_partitions(shape):
                     assert rs.local_numel(shape, r) == ranges[r][1] - ranges[r][0]
                     assert rs.local_numel(shape, r) % max(rs.row_numel(shape), 1) == 0
                     piece = rs.shard_full(full, r)
-                    assert piece.dim() == 1 and torch.equal(piece, full.reshape(-1)[ranges[r][0]:ranges[r][1]])
+                    assert piece.dim() == 1 and torch.equal(
+                        piece, full.reshape(-1)[ranges[r][0] : ranges[r][1]]
+                    )
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4), (2, 2, 2, 3), (3, 1, 2, 1, 2)])

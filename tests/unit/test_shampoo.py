@@ -11,8 +11,15 @@ import raggedfsdp  # noqa: F401
 from raggedfsdp.optim import Shampoo, shampoo_placement_fn
 from raggedfsdp.optim.reference import shampoo_reference_step
 
-HP = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05, "block_size": 8,
-      "precondition_frequency": 2, "matrix_eps": 1e-3}  # eps well above fp32 eigh noise: rank-deficient
+HP = {
+    "lr": 0.01,
+    "betas": (0.9, 0.99),
+    "eps": 1e-8,
+    "weight_decay": 0.05,
+    "block_size": 8,
+    "precondition_frequency": 2,
+    "matrix_eps": 1e-3,
+}  # eps well above fp32 eigh noise: rank-deficient
 # early statistics (a 6x2 edge block after 2 steps) make (0 + eps)^-1/4 amplify the fp32 rounding
 
 
@@ -24,11 +31,19 @@ def _root64(a, eps):
 def _direct64(w, grads, band_rows, hp):
     """Float64 Shampoo written from the maths: explicit block list, per-block L, R, roots, grafting."""
     b1, b2 = hp["betas"]
-    lr, wd, k, eps, meps, bs = hp["lr"], hp["weight_decay"], hp["precondition_frequency"], hp["eps"], \
-        hp["matrix_eps"], hp["block_size"]
+    lr, wd, k, eps, meps, bs = (
+        hp["lr"],
+        hp["weight_decay"],
+        hp["precondition_frequency"],
+        hp["eps"],
+        hp["matrix_eps"],
+        hp["block_size"],
+    )
     x = w.double().reshape(-1, w.shape[-1]).clone()
     n, c = x.shape
-    blocks = [(r, r + band_rows, c0, min(c, c0 + bs)) for r in range(0, n, band_rows) for c0 in range(0, c, bs)]
+    blocks = [
+        (r, r + band_rows, c0, min(c, c0 + bs)) for r in range(0, n, band_rows) for c0 in range(0, c, bs)
+    ]
     L = {bl: torch.zeros(bl[1] - bl[0], bl[1] - bl[0], dtype=torch.float64) for bl in blocks}
     R = {bl: torch.zeros(bl[3] - bl[2], bl[3] - bl[2], dtype=torch.float64) for bl in blocks}
     Lr, Rr = {}, {}
@@ -38,7 +53,7 @@ def _direct64(w, grads, band_rows, hp):
         x *= 1 - lr * wd
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        mh, vh = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        mh, vh = m / (1 - b1**t), v / (1 - b2**t)
         adam = mh / (vh.sqrt() + eps)
         upd = adam.clone()
         for bl in blocks:
@@ -92,10 +107,16 @@ def test_optimizer_on_plain_tensors_equals_reference_and_vectors_get_adamw():
             shampoo_reference_step(r, g, st, **HP)
     for p, r in zip(ps, refs):
         assert torch.equal(p.detach(), r)
-    assert "L" not in opt.state[ps[2]] and opt.state[ps[1]]["L"].shape == (3, 2, 8, 8)  # 3 bands (experts) x 2 blocks
+    assert "L" not in opt.state[ps[2]] and opt.state[ps[1]]["L"].shape == (
+        3,
+        2,
+        8,
+        8,
+    )  # 3 bands (experts) x 2 blocks
     torch.testing.assert_close(ps[2].detach(), tadam_p.detach(), rtol=0, atol=1e-6)
     assert opt.state_bytes() == sum(4 * (2 * math.prod(s)) for s in shapes) + 4 * 2 * (
-        2 * 3 * 8 * 8 * 2 + 3 * 2 * 8 * 8 * 2)
+        2 * 3 * 8 * 8 * 2 + 3 * 2 * 8 * 8 * 2
+    )
 
 
 def test_placement_fn_and_bad_input():
@@ -103,7 +124,11 @@ def test_placement_fn_and_bad_input():
     assert fn(torch.empty(256, 512)) == "tile:128x128" and fn(torch.empty(96, 40)) == "tile:96x128"
     assert fn(torch.empty(4, 300, 64)) == "tile:100x128" and fn(torch.empty(64)) is None
     assert Shampoo.shard_placement_fn(torch.empty(130, 8)) == "tile:65x128"
-    for kw, word in (({"block_size": 0}, "block_size"), ({"precondition_frequency": 1.5}, "precondition_frequency"),
-                     ({"betas": (0.9, 1.0)}, "betas"), ({"matrix_eps": 0.0}, "matrix_eps")):
+    for kw, word in (
+        ({"block_size": 0}, "block_size"),
+        ({"precondition_frequency": 1.5}, "precondition_frequency"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"matrix_eps": 0.0}, "matrix_eps"),
+    ):
         with pytest.raises(ValueError, match=word):
             Shampoo([torch.nn.Parameter(torch.randn(4, 4))], **kw)

@@ -68,41 +68,98 @@ import warnings
 
 import torch
 
+from raggedfsdp._compat import torch_minor  # noqa: F401 (re-exported: the patch tests use it)
+
 SUPPORTED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 HOOKS = "__raggedfsdp_hooks__"  # the one name added to a patched function's module globals
 
 # (module, qualname, leading parameter names torch must still have, impl factory "module:name")
 _P = "raggedfsdp.placement."
 TARGETS = (
-    ("torch.distributed.tensor._redistribute", "redistribute_local_tensor",
-     ("local_tensor", "current_spec", "target_spec"), _P + "_redistribute:make_redistribute_local_tensor"),
-    ("torch.distributed.tensor._api", "distribute_tensor",
-     ("tensor", "device_mesh", "placements", "src_data_rank"), _P + "_api:make_distribute_tensor"),
-    ("torch.distributed.tensor._api", "DTensor.from_local",
-     ("local_tensor", "device_mesh", "placements", "run_check", "shape", "stride"), _P + "_api:make_from_local"),
-    ("torch.distributed.tensor._api", "_dtensor_init_helper",
-     ("init_op", "size", "device_mesh", "placements", "kwargs"), _P + "_api:make_dtensor_init_helper"),
-    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding_non_cached",
-     ("self", "op_schema"), _P + "_ops:make_guarded_propagation"),
-    ("torch.distributed.tensor._ops.single_dim_strategy", "_fill_single_dim_strategy_placeholders",
-     ("unique_input_placements", "single_dim_strategies_with_placeholders"), _P + "_ops:make_fill_placeholders"),
-    ("torch.distributed.tensor._ops.utils", "is_tensor_shardable", ("shape", "spec"),
-     _P + "_ops:make_is_tensor_shardable"),
-    ("torch.distributed.tensor._ops._math_ops", "map_placements_after_reduction",
-     ("placements", "reduction_dims", "reduction_dims_map", "reduction_op"), _P + "_ops:make_map_after_reduction"),
-    ("torch.distributed.tensor._ops.utils", "map_placements_after_broadcast",
-     ("placements", "shape", "broadcast_dims_map"), _P + "_ops:make_map_placements_after_broadcast"),
-    ("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset",
-     ("global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset"),
-     _P + "_checkpoint:make_compute_local_shape_and_global_offset"),
-    ("torch.distributed.tensor._api", "DTensor.__create_write_items__", ("self", "fqn", "object"),
-     _P + "_checkpoint:make_create_write_items"),
-    ("torch.distributed.tensor._api", "DTensor.__create_chunk_list__", ("self",),
-     _P + "_checkpoint:make_create_chunk_list"),
-    ("torch.distributed.tensor._api", "DTensor.__get_tensor_shard__", ("self", "index"),
-     _P + "_checkpoint:make_get_tensor_shard"),
-    ("torch.distributed._state_dict_utils", "_distribute_tensors", ("local_state_dict", "keys", "device"),
-     _P + "_checkpoint:make_distribute_tensors"),
+    (
+        "torch.distributed.tensor._redistribute",
+        "redistribute_local_tensor",
+        ("local_tensor", "current_spec", "target_spec"),
+        _P + "_redistribute:make_redistribute_local_tensor",
+    ),
+    (
+        "torch.distributed.tensor._api",
+        "distribute_tensor",
+        ("tensor", "device_mesh", "placements", "src_data_rank"),
+        _P + "_api:make_distribute_tensor",
+    ),
+    (
+        "torch.distributed.tensor._api",
+        "DTensor.from_local",
+        ("local_tensor", "device_mesh", "placements", "run_check", "shape", "stride"),
+        _P + "_api:make_from_local",
+    ),
+    (
+        "torch.distributed.tensor._api",
+        "_dtensor_init_helper",
+        ("init_op", "size", "device_mesh", "placements", "kwargs"),
+        _P + "_api:make_dtensor_init_helper",
+    ),
+    (
+        "torch.distributed.tensor._sharding_prop",
+        "ShardingPropagator.propagate_op_sharding_non_cached",
+        ("self", "op_schema"),
+        _P + "_ops:make_guarded_propagation",
+    ),
+    (
+        "torch.distributed.tensor._ops.single_dim_strategy",
+        "_fill_single_dim_strategy_placeholders",
+        ("unique_input_placements", "single_dim_strategies_with_placeholders"),
+        _P + "_ops:make_fill_placeholders",
+    ),
+    (
+        "torch.distributed.tensor._ops.utils",
+        "is_tensor_shardable",
+        ("shape", "spec"),
+        _P + "_ops:make_is_tensor_shardable",
+    ),
+    (
+        "torch.distributed.tensor._ops._math_ops",
+        "map_placements_after_reduction",
+        ("placements", "reduction_dims", "reduction_dims_map", "reduction_op"),
+        _P + "_ops:make_map_after_reduction",
+    ),
+    (
+        "torch.distributed.tensor._ops.utils",
+        "map_placements_after_broadcast",
+        ("placements", "shape", "broadcast_dims_map"),
+        _P + "_ops:make_map_placements_after_broadcast",
+    ),
+    (
+        "torch.distributed.tensor._utils",
+        "_compute_local_shape_and_global_offset",
+        ("global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset"),
+        _P + "_checkpoint:make_compute_local_shape_and_global_offset",
+    ),
+    (
+        "torch.distributed.tensor._api",
+        "DTensor.__create_write_items__",
+        ("self", "fqn", "object"),
+        _P + "_checkpoint:make_create_write_items",
+    ),
+    (
+        "torch.distributed.tensor._api",
+        "DTensor.__create_chunk_list__",
+        ("self",),
+        _P + "_checkpoint:make_create_chunk_list",
+    ),
+    (
+        "torch.distributed.tensor._api",
+        "DTensor.__get_tensor_shard__",
+        ("self", "index"),
+        _P + "_checkpoint:make_get_tensor_shard",
+    ),
+    (
+        "torch.distributed._state_dict_utils",
+        "_distribute_tensors",
+        ("local_state_dict", "keys", "device"),
+        _P + "_checkpoint:make_distribute_tensors",
+    ),
 )
 
 _LOCK = threading.RLock()
@@ -110,11 +167,6 @@ _APPLIED = False
 _APPLYING = False
 _STOCK: dict[str, types.FunctionType] = {}  # "module:qualname" -> copy of torch's original function
 _HANDLERS: list[str] = []
-
-
-def torch_minor(version: str | None = None) -> tuple[int, int]:
-    v = (version or torch.__version__).split("+")[0].split(".")
-    return int(v[0]), int(v[1])
 
 
 def check_torch_version(version: str | None = None) -> bool:
@@ -134,7 +186,7 @@ def check_torch_version(version: str | None = None) -> bool:
         )
     warnings.warn(
         f"raggedfsdp: torch {version} is newer than the tested 2.11 - 2.15; the RaggedShard patches are "
-        "applied and self-checked (raggedfsdp._torch_patches.self_check), but run the test suite before "
+        "applied and self-checked (raggedfsdp.placement._patches.self_check), but run the test suite before "
         "trusting results on this version.",
         UserWarning,
         stacklevel=3,
@@ -150,7 +202,7 @@ def _resolve(module: str, qualname: str):
         except AttributeError:
             raise RuntimeError(
                 f"raggedfsdp: torch {torch.__version__} has no {module}:{qualname}; the RaggedShard patches "
-                "must be ported to this torch (raggedfsdp/_torch_patches.py)"
+                "must be ported to this torch (raggedfsdp/placement/_patches.py)"
             ) from None
     return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
 
@@ -170,7 +222,7 @@ def _check_target(key: str, fn, params: tuple[str, ...]) -> None:
     if why:
         raise RuntimeError(
             f"raggedfsdp: torch {torch.__version__}'s {key} {why}; the RaggedShard patch for it must be "
-            "ported (raggedfsdp/_torch_patches.py)"
+            "ported (raggedfsdp/placement/_patches.py)"
         )
 
 
@@ -202,8 +254,11 @@ def _trampoline(fn: types.FunctionType, key: str) -> types.CodeType:
     src = f"def {fn.__name__}({', '.join(decl)}):\n    return {HOOKS}[{key!r}]({', '.join(call)})\n"
     ns: dict = {}
     exec(compile(src, f"<raggedfsdp patch of {key}>", "exec"), ns)  # noqa: S102 - generated trampoline
-    code = ns[fn.__name__].__code__.replace(co_qualname=fn.__qualname__) if hasattr(
-        fn.__code__, "co_qualname") else ns[fn.__name__].__code__
+    code = (
+        ns[fn.__name__].__code__.replace(co_qualname=fn.__qualname__)
+        if hasattr(fn.__code__, "co_qualname")
+        else ns[fn.__name__].__code__
+    )
     assert code.co_argcount == fn.__code__.co_argcount
     assert code.co_kwonlyargcount == fn.__code__.co_kwonlyargcount
     return code
@@ -309,8 +364,11 @@ def self_check() -> None:
             problems.append("pointwise strategies no longer keep RaggedShard (patch A)")
         if mo.map_placements_after_reduction((rs,), [0, 1], [-1, -1], "sum") != (Partial("sum"),):
             problems.append("reductions no longer map RaggedShard to Partial (patch B)")
-        if clsgo((6, 4), (3,), [2], [rs], True) != ((16,), ()) or clsgo((6, 4), (3,), [2], [rs]) != (
-                (4, 4), (2, 0)) or clsgo((6, 4), (3,), [1], [Replicate()]) != ((6, 4), (0, 0)):
+        if (
+            clsgo((6, 4), (3,), [2], [rs], True) != ((16,), ())
+            or clsgo((6, 4), (3,), [2], [rs]) != ((4, 4), (2, 0))
+            or clsgo((6, 4), (3,), [1], [Replicate()]) != ((6, 4), (0, 0))
+        ):
             problems.append("local shapes of RaggedShard are wrong (_compute_local_shape_and_global_offset)")
     except Exception as e:  # noqa: BLE001 - any failure here means the patch no longer fits
         problems.append(f"{type(e).__name__}: {e}")
@@ -320,7 +378,8 @@ def self_check() -> None:
     if problems:
         raise RuntimeError(
             f"raggedfsdp: the RaggedShard patches do not work on torch {torch.__version__}: "
-            + "; ".join(problems) + ". Use torch 2.11 - 2.15 or port raggedfsdp/_torch_patches.py."
+            + "; ".join(problems)
+            + ". Use torch 2.11 - 2.15 or port raggedfsdp/placement/_patches.py."
         )
 
 
@@ -354,7 +413,9 @@ def enable_cpu_allocator_accounting() -> bool:
 
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     _CPU_ACCOUNTING = False
-    for path in sorted(glob.glob(os.path.join(libdir, "libc10.*")) + glob.glob(os.path.join(libdir, "c10.dll"))):
+    for path in sorted(
+        glob.glob(os.path.join(libdir, "libc10.*")) + glob.glob(os.path.join(libdir, "c10.dll"))
+    ):
         try:
             flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
         except (OSError, ValueError):
