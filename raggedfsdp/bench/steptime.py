@@ -53,8 +53,14 @@ def _worker(args: argparse.Namespace) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"step_seconds_median": statistics.median(t.tolist()), "step_seconds_min": min(t.tolist()),
-                       "step_seconds": t.tolist()}, f)
+            json.dump(
+                {
+                    "step_seconds_median": statistics.median(t.tolist()),
+                    "step_seconds_min": min(t.tolist()),
+                    "step_seconds": t.tolist(),
+                },
+                f,
+            )
     shutdown_process_group()
 
 

@@ -16,6 +16,12 @@ from raggedfsdp.optim.param_groups import muon_param_groups
 from raggedfsdp.optim.shampoo import Shampoo, shampoo_placement_fn
 
 __all__ = [
-    "AdamW8bit", "Muon", "Shampoo", "clip_grad_norm_", "get_total_norm", "muon_param_groups",
-    "shampoo_placement_fn", "tile_placement_fn",
+    "AdamW8bit",
+    "Muon",
+    "Shampoo",
+    "clip_grad_norm_",
+    "get_total_norm",
+    "muon_param_groups",
+    "shampoo_placement_fn",
+    "tile_placement_fn",
 ]

@@ -55,8 +55,12 @@ def _check_norm_type(norm_type) -> float:
 
 
 @torch.no_grad()
-def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0,
-                   error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def get_total_norm(
+    tensors: Iterable[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """The ``norm_type``-norm of all ``tensors`` viewed as one vector, for tensors on any meshes.
 
     Args:
@@ -98,8 +102,13 @@ def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: fl
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters whose grads live on different meshes.
 
     Scales every ``.grad`` in place by ``min(1, max_norm / (total + 1e-6))``, where ``total`` is
@@ -122,14 +131,18 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     for i, q in enumerate(params):
         if not isinstance(q, torch.Tensor):
-            raise TypeError(f"clip_grad_norm_: parameters[{i}] is a {type(q).__name__}, not a tensor; pass "
-                            "model.parameters()")
+            raise TypeError(
+                f"clip_grad_norm_: parameters[{i}] is a {type(q).__name__}, not a tensor; pass "
+                "model.parameters()"
+            )
     try:
         max_norm = float(max_norm)
     except (TypeError, ValueError):
         max_norm = float("nan")
     if not max_norm >= 0:
-        raise ValueError(f"clip_grad_norm_: max_norm must be a number >= 0 (got {max_norm!r}), e.g. max_norm=1.0")
+        raise ValueError(
+            f"clip_grad_norm_: max_norm must be a number >= 0 (got {max_norm!r}), e.g. max_norm=1.0"
+        )
     grads = [q.grad for q in params if q.grad is not None]
     total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     if not grads:

@@ -364,7 +364,9 @@ def _reduce_inf_partials(t):
 
     if not isinstance(t, DTensor) or not any(isinstance(p, InfNormPartial) for p in t._spec.placements):
         return t
-    return t.redistribute(t.device_mesh, [Replicate() if isinstance(p, InfNormPartial) else p for p in t.placements])
+    return t.redistribute(
+        t.device_mesh, [Replicate() if isinstance(p, InfNormPartial) else p for p in t.placements]
+    )
 
 
 def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):

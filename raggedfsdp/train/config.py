@@ -116,7 +116,9 @@ class TrainingConfig:
     max_consecutive_skips: int = _f(5, "on_nonfinite=skip: stop after more non-finite steps in a row")
     divergence_ratio: float = _f(3.0, "stop when the loss exceeds this times the run's first loss (0: off)")
     compile: bool = _f(
-        False, "torch.compile each block (fullgraph=True) before fully_shard; the hooks stay eager", flag="--compile"
+        False,
+        "torch.compile each block (fullgraph=True) before fully_shard; the hooks stay eager",
+        flag="--compile",
     )
 
 

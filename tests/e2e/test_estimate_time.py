@@ -140,7 +140,9 @@ def test_readme_lines_are_the_tested_examples():
     import pathlib
 
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    lines = [ln.split("#")[0].split() for ln in readme.splitlines() if ln.startswith("raggedfsdp estimate-time")]
+    lines = [
+        ln.split("#")[0].split() for ln in readme.splitlines() if ln.startswith("raggedfsdp estimate-time")
+    ]
     tested = [a for a in EXAMPLES] + [["--calibrate", "--save", "cpu.json"]]
     assert lines
     for words in lines:

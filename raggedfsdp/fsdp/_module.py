@@ -1,5 +1,6 @@
 """``FSDPModule``: the methods ``fully_shard`` adds to a module (torch 2.13 FSDP2 API,
-``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), and ``UnshardHandle``.
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), ``UnshardHandle``, and
+:func:`set_runtime_options` (raggedfsdp's runtime knobs).
 
 Both subclass torch's own ``torch.distributed.fsdp.FSDPModule`` / ``UnshardHandle``, so code that detects
 FSDP2 modules with ``isinstance`` (trainers, pipelining schedules, ``register_fsdp_forward_method``)
@@ -14,7 +15,7 @@ import sys
 
 import torch.distributed.fsdp as torch_fsdp
 
-from raggedfsdp.fsdp._common import FSDPDeepcopyError, FSDPTypeError
+from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTypeError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
 
@@ -147,7 +148,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Kept for API parity; the final callback always completes reduce-scatters that were launched."""
-        self._fsdp_state()._is_last_backward = is_last_backward
+        self._fsdp_state()._is_last_backward = bool(is_last_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced grads by ``factor`` instead of the data-parallel world size (recursive)."""
@@ -285,3 +286,47 @@ def _check_fsdp_modules(modules, name: str) -> None:
                 f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call raggedfsdp.fully_shard on it "
                 "first"
             )
+
+
+_UNSET = object()
+
+
+def set_runtime_options(module, *, early_free=_UNSET, agreement_check=_UNSET, debug=_UNSET) -> None:
+    """Set the FSDP runtime's knobs (:class:`~raggedfsdp.fsdp._common.RuntimeOptions`) of every unit
+    under the ``fully_shard``'ed ``module`` (before its first forward; after it the root's units share
+    one options object, so any of them sets it for all). Arguments left out keep their values.
+
+    Args:
+        early_free: bool, free finished reduce-scatter inputs at each gradient (Note [early free] in
+            ``raggedfsdp/fsdp/_reduce.py``; default ``True``).
+        agreement_check: ``"auto"`` | ``"immediate"`` | ``"deferred"``: when the unit-agreement result
+            is read (Note [unit agreement] in ``raggedfsdp/fsdp/_agreement.py``; default ``"auto"``).
+        debug: bool or ``None``: check each collective's unit before it runs; ``None`` (default) follows
+            ``RAGGEDFSDP_DEBUG`` / ``raggedfsdp.buffer.set_debug``.
+
+    Every rank should set the same values. Local. Raises ``TypeError`` if ``module`` is not a
+    ``fully_shard``'ed module or a value has the wrong type, ``ValueError`` for an unknown
+    ``agreement_check``.
+    """
+    if not isinstance(module, FSDPModule):
+        raise TypeError(
+            f"set_runtime_options: {type(module).__name__} is not a fully_shard'ed module; call "
+            "fully_shard on it first"
+        )
+    if early_free is not _UNSET and not isinstance(early_free, bool):
+        raise TypeError(f"set_runtime_options: early_free must be a bool, got {early_free!r}")
+    if agreement_check is not _UNSET and agreement_check not in AGREEMENT_CHECKS:
+        raise ValueError(
+            f"set_runtime_options: agreement_check={agreement_check!r} must be one of "
+            f"{', '.join(map(repr, AGREEMENT_CHECKS))}"
+        )
+    if debug is not _UNSET and debug is not None and not isinstance(debug, bool):
+        raise TypeError(f"set_runtime_options: debug must be a bool or None, got {debug!r}")
+    for st in module._fsdp_states(True):
+        opts = st.comm.options
+        if early_free is not _UNSET:
+            opts.early_free = early_free
+        if agreement_check is not _UNSET:
+            opts.agreement_check = agreement_check
+        if debug is not _UNSET:
+            opts.debug = debug
