@@ -387,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(
         argv
     )
+    from raggedfsdp.launch.env import quiet_profiler_logs
+
+    quiet_profiler_logs()  # before the first profiler session (kineto reads its level then)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if "RANK" not in os.environ:  # one process, no torchrun

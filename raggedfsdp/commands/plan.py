@@ -44,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="plan a model's FSDP buffers (padding, shard sizes) from shapes only",
         description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__.split("Examples::\n\n", 1)[1].split("\n\n", 1)[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--model",

@@ -34,7 +34,7 @@ examples:
   raggedfsdp train                                  # default: 2 CPU ranks, stdlib corpus, tiny model
   raggedfsdp train --steps 50 --model debug --out outputs/debug
   raggedfsdp train --config configs/tiny_cpu.toml --backend torch --lr 2e-3
-  raggedfsdp train --data ../shared/data/tinyshakespeare.txt
+  raggedfsdp train --data raggedfsdp                # any text file or folder (here: this repo's sources)
   raggedfsdp plot outputs/run-*/metrics.jsonl -o loss.png
 
 checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):

@@ -36,6 +36,9 @@ def launch(args) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from raggedfsdp.launch.env import quiet_profiler_logs
+
+    quiet_profiler_logs()  # the ranks' CPU peak memory runs torch.profiler: no kineto / c10 log noise
     argv = []
     for key, val in vars(args).items():
         if key in ("nproc", "func", "command") or val is None or val is False:
