@@ -425,6 +425,22 @@ def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
     assert elapsed < 40, f"{elapsed:.1f}s from the hang to the job's end (process-group timeout: 120 s)"
 
 
+def test_hang_is_blamed_on_the_hung_rank_with_a_short_pg_timeout(tmp_path):
+    """Issue 23 item 2: the default hang timeout (60 s) is above --job.pg_timeout_s 20; the watchdog
+    caps itself below the process-group timeout (and adapts to the ~0.1 s steps), so the last line
+    names rank 1 (hung outside a collective at step 8), not rank 0's collective timeout, within 45 s."""
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "12", "--out", str(tmp_path / "o"),
+           "--debug.fail_rank", "1", "--debug.fail_step", "8", "--debug.fail_mode", "hang",
+           "--job.pg_timeout_s", "20"]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=150, env=_env())
+    elapsed = time.time() - _fault_time(proc.stderr)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 12."), last
+    assert "(hang timeout 12s: 0.6 x job.pg_timeout_s=20)" in last and "at step 8" in last, last
+    assert elapsed < 45, f"{elapsed:.1f}s from the hang to the job's end"
+
+
 def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_path):
     out = tmp_path / "o"
     cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "5", "--checkpoint-interval", "1",
