@@ -92,6 +92,17 @@ class FSDPModule(torch_fsdp.FSDPModule):
         handle.wait()
         return None
 
+    def set_nonfinite_grad_probe(self, probe: list | None, *, recurse: bool = True) -> None:
+        """raggedfsdp extension. Before each reduce-scatter of a unit, append ``(unit name, flag)`` to
+        ``probe``: ``flag`` is a 0-d bool tensor on the unit's device, True when this rank's own
+        (unreduced) gradients of the unit hold a NaN/Inf. After the reduce-scatter every rank's shard
+        is non-finite when any rank's input was, so only this flag names the rank at fault. Costs
+        one read of the unit's unsharded gradients, no host sync; ``None`` turns it off. Local.
+        Idea: Megatron-LM's per-rank ``check_for_nan_in_grad`` before its gradient reduction."""
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.nonfinite_probe = probe
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn reduce-scatter (and HSDP all-reduce) on or off; off accumulates unsharded grads locally."""
         for st in self._fsdp_states(recurse):

@@ -308,9 +308,21 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         if queue.options.debug_on():
             group.agree_on_collective("reduce-scatter", group.bufs.grad_layout.total_size)
         queue.agreement.note(group, "reduce-scatter")
+        if group.nonfinite_probe is not None:  # this rank's own grads, before the collective mixes them
+            group.nonfinite_probe.append((group.unit_name, _nonfinite(group.bufs)))
         handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
         handle.context = queue.agreement.context(group)
     grads.reduce_started()
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
+
+
+def _nonfinite(bufs) -> torch.Tensor:
+    """0-d bool on the device: this rank's unreduced grads of a unit (accumulator + current micro-batch's
+    grads) hold a NaN/Inf. One read of the unit's grads, no host sync."""
+    parts = [b.data for b in (bufs.acc, bufs.grads) if b is not None and b.is_allocated and b.data.numel()]
+    if not parts:
+        return torch.zeros((), dtype=torch.bool, device=bufs.device)
+    flags = [~torch.isfinite(p).all() for p in parts]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()

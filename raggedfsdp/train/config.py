@@ -53,7 +53,8 @@ class JobConfig:
     hang_timeout_s: float = _f(
         60.0,
         "a rank that makes no progress for this long outside a collective is named as hung and the "
-        "job stops (0: off; see train/watchdog.py)",
+        "job stops; the most: once steps were seen, max(30 s, 20 x the slowest recent step), and always "
+        "0.6 x job.pg_timeout_s or less (0: off; see train/watchdog.py)",
     )
     peak_tflops: float = _f(
         0.0, "peak TFLOP/s of one device for the MFU figure (0: from the GPU name; none on CPU)"

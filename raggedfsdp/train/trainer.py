@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
+from raggedfsdp.checkpoint.dcp import (
+    CheckpointError,
+    config_hash,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from raggedfsdp.models import (
     apply_compile,
     apply_ep,
@@ -49,8 +55,10 @@ from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
     FaultError,
     StepGuard,
-    all_finite,
+    check_params,
+    check_saveable,
     gather_signals,
+    nonfinite_detail,
     out_of_memory,
     signal_name,
 )
@@ -109,6 +117,14 @@ class Trainer:
             divergence_ratio=t.divergence_ratio,
         )
         self.ckpt_folder = Path(cfg.checkpoint.resolved_folder(cfg.job.out))
+        try:
+            self._build()
+        except BaseException:
+            self.close()  # release OUT/.lock: a refused start leaves --out usable
+            raise
+
+    def _build(self) -> None:
+        cfg, device, t = self.cfg, self.device, self.cfg.training
         self.run_id = self._setup_run()
 
         # Data.
@@ -185,6 +201,11 @@ class Trainer:
 
             load_hf_weights(model, cfg.model.init_from)
         self.model = model
+        # per-rank non-finite flags of the gradients before each unit's reduce-scatter (raggedfsdp backend)
+        self._grad_probe: list | None = None
+        if hasattr(model, "set_nonfinite_grad_probe"):
+            self._grad_probe = []
+            model.set_nonfinite_grad_probe(self._grad_probe)
 
         # Optimizer (adamw | muon | adamw8bit): decay matrices and embeddings, not norm gains.
         self.optimizer = build_optimizer(cfg.optimizer, model)
@@ -252,6 +273,16 @@ class Trainer:
                 verify=self.cfg.checkpoint.verify,
                 notes=notes,
             )
+            skipped = [n.split("skipping ", 1)[1] for n in notes if n.startswith("--resume auto: skipping ")]
+            if path is None and skipped and not self.cfg.job.overwrite:
+                # every checkpoint of this run is unreadable: starting over would overwrite
+                # metrics.jsonl and the old step folders, so refuse (issue 23 item 4)
+                raise CheckpointError(
+                    f"--resume auto: no readable checkpoint of run {self.run_id} under {self.ckpt_folder}: "
+                    f"{'; '.join(skipped)}; nothing was changed (resume one with --resume PATH after "
+                    "repairing it, or start again from step 0 with --job.overwrite true, which overwrites "
+                    "metrics.jsonl and same-numbered step folders)"
+                )
             for note in notes:
                 logger.warning("%s", note)
             return path
@@ -317,14 +348,7 @@ class Trainer:
 
     def save(self, step: int, lr: float) -> Path:
         """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
-        tensors = [p for p in self.model.parameters()]
-        for state in self.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
-        if not all_finite(tensors, self.device):
-            raise FaultError(
-                f"refusing to save step {step}: the model or optimizer state holds NaN/Inf (the "
-                "newest checkpoint is kept as it is)"
-            )
+        check_saveable(step, self.model, self.optimizer, self.device)
         with self.watchdog.paused(f"saving step {step}"):
             return self._save(step, lr)
 
@@ -404,6 +428,8 @@ class Trainer:
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
         self.watchdog.progress(f"step {step} start", step)
+        if self._grad_probe is not None:
+            self._grad_probe.clear()
         if self.faults:
             self.faults.inject_step(step, self.rank)
         accum = t.grad_accum
@@ -416,6 +442,8 @@ class Trainer:
             if sync_toggle:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(inputs)  # (b, T, V)
+            if self.faults and micro == 0 and self.faults.take("nangrad", step):
+                logits.register_hook(lambda g: g * float("nan"))  # this rank's gradients only, loss finite
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             if self.faults and micro == 0:
                 self.faults.inject_forward(step)  # oom
@@ -432,9 +460,14 @@ class Trainer:
         self.watchdog.progress(f"step {step} optimizer", step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         signum = self.interrupts.signum if self.interrupts is not None else 0
-        stats = self.guard.reduce([p.grad for p in params], loss_sum, signum=signum)
+        probe = self._grad_probe
+        grad_bad = torch.stack([f for _, f in probe]).any() if probe else None
+        stats = self.guard.reduce(
+            [p.grad for p in params], loss_sum, signum=signum, grad_nonfinite=grad_bad,
+            params=list(self.model.parameters()),
+        )  # fmt: skip
         self.last_stats = stats
-        self.last_applied = self.guard.check(step, stats, self.batch_ids(step))
+        self.last_applied = self.guard.check(step, stats, self.batch_ids(step), detail=self._nonfinite_detail)
         lr = self.lr(step)
         if self.last_applied:
             max_norm = t.max_norm if t.max_norm > 0 else math.inf
@@ -444,9 +477,16 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self.faults and self.faults.take("nanparam", step):  # one element of this rank's first shard
+                p = next(p for p in self.model.parameters() if _local(p).numel())
+                _local(p).detach().view(-1)[0] = float("nan")
         self.optimizer.zero_grad(set_to_none=True)
         dev = self.device  # fill kernels, not host-to-device copies: the host need not wait for the step
         return torch.full((), stats.loss, device=dev), torch.full((), stats.grad_norm, device=dev), lr
+
+    def _nonfinite_detail(self, what: str) -> str:
+        """Local, on a failure only: this rank's non-finite tensors (``what``: parameters / gradients)."""
+        return nonfinite_detail(self.model, self._grad_probe, what)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -622,6 +662,8 @@ class Trainer:
                             f"during the save of step {step}, which completed: saved {path}; continue with "
                             f"--resume auto --out {cfg.job.out}"))  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
+        if t.steps >= first:
+            check_params(t.steps, self.model, self._grad_probe, self.device)  # the last update; earlier: the guard
         elapsed = time.perf_counter() - start
         self.watchdog.progress("done")
         summary = {
