@@ -571,7 +571,7 @@ class Trainer:
         self.write_config()
         logger.info(
             "model %s/%s: %s params | data: %s (%d files, %d train / %d val bytes) | world size %d, "
-            "micro-batch %d x %d, grad_accum %d | fsdp backend %s, param %s, reduce %s",
+            "micro-batch %d x %d, grad_accum %d | fsdp backend %s, param %s, reduce %s | optimizer %s",
             cfg.model.name,
             cfg.model.flavor,
             f"{self.model_cfg.num_params():,}",
@@ -586,6 +586,7 @@ class Trainer:
             cfg.fsdp.backend,
             cfg.fsdp.param_dtype,
             cfg.fsdp.reduce_dtype,
+            type(self.optimizer).__name__,
         )
         tokens_per_step = t.global_batch_size * t.seq_len
         start = time.perf_counter()
@@ -641,6 +642,7 @@ class Trainer:
                         "tokens_seen": step * tokens_per_step,
                         "elapsed_s": now - start,
                         "peak_memory_bytes": int(peak.item()),
+                        "peak_memory_source": "cuda" if self.device.type == "cuda" else "rss",
                         **({"skipped_steps": self.guard.skipped_steps} if self.guard.skipped_steps else {}),
                     }
                 )
