@@ -3,7 +3,7 @@ which ranks saw a non-finite loss or gradient, and which ranks were asked to sto
 
 Why fused: the global gradient norm needs an all-reduce anyway (of each rank's sum of squares of its
 local gradient shards, FSDP's shards being disjoint), so the per-rank flags ride along in the same
-``(3 + 4 W,)`` float64 vector at no extra collective, and so do the parameters' sum of squares and
+``(3 + 6 W,)`` float64 vector at no extra collective, and so do the parameters' sum of squares and
 per-rank flags (a NaN written into a shard is found at the next step, named by rank and tensor).
 With the raggedfsdp backend the gradient flag is taken on each rank's own gradients before the
 reduce-scatter (``FSDPModule.set_nonfinite_grad_probe``), so one rank's NaN is not blamed on every
@@ -102,6 +102,7 @@ class StepStats:
     signals: dict[int, int] = field(default_factory=dict)  # rank -> signal number
     param_norm: float = float("nan")  # global L2 norm of the parameters entering the step (nan: not computed)
     bad_param_ranks: list[int] = field(default_factory=list)  # ranks whose parameter shards hold NaN/Inf
+    data: list[tuple[float, float]] = field(default_factory=list)  # per rank: (own batch, next rank's batch)
 
     @property
     def finite(self) -> bool:
@@ -164,6 +165,7 @@ class StepGuard:
     def reduce(
         self, grads: list[torch.Tensor], loss_sum: torch.Tensor, *, signum: int = 0,
         grad_nonfinite: torch.Tensor | None = None, params: list[torch.Tensor] | None = None,
+        data: tuple[float, float] | None = None,
     ) -> StepStats:  # fmt: skip
         """Collective (every rank, once per step, after backward, before clipping).
 
@@ -171,9 +173,11 @@ class StepGuard:
         reduce-scatter (``FSDPModule.set_nonfinite_grad_probe``); without it the flag is taken on the
         reduced shards, where one rank's NaN has reached every rank. ``params``: the parameters as
         the previous optimizer step left them; their sum of squares rides along (``param_norm``,
-        and a per-rank non-finite flag: a poisoned shard is found at the next step, named by rank)."""
+        and a per-rank non-finite flag: a poisoned shard is found at the next step, named by rank).
+        ``data``: ``(checksum of this rank's batch, checksum of the next rank's batch as this rank
+        reads it)``, exact integers below 2**53 (``StepStats.data``: every rank's pair)."""
         w = self.world_size
-        vec = torch.zeros(3 + 4 * w, dtype=torch.float64, device=self.device)
+        vec = torch.zeros(3 + 6 * w, dtype=torch.float64, device=self.device)
         sumsq = local_sumsq(grads).to(self.device)
         loss = loss_sum.detach().double().to(self.device)
         vec[0] = sumsq
@@ -187,6 +191,8 @@ class StepGuard:
             psq = local_sumsq(params).to(self.device)
             vec[2] = psq
             vec[f + 3 * w + self.rank] = (~torch.isfinite(psq)).double()
+        if data is not None:
+            vec[f + 4 * w + self.rank], vec[f + 5 * w + self.rank] = float(data[0]), float(data[1])
         if w > 1:
             dist.all_reduce(vec)
         v = vec.tolist()  # the one host sync of the step
@@ -199,6 +205,7 @@ class StepGuard:
             signals={r: int(flags[2 * w + r]) for r in range(w) if flags[2 * w + r] != 0},
             param_norm=(math.sqrt(v[2]) if v[2] >= 0 else float("nan")) if params is not None else float("nan"),
             bad_param_ranks=[r for r in range(w) if flags[3 * w + r] != 0],
+            data=[(flags[4 * w + r], flags[5 * w + r]) for r in range(w)] if data is not None else [],
         )
 
     def check(self, step: int, stats: StepStats, batch_ids: dict[int, str], detail=None) -> bool:

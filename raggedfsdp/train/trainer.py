@@ -10,6 +10,7 @@ gradient is therefore the gradient of the mean loss over the global batch, whate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -44,8 +45,10 @@ from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
+    batch_checksums,
     batch_id,
     check_batch,
+    check_same_data,
     check_split,
     eval_windows,
     load_corpus,
@@ -53,7 +56,6 @@ from raggedfsdp.train.data import (
 )
 from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
-    FaultError,
     StepGuard,
     check_params,
     check_saveable,
@@ -139,6 +141,8 @@ class Trainer:
             source=repr(self.corpus.source),
             val_fraction=cfg.data.val_fraction,
         )
+        if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
+            self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
         self.sampler = BatchSampler(
             self.corpus.train,
             seq_len=t.seq_len,
@@ -464,9 +468,10 @@ class Trainer:
         grad_bad = torch.stack([f for _, f in probe]).any() if probe else None
         stats = self.guard.reduce(
             [p.grad for p in params], loss_sum, signum=signum, grad_nonfinite=grad_bad,
-            params=list(self.model.parameters()),
+            params=list(self.model.parameters()), data=batch_checksums(self.sampler, step, self.dp_rank),
         )  # fmt: skip
         self.last_stats = stats
+        check_same_data(step, stats.data, self.tp, self.batch_ids(step), self.corpus.source)
         self.last_applied = self.guard.check(step, stats, self.batch_ids(step), detail=self._nonfinite_detail)
         lr = self.lr(step)
         if self.last_applied:

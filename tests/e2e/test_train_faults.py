@@ -290,6 +290,18 @@ def _nonfinite_cases(rank, world, tmp):
     tr.close()
 
 
+    # 12. rank 1 reads another corpus (swapped after the pre-launch check): step 1 stops naming both
+    #     ranks of the disagreeing pair, the batch and the files (issue 23 item 1).
+    from raggedfsdp.train.data import DataError
+
+    tr = _trainer(_cfg(tmp / "swap"), "swapdata@step0:rank1")
+    e = _raises(DataError, r"ranks read different data at step 1: rank 0's batch step1:rows0-1 .* has checksum "
+                r"\d+ on rank 0 but \d+ as rank 1 reads it from .*disagreeing pairs: 0/1, 1/0\); every rank",
+                lambda: tr.train_step(1))  # fmt: skip
+    assert e.culprits == (0, 1)
+    tr.close()
+
+
 def _flag_at(train_step, ints, rank):
     def step(s):
         if s == 2 and rank == 1:
