@@ -16,7 +16,7 @@ def add_parser(subparsers):
         help="measure FSDP units side by side (hybrid: layer vs superblock) and recommend one",
         description=WRAP_BENCH_DESCRIPTION,
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks to launch (default: 2)")
     for action in wrap_bench_parser()._actions:
         if action.dest != "help":
             p._add_action(action)

@@ -150,3 +150,22 @@ def test_help_and_version_import_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
     )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_every_option_has_help_and_says_its_default():
+    """Each option of every subcommand has a help text; one with a non-trivial default names it."""
+    missing = []
+    for name, sub in _subparsers().items():
+        for act in sub._actions:
+            if act.dest == "help" or not act.option_strings:
+                continue
+            text = act.help or ""
+            if not text or text == argparse.SUPPRESS:
+                if text != argparse.SUPPRESS:
+                    missing.append(f"{name} {act.option_strings[0]}: no help")
+                continue
+            default = act.default
+            if default not in (None, False, "", argparse.SUPPRESS) and not isinstance(default, bool):
+                if "default" not in text and "%(default)" not in text and str(default) not in text:
+                    missing.append(f"{name} {act.option_strings[0]}: default {default!r} not named")
+    assert not missing, missing
