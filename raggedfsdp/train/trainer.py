@@ -614,10 +614,9 @@ class Trainer:
                     raise
                 raise oom from e
             st = self.last_stats  # global loss and grad norm, from the step's fused all-reduce
-            if st.signals:
-                self._interrupted(step, st.signals, saved_step)
             is_last = step == t.steps
-            if step == first or step % m.log_every == 0 or is_last:
+            # an interrupted step keeps its record (the interrupt is raised after the log)
+            if step == first or step % m.log_every == 0 or is_last or st.signals:
                 loss_val, grad_val = st.loss, st.grad_norm
                 extra = {}
                 if self.aux_loss_sum is not None:  # mean over ranks of the aux loss (log steps only)
@@ -650,6 +649,8 @@ class Trainer:
                     first_loss = loss_val
                 last_loss = loss_val
                 mark, mark_step = time.perf_counter(), step
+            if st.signals:
+                self._interrupted(step, st.signals, saved_step)
             if (m.eval_every and step % m.eval_every == 0) or is_last:
                 eval_loss = self.evaluate()
                 self.metrics.log(

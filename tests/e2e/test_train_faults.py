@@ -241,6 +241,8 @@ def _cases(rank, world, tmp):
     tr.close()
     dist.barrier()
     assert integrity.verify_step_folder(out / "checkpoints" / "step-2") is None
+    # the interrupted step's metrics record is kept (issue 23 item 5)
+    assert 2 in _losses(out), (out / "metrics.jsonl").read_text()
 
     # 8. a checkpoint folder this rank may not write: one line naming the cause, the path and the
     #    rank; nothing under step-1.
