@@ -204,6 +204,7 @@ class Trainer:
             from raggedfsdp.checkpoint.hf import load_hf_weights
 
             load_hf_weights(model, cfg.model.init_from)
+            logger.info("loaded the initial weights from %s (Hugging Face safetensors)", cfg.model.init_from)
         self.model = model
         # per-rank non-finite flags of the gradients before each unit's reduce-scatter (raggedfsdp backend)
         self._grad_probe: list | None = None

@@ -102,6 +102,16 @@ def test_tied_model_and_errors(tmp_path, capsys):
         umask = os.umask(0)
         os.umask(umask)
         assert mode == 0o666 & ~umask, (name, oct(mode))
+    # the README's `raggedfsdp train --model.init_from DIR` says it loaded them (one process, one step)
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "raggedfsdp.launch.worker", "--config", "debug",
+                          "--model.tie_embeddings", "true", "--model.init_from", str(tmp_path / "tied"),
+                          "--steps", "1", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"loaded the initial weights from {tmp_path / 'tied'}" in run.stderr, run.stderr[-2000:]
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tied")).eval()
     tok = torch.randint(0, 256, (1, 17))
     with torch.no_grad():
