@@ -75,7 +75,10 @@ def compare(family: str, flavor: str, ws: int) -> dict:
                 rows["tracker"] = cat
             else:
                 opt_t = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-                rows["measured"] = {"SHARDED_PARAM": _storage_bytes(m.parameters()), "OPT": _storage_bytes(opt_t)}
+                rows["measured"] = {
+                    "SHARDED_PARAM": _storage_bytes(m.parameters()),
+                    "OPT": _storage_bytes(opt_t),
+                }
         est = estimate_memory(units=model_units(family, flavor), world_size=ws, recipe="fp32")
         s3 = est.stage(3)
         rows["estimate"] = {"SHARDED_PARAM": s3.params, "OPT": s3.optim, "WORKING": est.working_bytes}
@@ -95,14 +98,18 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"{'model':12s}{'ws':>3s} | {'params: est / ours / torch-tracker (KiB)':>42s} | "
-          f"{'AdamW state: est / ours / tracker':>36s} | {'working est / tracker unsharded+act+temp':>42s}")
+    print(
+        f"{'model':12s}{'ws':>3s} | {'params: est / ours / torch-tracker (KiB)':>42s} | "
+        f"{'AdamW state: est / ours / tracker':>36s} | {'working est / tracker unsharded+act+temp':>42s}"
+    )
     for r in out:
         e, o, t = r["estimate"], r["measured"], r["tracker"]
         k = 1024
-        print(f"{r['model']:12s}{r['world_size']:3d} | {e['SHARDED_PARAM'] / k:12.1f} {o['SHARDED_PARAM'] / k:12.1f} "
-              f"{t['SHARDED_PARAM'] / k:14.1f} | {e['OPT'] / k:10.1f} {o['OPT'] / k:10.1f} {t['OPT'] / k:12.1f} | "
-              f"{e['WORKING'] / k:14.1f} {t['UNSHARDED_PARAM'] / k:8.1f}+{t['ACT'] / k:.1f}+{t['TEMP'] / k:.1f}")
+        print(
+            f"{r['model']:12s}{r['world_size']:3d} | {e['SHARDED_PARAM'] / k:12.1f} {o['SHARDED_PARAM'] / k:12.1f} "
+            f"{t['SHARDED_PARAM'] / k:14.1f} | {e['OPT'] / k:10.1f} {o['OPT'] / k:10.1f} {t['OPT'] / k:12.1f} | "
+            f"{e['WORKING'] / k:14.1f} {t['UNSHARDED_PARAM'] / k:8.1f}+{t['ACT'] / k:.1f}+{t['TEMP'] / k:.1f}"
+        )
     return 0
 
 
