@@ -28,6 +28,8 @@ _PUBLIC = {
     "MixedPrecisionPolicy": "raggedfsdp.fsdp",
     "OffloadPolicy": "raggedfsdp.fsdp",
     "CPUOffloadPolicy": "raggedfsdp.fsdp",
+    "clip_grad_norm_": "raggedfsdp.optim.clip",
+    "get_total_norm": "raggedfsdp.optim.clip",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -30,7 +30,7 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="MoE: expert-parallel size (experts split over N ranks, all-to-all dispatch, experts "
-        "FSDP-sharded over nproc/N, the rest over nproc; both systems; implies --experts fused)",
+        "FSDP-sharded over nproc/N, the rest over nproc; both systems; implies --experts fused; default: 1)",
     )
     p.add_argument(
         "--tp",
@@ -46,14 +46,31 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first (default: 2)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default: 2)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: 128)")
-    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"], help="all-gathered param dtype")
-    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"], help="reduce-scatter dtype")
+    p.add_argument(
+        "--param-dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="all-gathered param dtype (default: fp32)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="reduce-scatter dtype (default: fp32)",
+    )
     p.add_argument(
         "--foreach",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="AdamW foreach=True (torch's default on CUDA; on CPU torch defaults to the per-tensor "
         "loop, whose DTensor dispatch costs both systems a third of the step); default: on",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="torch.compile each block (fullgraph, inductor) before fully_shard, for every system "
+        "(raggedfsdp.models.apply_compile); default: off",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: 0)")
@@ -62,9 +79,15 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--profile", default=None, metavar="DIR", help="also cProfile rank 0; write DIR/<system>.pstats"
     )
     p.add_argument(
-        "--profile-steps", dest="profile_steps", type=int, default=3, help="steps per system to profile"
+        "--profile-steps",
+        dest="profile_steps",
+        type=int,
+        default=3,
+        help="steps per system to profile (default: 3)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="process-group timeout in seconds (default: 600)"
+    )
     p.add_argument(
         "--floor",
         action=argparse.BooleanOptionalAction,
@@ -164,13 +187,16 @@ def wrap_bench_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--wrap", default="layer,superblock", help="comma list of FSDP units (default: layer,superblock)"
     )
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--backend", default="ragged", choices=["ragged", "torch"], help="whose fully_shard")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per unit (default: 6)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up steps per unit (default: 1)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default: 2)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: 128)")
+    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="compute dtype of the gathered parameters (default: fp32)")  # fmt: skip
+    p.add_argument("--backend", default="ragged", choices=["ragged", "torch"],
+                   help="whose fully_shard: raggedfsdp's or torch's (default: ragged)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default: 0)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (gloo) or cuda (NCCL, one GPU per rank) (default: cpu)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p

@@ -40,6 +40,8 @@ import statistics
 import sys
 import time
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,9 +70,11 @@ def _sync(device) -> None:
 
 
 def _build(args, spec, backend, mesh, device, world=None):
-    from raggedfsdp.models import apply_ep, apply_fsdp, apply_tp, make_mp_policy
+    from raggedfsdp.models import apply_compile, apply_ep, apply_fsdp, apply_tp, make_mp_policy
 
     model = spec.build(args).to(device)
+    if getattr(args, "compile", False):  # per block, before fully_shard, the same for every system
+        apply_compile(model)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     if world is not None and "tp" in world.mesh_dim_names:  # --tp: the same TP plan, FSDP over "dp"
         apply_tp(model, world["tp"])
@@ -127,6 +131,10 @@ def run(args: argparse.Namespace) -> dict | None:
         floor_model = spec.build(args).to(device)
         if args.param_dtype == "bf16":
             floor_model = floor_model.to(torch.bfloat16)  # compute in the all-gathered dtype, like the others
+        if getattr(args, "compile", False):
+            from raggedfsdp.models import apply_compile
+
+            apply_compile(floor_model)
         timed["local"] = (
             floor_model,
             torch.optim.AdamW(floor_model.parameters(), lr=args.lr, foreach=args.foreach),
@@ -185,7 +193,9 @@ def run(args: argparse.Namespace) -> dict | None:
         model, opt = systems[n]
         syncs = _CudaSyncCounter(device)
         tok = batches[k].to(device)
-        with CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
+        # --compile: dynamo cannot run under these dispatch modes, so this counted step runs eagerly
+        eager = torch.compiler.set_stance("force_eager") if getattr(args, "compile", False) else nullcontext()
+        with eager, CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
@@ -281,6 +291,7 @@ def run(args: argparse.Namespace) -> dict | None:
         wrap=args.wrap,
         ep=ep,
         tp=getattr(args, "tp", 1),
+        compile=bool(getattr(args, "compile", False)),
         experts=getattr(getattr(systems["torch"][0], "cfg", None), "experts", None),
         nproc=ws,
         steps=args.steps,
@@ -376,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser(argparse.ArgumentParser(prog="python -m raggedfsdp.bench.worker")).parse_args(
         argv
     )
+    from raggedfsdp.launch.env import quiet_profiler_logs
+
+    quiet_profiler_logs()  # before the first profiler session (kineto reads its level then)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if "RANK" not in os.environ:  # one process, no torchrun

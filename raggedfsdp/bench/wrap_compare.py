@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     from raggedfsdp.bench.options import wrap_bench_parser
 
     args = wrap_bench_parser().parse_args(argv)
+    from raggedfsdp.launch.env import quiet_profiler_logs
+
+    quiet_profiler_logs()  # before the first profiler session (kineto reads its level then)
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0",

@@ -212,6 +212,9 @@ def write_safetensors(out_dir: str | os.PathLike, state: dict[str, torch.Tensor]
             continue
         tensors[ours_to_hf(name)] = t.detach().contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors writes 0600; follow the umask like every other file we write
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
     return out
 

@@ -62,6 +62,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from raggedfsdp.launch.env import available_cpus
 
         os.environ["OMP_NUM_THREADS"] = str(max(1, available_cpus() // args.nproc))
+    from raggedfsdp.launch.env import quiet_profiler_logs
+
+    quiet_profiler_logs()  # the ranks' CPU peak memory runs torch.profiler: no kineto / c10 log noise
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -53,14 +53,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "bf16 (8 B), fp32 (16 B, no master), muon (12 B), adamw8bit (~10 B)",
     )
     p.add_argument(
-        "--replicate", type=int, default=1, help="HSDP replica groups (must divide the world size)"
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP replica groups (must divide the world size; default: 1)",
     )
     p.add_argument("--unit", default="layer", help="FSDP unit with --model: layer | superblock (hybrids)")
     p.add_argument(
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N",
+        help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N (default: 1)",
     )
     p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
     p.add_argument(

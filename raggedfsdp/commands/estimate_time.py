@@ -50,8 +50,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--unit", default="layer", help="FSDP unit: layer | superblock | layers:K (default: layer)"
     )
     p.add_argument("--granularity", default="row", help="planner block for matrices: row | element | ... ")
-    p.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"], help="all-gathered dtype")
-    p.add_argument("--reduce-dtype", default="fp32", choices=["bf16", "fp32"], help="reduce-scatter dtype")
+    p.add_argument(
+        "--param-dtype", default="bf16", choices=["bf16", "fp32"], help="all-gathered dtype (default: bf16)"
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        default="fp32",
+        choices=["bf16", "fp32"],
+        help="reduce-scatter dtype (default: fp32)",
+    )
     p.add_argument("--ac", action="store_true", help="activation checkpointing (one more forward)")
     p.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="optimizer (default: adamw)")
     p.add_argument("--rank", type=int, default=0, metavar="N", help="also list the N fastest configurations")

@@ -44,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="plan a model's FSDP buffers (padding, shard sizes) from shapes only",
         description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__.split("Examples::\n\n", 1)[1].split("\n\n", 1)[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -111,11 +113,58 @@ def _ratio(pad: int, numel: int) -> str:
     return _pct(pad / (numel + pad) if numel + pad else 0.0)
 
 
+def _sig(u) -> tuple:
+    return (u.layout.numels, u.layout.granularities)
+
+
+def _run_label(units, a: int, b: int) -> str:
+    return units[a].name if a == b else f"{units[a].name} .. {units[b].name} (x{b - a + 1})"
+
+
+def _repeat(runs, units, r: int) -> tuple[int, int]:
+    """The period (2-8 runs) and count of the longest pattern of runs repeating from ``runs[r]``."""
+    best = (1, 1)
+    for period in range(2, 9):
+        pat = [(b - a, _sig(units[a])) for a, b in runs[r : r + period]]
+        if len(pat) < period:
+            break
+        reps = 1
+        while [(b - a, _sig(units[a])) for a, b in runs[r + reps * period : r + (reps + 1) * period]] == pat:
+            reps += 1
+        if reps >= 2 and period * reps > best[0] * best[1]:
+            best = (period, reps)
+    return best
+
+
 def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str:
     m = plan.world_size
     unit = args.unit if choice is None else f"auto ({choice.unit})"
+    units = plan.units
+    runs = []  # (first, last) of each run of identical consecutive units
+    i = 0
+    while i < len(units):
+        j = i
+        while j + 1 < len(units) and _sig(units[j + 1]) == _sig(units[i]):
+            j += 1
+        runs.append((i, j))
+        i = j + 1
+    rows = []  # (label, unit index) ; a repeating pattern of runs (hybrid: 3 linear + 1 attention) once
+    r = 0
+    while r < len(runs):
+        period, reps = _repeat(runs, units, r)
+        if reps >= 2:
+            first, last = runs[r][0], runs[r + period * reps - 1][1]
+            rows.append(
+                (f"{units[first].name} .. {units[last].name}: {reps} x the {period} rows below", None)
+            )
+            rows += [("  " + _run_label(units, a, b), a) for a, b in runs[r : r + period]]
+            r += period * reps
+        else:
+            rows.append((_run_label(units, *runs[r]), runs[r][0]))
+            r += 1
+    width = max([24] + [len(label) for label, k in rows if k is not None])
     header = (
-        f"{'unit':<24} {'tensors':>7} {'shard_size':>12} {'padding':>9} {'bound':>9} {'FSDP2':>9} "
+        f"{'unit':<{width}} {'tensors':>7} {'shard_size':>12} {'padding':>9} {'bound':>9} {'FSDP2':>9} "
         f"{'FSDP2+blk':>9}"
     )
     lines = [
@@ -126,23 +175,18 @@ def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str
         ),
         header,
     ]
-    i = 0
-    units = plan.units
-    while i < len(units):
-        j = i
-        sig = (units[i].layout.numels, units[i].layout.granularities)
-        while j + 1 < len(units) and (units[j + 1].layout.numels, units[j + 1].layout.granularities) == sig:
-            j += 1
-        u = units[i]
+    for label, k in rows:
+        if k is None:
+            lines.append(label)
+            continue
+        u = units[k]
         lay = u.layout
-        name = u.name if i == j else f"{u.name} .. {units[j].name} (x{j - i + 1})"
         tot = lay.total_numel
         lines.append(
-            f"{name:<24} {len(lay.numels):>7} {lay.shard_size:>12} {_pct(lay.padding_ratio):>9} "
+            f"{label:<{width}} {len(lay.numels):>7} {lay.shard_size:>12} {_pct(lay.padding_ratio):>9} "
             f"{_ratio(m * u.bound_shard_size - tot, tot):>9} {_ratio(u.fsdp2_padding, tot):>9} "
             f"{_ratio(u.fsdp2_block_padding, tot):>9}"
         )
-        i = j + 1
     lines.append(
         f"total padding {_pct(plan.padding_ratio)} (order-free bound {_pct(plan.bound_padding_ratio)}); "
         f"FSDP2 {_pct(plan.fsdp2_padding_ratio)}, "

@@ -34,7 +34,7 @@ examples:
   raggedfsdp train                                  # default: 2 CPU ranks, stdlib corpus, tiny model
   raggedfsdp train --steps 50 --model debug --out outputs/debug
   raggedfsdp train --config configs/tiny_cpu.toml --backend torch --lr 2e-3
-  raggedfsdp train --data ../shared/data/tinyshakespeare.txt
+  raggedfsdp train --data raggedfsdp                # any text file or folder (here: this repo's sources)
   raggedfsdp plot outputs/run-*/metrics.jsonl -o loss.png
 
 checkpoints (torch.distributed.checkpoint; resume exactly, at any --nproc):
@@ -59,7 +59,7 @@ several nodes (one launcher per node, the same flags, --out on a shared file sys
 
 faults (see README; test-only injection: RAGGEDFSDP_FAULT=nan@step3:rank1, raggedfsdp/train/faults.py):
   --training.on_nonfinite stop|skip   NaN/Inf loss or gradient on any rank (default: stop, save nothing)
-  --job.hang_timeout_s S              name a rank stuck outside a collective after S s (default 60)
+  --job.hang_timeout_s S              name a rank stuck outside a collective after S s (default 60; adapts)
   Ctrl-C / SIGTERM: every rank stops at the next step, saves (if checkpointing), exits 130 / 143.
   --reproduce-batch step3:rows4-7     print the samples of a batch id from an error line
   Without --out each run gets a fresh outputs/run-YYYYmmdd-HHMMSS/; a fresh run into an --out that

@@ -16,7 +16,7 @@ def add_parser(subparsers):
         help="measure FSDP units side by side (hybrid: layer vs superblock) and recommend one",
         description=WRAP_BENCH_DESCRIPTION,
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks to launch (default: 2)")
     for action in wrap_bench_parser()._actions:
         if action.dest != "help":
             p._add_action(action)
@@ -36,6 +36,9 @@ def launch(args) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from raggedfsdp.launch.env import quiet_profiler_logs
+
+    quiet_profiler_logs()  # the ranks' CPU peak memory runs torch.profiler: no kineto / c10 log noise
     argv = []
     for key, val in vars(args).items():
         if key in ("nproc", "func", "command") or val is None or val is False:

@@ -2,13 +2,17 @@
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from raggedfsdp.fsdp._common import RuntimeOptions
 from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from raggedfsdp.fsdp._module import set_runtime_options
 
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "RuntimeOptions",
     "UnshardHandle",
     "fully_shard",
+    "set_runtime_options",
 ]

@@ -1,11 +1,14 @@
-"""State shared by every FSDP unit under one root: streams, the reduce queue, the forward order
-(FSDP2: ``FSDPCommContext`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``)."""
+"""State shared by every FSDP unit under one root: streams, the reduce queue, unit agreement, the
+forward order and the runtime options (FSDP2: ``FSDPCommContext`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``)."""
 
 from __future__ import annotations
 
 import torch
 
 from raggedfsdp.buffer.streams import new_stream
+from raggedfsdp.fsdp._agreement import Agreement
+from raggedfsdp.fsdp._common import RuntimeOptions
 from raggedfsdp.fsdp._reduce import ReduceQueue
 
 
@@ -15,20 +18,32 @@ class CommContext:
     * ``ag_stream`` / ``rs_stream`` / ``ar_stream``: CUDA streams the all-gathers, reduce-scatters and
       HSDP all-reduces are issued from (``None`` on CPU); high priority like FSDP2's.
     * ``reduces``: the bounded FIFO of in-flight reductions (Note [bounded gradient memory]).
+    * ``agreement``: what this rank issued since the last check, and the deferred checks (Note [unit
+      agreement] in ``_agreement.py``); every all-gather, reduce-scatter and all-reduce notes itself.
+    * ``options``: the :class:`~raggedfsdp.fsdp._common.RuntimeOptions` of the root (shared with
+      ``reduces`` and ``agreement``).
     * ``pre_forward_order`` / ``prev_pre_forward_order``: units in the order their forward started, this
       and the previous iteration; the implicit forward prefetch follows the previous one.
     """
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, options: RuntimeOptions | None = None):
         self.device = device
+        self.options = options if options is not None else RuntimeOptions()
         self.ag_stream = None
-        self.reduces = ReduceQueue()
+        self.agreement = Agreement(self.options)
+        self.reduces = ReduceQueue(agreement=self.agreement, options=self.options)
         self.pre_forward_order: list = []
         self.prev_pre_forward_order: list = []
         # CUDA streams; None on CPU, unless a test's stream model makes tokens (Note [fake streams])
         self.ag_stream = new_stream(device, priority=-1)
         self.reduces.rs_stream = new_stream(device, priority=-1)
         self.reduces.ar_stream = new_stream(device)
+
+    def reset(self) -> None:
+        """reset_iter_state: drop every reduction and the agreement state. Local (waits issued work)."""
+        self.reduces.reset()
+        self.agreement.reset()
+        self.pre_forward_order = []
 
     def start_forward(self) -> None:
         """Root pre-forward: the finished iteration's order becomes the prefetch schedule."""

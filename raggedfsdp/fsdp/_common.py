@@ -9,9 +9,10 @@ Note [FSDP tensors]
       and backward.
     * unsharded param -- a plain ``nn.Parameter`` of ``shape`` in ``param_dtype`` whose data is a view
       into the unsharded DBuffer; registered on the module while it is unsharded (forward/backward).
-    * unsharded grad  -- a view into the unsharded grad DBuffer, set as the unsharded param's
-      ``.grad`` by a tensor pre-hook just before autograd's AccumulateGrad runs (the buffer is
-      allocated at the unit's first gradient), so AccumulateGrad adds into it in place.
+    * unsharded grad  -- autograd's own tensor (``.grad`` of the unsharded param, as in FSDP2) until the
+      unit's post-backward folds it into the flat grad DBuffer, the reduce-scatter input, with one
+      multi-tensor copy and drops it (Note [grad fold] in ``_grads.py``). Only a no-sync window holding
+      ``param_dtype`` grads pre-sets ``.grad`` to views of that buffer, so micro-batches add in place.
     * sharded grad    -- a RaggedShard DTensor view into the sharded grad DBuffer, set as the sharded
       param's ``.grad`` when backward ends (lazily, once every rank's used-parameter flags are known).
 
@@ -25,18 +26,26 @@ Note [FSDP tensors]
     ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): the tensor objects and the aliases
     autograd saved stay valid, and the in-place all-gather refills them without bumping their version
     counters (``_unsafe_preserve_version_counter``).
+
+    Who writes what: :class:`~raggedfsdp.fsdp._param_group.FSDPParamGroup` is the only writer of a
+    unit's ``ParamState`` and gather fields, :class:`~raggedfsdp.fsdp._grads.UnitGrads` (composed into
+    it as ``group.grads``) the only writer of its ``GradState`` and gradient fields; the reduce records
+    of ``_reduce.py`` change them only through their transition methods
+    (``tests/unit/test_fsdp_one_writer.py`` keeps it so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from raggedfsdp.buffer.streams import debug_enabled
 
 
 class ParamState(enum.Enum):
@@ -56,9 +65,45 @@ class GradState(enum.Enum):
     REDUCING = "reducing"  # a reduce-scatter reads them (a PendingReduce in the root's queue)
 
 
+class TrainingState(enum.Enum):
+    """Where one FSDP state (one ``fully_shard``'ed module) is in the backward of an iteration (FSDP2:
+    ``TrainingState`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``; forward needs no value
+    here because a recomputed forward, activation checkpointing, runs inside backward)."""
+
+    IDLE = "idle"  # no backward hook ran since the iteration began
+    PRE_BACKWARD = "pre_backward"  # its pre-backward ran (unsharded, grads open), post-backward not yet
+    POST_BACKWARD = "post_backward"  # its post-backward ran (reduce launched); a later pre-backward reopens
+
+
+AGREEMENT_CHECKS = ("auto", "immediate", "deferred")
+
+
+@dataclass
+class RuntimeOptions:
+    """Knobs of the FSDP runtime, one object per root (on its ``CommContext``); set them with
+    :func:`raggedfsdp.fsdp.set_runtime_options` (every rank the same values).
+
+    * ``early_free``: complete finished reduce-scatters at every gradient hook and free their inputs
+      early (Note [early free] in ``_reduce.py``); ``False`` is the slow-network worst case.
+    * ``agreement_check``: when the unit-agreement result is read (Note [unit agreement] in
+      ``_agreement.py``): ``"auto"`` (deferred on CUDA when no flag is needed), ``"immediate"``, or
+      ``"deferred"`` (always defer; the CPU tests of the late error use it).
+    * ``debug``: check every collective's unit before it runs; ``None`` follows the buffer layer's
+      switch (env ``RAGGEDFSDP_DEBUG``, ``raggedfsdp.buffer.set_debug``), which also drives the
+      buffers' lifetime checks (Note [stream invariant]).
+    """
+
+    early_free: bool = True
+    agreement_check: str = "auto"
+    debug: bool | None = None
+
+    def debug_on(self) -> bool:
+        return debug_enabled() if self.debug is None else self.debug
+
+
 class CollectiveMismatchError(RuntimeError):
     """The ranks of a mesh ran different FSDP units (or in a different order) since the last check, so
-    collectives of different units paired up (Note [unit agreement] in ``_reduce.py``)."""
+    collectives of different units paired up (Note [unit agreement] in ``_agreement.py``)."""
 
 
 class FSDPValueError(ValueError, AssertionError):
@@ -112,7 +157,7 @@ class FSDPParam:
     sharded_grad: DTensor | None = None  # DTensor view into the sharded grad DBuffer
     spec: DTensorSpec | None = None
     got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
-    extra: dict = field(default_factory=dict)
+    hooked: bool = False  # the unsharded param's gradient pre-hook is registered
     tp_spec: DTensorSpec | None = None  # the param's own DTensor spec (TP/EP mesh) before fully_shard
 
     @property

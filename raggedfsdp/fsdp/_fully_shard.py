@@ -1,9 +1,11 @@
 """``fully_shard``: torch 2.13's FSDP2 API on RaggedShard + planner + DBuffer.
 
 Source of the API and semantics: ``torch/distributed/fsdp/_fully_shard/_fully_shard.py`` (torch 2.13).
-Layout of this package (one file per lifecycle role, as torch's ``_fully_shard``): ``_api.py``
-(``FSDPModule`` methods), ``_init.py`` (argument and module checks), ``_state.py`` (hooks),
-``_param_group.py`` (a unit's state machine), ``_reduce.py`` (gradient reduction), ``_comm.py``
+Layout of this package (one file per lifecycle role, as torch's ``_fully_shard``): ``_module.py``
+(``FSDPModule`` methods, ``set_runtime_options``), ``_init.py`` (argument and module checks),
+``_state.py`` (hooks, ``TrainingState``), ``_param_group.py`` (a unit: layout, unshard / reshard, the
+``ParamState`` machine), ``_grads.py`` (``UnitGrads``: the gradient side and its ``GradState``
+machine), ``_reduce.py`` (in-flight reductions), ``_agreement.py`` (unit agreement), ``_comm.py``
 (state shared under a root); the buffers are ``raggedfsdp/buffer/``.
 """
 
@@ -16,8 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from raggedfsdp.fsdp._api import FSDPModule, UnshardHandle
 from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
+from raggedfsdp.fsdp._compile import eager_hook
+from raggedfsdp.fsdp._module import FSDPModule, UnshardHandle
 from raggedfsdp.fsdp._init import (
     _device_of,
     _granularity_fn,
@@ -214,9 +217,9 @@ def fully_shard(
     for m in modules:
         m._raggedfsdp_state = state
         m.register_forward_pre_hook(
-            lambda mod, a, k: state._pre_forward(mod, a, k), prepend=True, with_kwargs=True
+            eager_hook(lambda mod, a, k: state._pre_forward(mod, a, k)), prepend=True, with_kwargs=True
         )
-        m.register_forward_hook(lambda mod, a, o: state._post_forward(mod, a, o))
+        m.register_forward_hook(eager_hook(lambda mod, a, o: state._post_forward(mod, a, o)))
         if group is not None:
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))

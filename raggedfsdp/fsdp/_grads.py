@@ -1,6 +1,16 @@
-"""The gradient side of one FSDP unit: open for gradients, fold, reduce, install, ``.grad`` (a mixin of
-:class:`~raggedfsdp.fsdp._param_group.FSDPParamGroup`, which holds the state these methods use; the
-buffer transitions are :class:`raggedfsdp.buffer.UnitBuffers`, the in-flight records ``_reduce.py``).
+"""The gradient side of one FSDP unit: open for gradients, fold, reduce, install, ``.grad``.
+
+:class:`UnitGrads` is composed into :class:`~raggedfsdp.fsdp._param_group.FSDPParamGroup` as
+``group.grads`` and is the only writer of the unit's gradient state (``GradState``, the pending
+sharded grads, HSDP's deferred partial sum, the grad members, the used flags); the reduce records of
+``_reduce.py`` change it only through its transition methods (``reduce_started``,
+``reduce_scattered``, ``defer_partial``, ``take_partial``, ``reductions_finished``). The buffer
+transitions are :class:`raggedfsdp.buffer.UnitBuffers`.
+
+State machine (``GradState``)::
+
+    NONE --prepare()--> ACCUMULATING --post_backward()--> REDUCING --reduce_scattered()--> NONE
+                                     \\--no-sync--> HELD --next synced post_backward()--> REDUCING
 
 Note [grad fold]
     During backward autograd keeps each parameter's gradient as its own tensor, as in FSDP2; the unit's
@@ -41,80 +51,153 @@ Note [frozen parameters]
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._common import FSDPParam, GradState, check, labelled
 from raggedfsdp.fsdp._reduce import launch_reduce
 
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
-class GradPath:
-    """Gradient-side methods of :class:`~raggedfsdp.fsdp._param_group.FSDPParamGroup` (see the module notes)."""
 
-    def prepare_grads(self) -> None:
+class UnitGrads:
+    """The gradient state of one FSDP unit and its transitions (see the module notes).
+
+    Args:
+        group: the unit; read for its params, buffers, settings and communication context, and asked
+            to reshard in ``post_backward``.
+    """
+
+    def __init__(self, group: FSDPParamGroup):
+        self.group = group
+        self.grad_state = GradState.NONE
+        self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
+        self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
+        self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
+        self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
+
+    # ---- transitions used by the reduce records (_reduce.py) ----------------------------------
+    def reduce_started(self) -> None:
+        """``launch_reduce`` issued the unit's reduce-scatter: the grads are read, the buffer pending."""
+        self.grad_state = GradState.REDUCING
+        self.sg_pending = True
+
+    def reduce_scattered(self) -> None:
+        """The reduce-scatter was waited and its unsharded input freed."""
+        check(
+            self.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {self.grad_state}"
+        )
+        self.grad_state = GradState.NONE
+
+    def defer_partial(self, out: torch.Tensor, params: tuple, flags: tuple[bool, ...]) -> None:
+        """HSDP ``set_requires_all_reduce(False)``: keep (add) the shard-reduced ``out`` and its flags."""
+        if self.partial_reduce is None:
+            self.partial_reduce = out.clone()
+        else:
+            self.partial_reduce.add_(out)
+        self.partial_flags = {id(fp): f for fp, f in zip(params, flags)}
+
+    def take_partial(self) -> torch.Tensor | None:
+        """HSDP: the deferred partial sum to add before the replicate all-reduce (and forget it)."""
+        partial, self.partial_reduce = self.partial_reduce, None
+        return partial
+
+    def reductions_finished(self) -> None:
+        """The root's final callback completed every reduction of this backward."""
+        self.sg_pending = False
+
+    # ---- backward ------------------------------------------------------------------------------
+    def on_grad(self, fp: FSDPParam) -> None:
+        """A gradient is about to be accumulated into ``fp`` (its tensor pre-hook): mark it used. While
+        the unit's grad buffer is allocated (a no-sync window holds it, views pre-set by ``prepare``)
+        point a ``.grad`` that is ``None`` at its view, so autograd adds into it in place; otherwise
+        autograd keeps the gradient as its own tensor until ``post_backward`` folds it in (Note [grad
+        fold]). Local."""
+        g = self.group
+        fp.got_grad = True
+        g.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
+        if (
+            fp.unsharded.grad is None
+            and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
+            and not g.bufs.compact_grads
+            and g.bufs.grads.is_allocated
+            and not torch.is_grad_enabled()
+        ):
+            fp.unsharded.grad = fp.grad_view
+
+    def prepare(self) -> None:
         """Open the unit for gradients (pre-backward). Autograd keeps each gradient as its own tensor and
         ``post_backward`` folds them into the flat buffer (Note [grad fold]); views are pre-set here only
         when the buffer is already allocated (a no-sync window holding ``param_dtype`` grads), and a
         ``.grad`` the user set is folded in first. Local (may wait this unit's previous
         reduce-scatter: a module whose backward runs twice)."""
-        if not self.any_trainable:
+        if not self.group.any_trainable:
             return
         if self.grad_state is GradState.REDUCING:
-            self.comm.reduces.complete_group(self)
+            self.group.comm.reduces.complete_group(self.group)
         check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
-        self._sync_grad_members()
-        if self.bufs.compact_grads:  # autograd owns the unsharded grads until post_backward folds them
+        self._sync_members()
+        if self.group.bufs.compact_grads:  # autograd owns the unsharded grads until post_backward folds them
             if self.grad_state is GradState.NONE:
                 self.grad_state = GradState.ACCUMULATING
             return
         if self.grad_state is GradState.NONE:
             self.grad_state = GradState.ACCUMULATING
         views = not torch.is_grad_enabled()  # create_graph=True: autograd replaces .grad, never adds into it
-        for fp in self.trainable:
+        for fp in self.group.trainable:
             g = fp.unsharded.grad
             if g is not None and g is not fp.grad_view:  # e.g. user set it; fold it in
-                self.bufs.begin_grads()
+                self.group.bufs.begin_grads()
                 fp.grad_view.add_(g)
                 fp.unsharded.grad = fp.grad_view if views else None
-            elif g is None and views and self.bufs.grads.is_allocated:
+            elif g is None and views and self.group.bufs.grads.is_allocated:
                 fp.unsharded.grad = fp.grad_view
 
-    def _sync_grad_members(self) -> None:
+    def _sync_members(self) -> None:
         """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
         accumulation window (grads held), params that hold grads keep their slots. Local."""
         held = (
-            self.grad_state is not GradState.NONE or self.bufs.has_grads() or self._partial_reduce is not None
+            self.grad_state is not GradState.NONE
+            or self.group.bufs.has_grads()
+            or self.partial_reduce is not None
         )
         have = {id(fp) for fp in self.grad_fps}
-        want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
+        want = [fp for fp in self.group.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
         if {id(fp) for fp in want} == have:
             return
         if self.grad_state is GradState.REDUCING:
-            self.comm.reduces.complete_group(self)
+            self.group.comm.reduces.complete_group(self.group)
         keep = {id(fp) for fp in want}
-        for fp in self.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
+        for fp in self.group.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
             if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
                 fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
         kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
-        old = self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in want) if want else None)
-        if old is not None and self._partial_reduce is not None:  # HSDP deferred all-reduce
-            self._partial_reduce = self.bufs.relayout_sharded(self._partial_reduce, old)
-        for fp in self.fsdp_params:
+        old = self.group.bufs.set_grad_members(
+            tuple(self.group._index[id(fp)] for fp in want) if want else None
+        )
+        if old is not None and self.partial_reduce is not None:  # HSDP deferred all-reduce
+            self.partial_reduce = self.group.bufs.relayout_sharded(self.partial_reduce, old)
+        for fp in self.group.fsdp_params:
             fp.sharded_grad = None
         for fp in kept:
             fp.sharded_grad = DTensor(
-                self.bufs.sharded_grad_buffer().local_view(self._index[id(fp)]), fp.spec, requires_grad=False
+                self.group.bufs.sharded_grad_buffer().local_view(self.group._index[id(fp)]),
+                fp.spec,
+                requires_grad=False,
             )
             fp.sharded.grad = fp.sharded_grad
         self.grad_fps = want
 
-    def _collect_stray_grads(self) -> bool:
+    def _collect_stray(self) -> bool:
         """Fold the grads autograd kept as its own tensors into the flat buffer and drop them (Note [grad
         fold]). True if the unit has grads to reduce (a unit whose pre-backward ran counts
         even if no gradient reached it on this rank: every rank that ran the unit's backward must take
         part in its reduce-scatter)."""
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
-        compact = self.bufs.compact_grads
+        compact = self.group.bufs.compact_grads
         stray = [
             fp
             for fp in self.grad_fps
@@ -122,21 +205,21 @@ class GradPath:
         ]
         if stray:
             if self.grad_state is GradState.REDUCING:  # a second backward through this unit
-                self.comm.reduces.complete_group(self)
+                self.group.comm.reduces.complete_group(self.group)
             if self.grad_state is GradState.NONE:
                 self.grad_state = GradState.ACCUMULATING
 
             folded = []
             for fp in stray:
-                folded.append((self._index[id(fp)], fp.local_grad(fp.unsharded.grad)))
+                folded.append((self.group._index[id(fp)], fp.local_grad(fp.unsharded.grad)))
                 fp.unsharded.grad = None
                 fp.got_grad = True
-            with labelled(f"raggedfsdp::fold_grads ({self.unit_name})"):
-                self.bufs.fold_grads(folded)
+            with labelled(f"raggedfsdp::fold_grads ({self.group.unit_name})"):
+                self.group.bufs.fold_grads(folded)
             del folded  # autograd's tensors are freed here
             any_grad = True
-        if any_grad and compact and not self.bufs.has_grads():
-            self.bufs.begin_grads()  # this rank ran the backward without grads: it still reduces (zeros)
+        if any_grad and compact and not self.group.bufs.has_grads():
+            self.group.bufs.begin_grads()  # this rank ran the backward without grads: it still reduces (zeros)
         return any_grad
 
     def post_backward(self) -> None:
@@ -146,49 +229,49 @@ class GradPath:
         the unsharded params *before* the flat grad buffer is allocated, so that at most K reduce-scatter
         inputs, one unit's params and one unit's per-parameter grads (the prefetched unit's params aside)
         are alive at any time of backward, as in FSDP2."""
-        if self.reduce_grads and self.any_trainable and self.grad_state is not GradState.REDUCING:
-            self.comm.reduces.make_room()
-        self.reshard(free=self.reshard_after_backward)
-        any_grad = self._collect_stray_grads() if self.any_trainable else False
+        if self.group.reduce_grads and self.group.any_trainable and self.grad_state is not GradState.REDUCING:
+            self.group.comm.reduces.make_room()
+        self.group.reshard(free=self.group.reshard_after_backward)
+        any_grad = self._collect_stray() if self.group.any_trainable else False
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
-        if (
-            not any_grad and self.holds_unreduced_grads()
-        ):  # HSDP: a deferred partial sum awaits its all-reduce
+        if not any_grad and self.holds_unreduced():  # HSDP: a deferred partial sum awaits its all-reduce
             self.grad_state, any_grad = (
                 GradState.ACCUMULATING,
                 True,
             )  # (it rides on a reduce-scatter of zeros)
         if not any_grad:
-            self._drop_unsharded_grads()
+            self._drop_unsharded()
             return
-        if not self.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
-            if self.reduce_dtype != self.param_dtype and self.bufs.grads.is_allocated:
-                self.bufs.hold_grads()
+        if not self.group.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
+            if self.group.reduce_dtype != self.group.param_dtype and self.group.bufs.grads.is_allocated:
+                self.group.bufs.hold_grads()
             for fp in self.grad_fps:
                 fp.unsharded.grad = None
             self.grad_state = GradState.HELD
             return
-        if not self.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
-            self.bufs.begin_grads()
-        launch_reduce(self, self.comm.reduces)
+        if not self.group.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
+            self.group.bufs.begin_grads()
+        launch_reduce(self.group, self.group.comm.reduces)
 
-    def holds_unreduced_grads(self) -> bool:
+    def holds_unreduced(self) -> bool:
         """True if this unit holds grads of earlier micro-batches that a synced backward must reduce even
         though the unit did not run in it (as FSDP2, whose final callback runs every group's
         post-backward): no-sync grads (``HELD``), or HSDP's partial sum whose all-reduce was deferred by
         ``set_requires_all_reduce(False)``. Local; the same on every rank that ran the same units."""
-        if not self.reduce_grads:
+        if not self.group.reduce_grads:
             return False
         return self.grad_state is GradState.HELD or (
-            self.grad_state is GradState.NONE and self._partial_reduce is not None and self.all_reduce_grads
+            self.grad_state is GradState.NONE
+            and self.partial_reduce is not None
+            and self.group.all_reduce_grads
         )
 
-    def _drop_unsharded_grads(self) -> None:
+    def _drop_unsharded(self) -> None:
         for fp in self.grad_fps:
             fp.unsharded.grad = None
         if self.grad_state is GradState.ACCUMULATING:
-            self.bufs.free_grads()
+            self.group.bufs.free_grads()
             self.grad_state = GradState.NONE
 
     def take_used_flags(self) -> tuple[bool, ...]:
@@ -196,20 +279,20 @@ class GradPath:
         flags = tuple(fp.got_grad for fp in self.grad_fps)
         for fp in self.grad_fps:
             fp.got_grad = False
-        if self._partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
-            flags = tuple(f or self._partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
-            self._partial_flags = None
+        if self.partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
+            flags = tuple(f or self.partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
+            self.partial_flags = None
         return flags
 
     def divide_factor(self) -> float:
-        return self.gradient_divide_factor or float(self.shard_world * self.replicate_world)
+        return self.group.gradient_divide_factor or float(self.group.shard_world * self.group.replicate_world)
 
-    def release_unused_sharded_grads(self) -> None:
+    def release_unused_sharded(self) -> None:
         """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
         iteration wrote it (called by the root before forward). Local."""
-        if self._sg_pending or any(fp.sharded.grad is not None for fp in self.fsdp_params):
+        if self.sg_pending or any(fp.sharded.grad is not None for fp in self.group.fsdp_params):
             return
-        self.bufs.release_sharded_grads()
+        self.group.bufs.release_sharded_grads()
 
     def sharded_grads_fresh(self) -> bool:
         """True if no trainable sharded param holds a grad (``zero_grad(set_to_none=True)``) and no
@@ -218,7 +301,7 @@ class GradPath:
         Grads the user replaced with other tensors are copied into the buffer first; slices of params
         without a grad are zeroed so that accumulation adds onto zero for them.
         """
-        if self._sg_pending:
+        if self.sg_pending:
             return False
         fresh = True
         for fp in self.grad_fps:
@@ -228,35 +311,49 @@ class GradPath:
             if fp.sharded_grad is None or fp.sharded.grad is not fp.sharded_grad:
                 self._adopt_foreign_grad(fp)
         if not fresh:
-            buf = self.bufs.sharded_grad_buffer()
+            buf = self.group.bufs.sharded_grad_buffer()
             for fp in self.grad_fps:
                 if fp.sharded.grad is None:
-                    buf.local_view(self._index[id(fp)]).zero_()
+                    buf.local_view(self.group._index[id(fp)]).zero_()
         return fresh
 
     def _adopt_foreign_grad(self, fp: FSDPParam) -> None:
         # the user replaced .grad with another tensor: move its values into our buffer view
-        buf = self.bufs.sharded_grad_buffer()
-        i = self._index[id(fp)]
+        buf = self.group.bufs.sharded_grad_buffer()
+        i = self.group._index[id(fp)]
         g = fp.sharded.grad
         local = g._local_tensor if isinstance(g, DTensor) else g
         buf.local_view(i).copy_(local.reshape(-1))
         fp.sharded_grad = DTensor(buf.local_view(i), fp.spec, requires_grad=False)
         fp.sharded.grad = fp.sharded_grad
 
-    def attach_sharded_grads(self, used: list[tuple[FSDPParam, bool]]) -> None:
+    def attach_sharded(self, used: list[tuple[FSDPParam, bool]]) -> None:
         """Set ``.grad`` of every reduced sharded param used on some rank (or already holding one), then
         run the sharded param's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``, e.g.
         an optimizer step in backward), as FSDP2 does after its reduce
         (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); here at the end of backward,
         where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
-        buf = self.bufs.sharded_grad_buffer()
+        buf = self.group.bufs.sharded_grad_buffer()
         for fp, u in used:
             if not u and fp.sharded.grad is None:
                 continue
-            view = buf.local_view(self._index[id(fp)])
+            view = buf.local_view(self.group._index[id(fp)])
             if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
                 fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
             fp.sharded.grad = fp.sharded_grad
             for hook in (getattr(fp.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(fp.sharded)
+
+    def reset(self) -> None:
+        """reset_iter_state for this unit's gradients: drop unsharded grads, free their buffer, clear every
+        per-iteration field. Local."""
+        g = self.group
+        for fp in g.fsdp_params:
+            if fp.unsharded is not None:
+                fp.unsharded.grad = None
+            fp.got_grad = False
+        g.bufs.free_grads()
+        self.grad_state = GradState.NONE
+        self.sg_pending = False
+        self.partial_reduce = None
+        self.partial_flags = None

@@ -1,13 +1,13 @@
 """One FSDP unit (param group): planned layout, its buffers, and its state machine.
 
-Unshard / reshard live here; the buffer transitions are :class:`raggedfsdp.buffer.UnitBuffers`; the
-gradient reduction path is ``_reduce.py``. See Note [FSDP tensors] in ``_common.py``.
+Unshard / reshard live here; the gradient side is :class:`~raggedfsdp.fsdp._grads.UnitGrads`
+(``group.grads``), the in-flight reductions ``_reduce.py``, the buffer transitions
+:class:`raggedfsdp.buffer.UnitBuffers`. See Note [FSDP tensors] in ``_common.py``.
 
-State machine (``ParamState`` x ``GradState``, checked cheaply on every transition)::
+State machine (``ParamState``, written only here, checked cheaply on every transition; the
+``GradState`` machine is in ``_grads.py``)::
 
     SHARDED --unshard()--> UNSHARDING --wait_for_unshard()--> UNSHARDED --reshard()--> SHARDED
-    NONE --prepare_grads()--> ACCUMULATING --post_backward()--> REDUCING --(queue completes)--> NONE
-                                           \\--no-sync--> HELD --next synced post_backward--> REDUCING
 
 ZeRO-1 / ``reshard_after_backward=False`` keep the unsharded buffer in SHARDED state; it is reused by
 the next ``unshard()`` only while the unit's *master version* is unchanged: a per-unit counter bumped by
@@ -33,9 +33,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from raggedfsdp._compat import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
-from raggedfsdp.buffer.streams import current_stream, debug_enabled
+from raggedfsdp.buffer.streams import current_stream
+from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
-from raggedfsdp.fsdp._grads import GradPath
+from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
@@ -59,7 +60,7 @@ def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
                 g.mark_master_changed()
 
 
-class FSDPParamGroup(GradPath):
+class FSDPParamGroup:
     """All parameters of one ``fully_shard`` call, laid out in one flat buffer per role.
 
     Args:
@@ -80,8 +81,6 @@ class FSDPParamGroup(GradPath):
         offload: bool = False,
         pin_memory: bool = True,
     ):
-        from raggedfsdp.fsdp._comm import CommContext
-
         self.mesh = mesh
         self.device = device  # compute device: unsharded params and grads live here
         # CPUOffloadPolicy: sharded master params and sharded grads live on the CPU (pinned when the
@@ -165,9 +164,8 @@ class FSDPParamGroup(GradPath):
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
         self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
         self._index = {id(fp): i for i, fp in enumerate(self.fsdp_params)}
-        self.grad_fps = list(self.trainable)  # params with gradient storage (Note [frozen parameters])
-        if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
-            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
+        self.grads = UnitGrads(self)  # the gradient state (Note [frozen parameters]: its grad members)
+        self._set_grad_members_of_bufs()
         self._init_sharded(params)
         self._init_unsharded()
 
@@ -177,22 +175,23 @@ class FSDPParamGroup(GradPath):
         self._meta_fqns: list[str] = []  # params left on meta by a partial assign-load
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
-        # runtime state
+        # runtime state (the gradient side's is on self.grads)
         self.comm = CommContext(None)  # no side streams until the root's lazy init shares its context
         self.param_state = ParamState.SHARDED
-        self.grad_state = GradState.NONE
         self._unshard: CommHandle | None = None  # in-flight all-gather
+        self._version_guard = None  # _unsafe_preserve_version_counter of the in-flight all-gather
         self._gathered_version = -1  # sharded-buffer version the unsharded buffer was gathered from
-        self._sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.reduce_grads = True
+        self.nonfinite_probe: list | None = None  # FSDPModule.set_nonfinite_grad_probe
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
-        self._partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
-        self._partial_flags: dict[int, bool] | None = (
-            None  # id(fsdp_param) -> used, of deferred micro-batches
-        )
-        self.post_forward_buf: torch.Tensor | None = None  # int reshard_after_forward: kept 1/k slice
+        # int reshard_after_forward (set_post_forward_mesh): a group of k consecutive ranks keeps a 1/k slice
+        self.post_forward_group = None
+        self.post_forward_k: int | None = None
+        self.post_forward_rank = 0
+        self.post_forward_buf: torch.Tensor | None = None  # the kept 1/k slice
+        self._post_forward_version = -1  # master version the slice was cut at
 
     def _warn_padding(self) -> None:
         """Warn once per unit (on global rank 0) when its layout pads ``PADDING_WARN_EXCESS`` of its
@@ -236,23 +235,6 @@ class FSDPParamGroup(GradPath):
             pin=self.pin,
         )
 
-    # the four roles, by their historical names
-    @property
-    def sharded_buf(self):
-        return self.bufs.sharded
-
-    @property
-    def unsharded_buf(self):
-        return self.bufs.params
-
-    @property
-    def grad_buf(self):
-        return self.bufs.grads
-
-    @property
-    def sharded_grad_buf(self):
-        return self.bufs.sharded_grads
-
     @property
     def is_unsharded(self) -> bool:
         return self.param_state is ParamState.UNSHARDED
@@ -271,7 +253,7 @@ class FSDPParamGroup(GradPath):
                 fp.unsharded.requires_grad_(rg)
                 fp.requires_grad = rg
                 changed = True
-                if rg and not fp.extra.get("hooked"):
+                if rg and not fp.hooked:
                     self._register_grad_hook(fp)
         if changed:
             self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
@@ -330,7 +312,7 @@ class FSDPParamGroup(GradPath):
             fp.grad_view = fp.wrap_unsharded(
                 grads.tensor_view(i)
             )  # for every param: requires_grad may change
-            fp.extra["hooked"] = False
+            fp.hooked = False
             if fp.requires_grad:
                 self._register_grad_hook(fp)
         self.bufs.params.free()
@@ -339,24 +321,8 @@ class FSDPParamGroup(GradPath):
     def _register_grad_hook(self, fp: FSDPParam) -> None:
         # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
         # param's gradient, so the unit's grad buffer is allocated at its first gradient
-        fp.unsharded.register_hook(lambda _g, fp=fp: self._on_grad(fp))
-        fp.extra["hooked"] = True
-
-    def _on_grad(self, fp: FSDPParam) -> None:
-        """A gradient is about to be accumulated into ``fp``: mark it used. While the unit's grad buffer
-        is allocated (a no-sync window holds it, views pre-set by ``prepare_grads``) point a ``.grad``
-        that is ``None`` at its view, so autograd adds into it in place; otherwise autograd keeps the
-        gradient as its own tensor until ``post_backward`` folds it in (Note [grad fold]). Local."""
-        fp.got_grad = True
-        self.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
-        if (
-            fp.unsharded.grad is None
-            and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-            and not self.bufs.compact_grads
-            and self.bufs.grads.is_allocated
-            and not torch.is_grad_enabled()
-        ):
-            fp.unsharded.grad = fp.grad_view
+        fp.unsharded.register_hook(lambda _g, fp=fp: self.grads.on_grad(fp))
+        fp.hooked = True
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``,
@@ -400,10 +366,14 @@ class FSDPParamGroup(GradPath):
         # still on meta after a partial load (strict=False): forward names them (torch: lazy-init check)
         self._meta_fqns = [fp.fqn for fp, t in zip(self.fsdp_params, locals_) if t.device.type == "meta"]
         self.bufs = new
-        if len(self.grad_fps) < len(self.fsdp_params) and self.grad_fps:
-            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in self.grad_fps))
+        self._set_grad_members_of_bufs()
         self._gathered_version = -1
         self._init_unsharded()
+
+    def _set_grad_members_of_bufs(self) -> None:
+        fps = self.grads.grad_fps
+        if len(fps) < len(self.fsdp_params) and fps:
+            self.bufs.set_grad_members(tuple(self._index[id(fp)] for fp in fps))
 
     def _set_orig_dtype(self, dtype: torch.dtype) -> None:
         """``module.to(dtype)`` after ``fully_shard``: the master copy changes dtype (as in FSDP2, where the
@@ -494,14 +464,14 @@ class FSDPParamGroup(GradPath):
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
         check(self._unshard is None, "double unshard: an all-gather is already in flight")
-        if debug_enabled():
+        if self.comm.options.debug_on():
             self.agree_on_collective("all-gather", self.layout.total_size)
         version = self._master_version()
         # The in-place all-gather must not bump the version counter that autograd's saved aliases of the
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
-        self.comm.reduces.note(self, "all-gather")  # Note [unit agreement]
+        self.comm.agreement.note(self, "all-gather")  # Note [unit agreement]
         with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
             if self.post_forward_buf is not None and version == self._post_forward_version:
                 buf, self.post_forward_buf = self.post_forward_buf, None
@@ -511,7 +481,7 @@ class FSDPParamGroup(GradPath):
             else:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
-        self._unshard.context = self.comm.reduces.context(self)
+        self._unshard.context = self.comm.agreement.context(self)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
@@ -524,7 +494,7 @@ class FSDPParamGroup(GradPath):
         if self._unshard is not None:
             self._unshard.wait(self.compute_stream())
             self._version_guard.__exit__(None, None, None)
-            self._unshard = None
+            self._unshard, self._version_guard = None, None
         self.refresh_requires_grad()
         for fp in self.fsdp_params:
             fp.set_on_owners(fp.unsharded)
@@ -537,9 +507,9 @@ class FSDPParamGroup(GradPath):
         self.post_forward_k = mesh2d.size(1)
         self.post_forward_rank = mesh2d.get_local_rank(1)
 
-    def reshard_after_forward(self) -> None:
+    def reshard_post_forward(self) -> None:
         """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""
-        k = getattr(self, "post_forward_k", None)
+        k = self.post_forward_k
         if k is None or self.param_state is not ParamState.UNSHARDED:
             self.reshard()
             return
@@ -550,6 +520,25 @@ class FSDPParamGroup(GradPath):
                 0, self.post_forward_rank * chunk, chunk
             ).clone()
         self.reshard()
+
+    def drop_post_forward_slice(self) -> None:
+        """Forget the kept 1/k slice (a forward under no_grad: no backward will re-gather from it). Local."""
+        self.post_forward_buf = None
+
+    def owes_post_backward(self, ran_post_backward: bool) -> bool:
+        """At the root's final callback: does this unit still owe its post-backward? Its grads are open
+        (the root's inputs needed no grad, or grads began again after the hook), it is unsharded without
+        having run post-backward, or it holds grads of earlier micro-batches that this synced backward
+        must reduce although it did not run. Local."""
+        return (
+            self.grads.grad_state is GradState.ACCUMULATING
+            or (not ran_post_backward and self.param_state is not ParamState.SHARDED)
+            or self.grads.holds_unreduced()
+        )
+
+    def post_backward(self) -> None:
+        """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
+        self.grads.post_backward()
 
     def reshard(self, free: bool = True) -> None:
         """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local (waits an
@@ -597,16 +586,8 @@ class FSDPParamGroup(GradPath):
         if self._unshard is not None:
             self._unshard.wait(self.compute_stream())
             self._version_guard.__exit__(None, None, None)
-            self._unshard = None
+            self._unshard, self._version_guard = None, None
             self.param_state = ParamState.UNSHARDED
         self.reshard()
-        for fp in self.fsdp_params:
-            if fp.unsharded is not None:
-                fp.unsharded.grad = None
-            fp.got_grad = False
-        self.bufs.free_grads()
-        self.grad_state = GradState.NONE
-        self._sg_pending = False
-        self._partial_reduce = None
-        self._partial_flags = None
+        self.grads.reset()
         self.post_forward_buf = None

@@ -17,46 +17,22 @@ Note [bounded gradient memory]
       sharded grad buffer (for CPU offload: a non-blocking D2H copy into pinned memory with an event).
     * lazy -- :meth:`ReduceQueue.finish_backward` (root's final callback): wait what is left, exchange the
       used-parameter flags of every unit in **one** small all-reduce per mesh, check that every rank ran
-      the same units (Note [unit agreement]), and set the sharded params' ``.grad``.
+      the same units (Note [unit agreement] in ``_agreement.py``), and set the sharded params' ``.grad``.
 
 Note [early free]
     K bounds the reduce-scatter inputs alive when communication is slow. When it keeps up, an input
     need not live until the next unit's post-backward (where FSDP2 releases it): every gradient that
-    reaches a unit (the tensor pre-hook in ``FSDPParamGroup._on_grad``) and every pre-backward call :meth:`ReduceQueue.poll`,
+    reaches a unit (the tensor pre-hook, ``UnitGrads.on_grad``) and every pre-backward call :meth:`ReduceQueue.poll`,
     which completes, oldest first, the in-flight reduce-scatters whose work already reports
     ``is_completed()`` (a non-blocking query; on CUDA an event query, no host sync) and frees their
     inputs then. So while unit i's gradients are computed, unit i+1's reduce-scatter input is alive
     only until that collective has finished; at the backward peak (all of unit i's gradients alive)
     it is usually gone, one unit-sized buffer less than FSDP2. The order of collectives is unchanged:
     a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
-    ``make_room`` / ``drain``, which run at the same points on every rank. ``EARLY_FREE = False``
+    ``make_room`` / ``drain``, which run at the same points on every rank. ``RuntimeOptions.early_free = False``
     turns polling off (the worst case: what a network slower than the backward gives). The memory
     tests fix what collectives report (``tests/_memory.py: comm_completion``) rather than trust the fake
     process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
-
-Note [unit agreement]
-    Collectives pair up by issue order, so a unit that only some ranks run (data-dependent routing)
-    pairs its all-gather with another unit's same-sized one and gives silently wrong results. Every
-    rank therefore keeps, since the last check, a running hash of the sequence of (unit id, collective
-    kind) it issued and a per-unit count, and sends ``[h, -h, counts, -counts, used flags]`` (int64,
-    one fixed length per mesh: every param of every unit of the root on it) in the used-flag MAX
-    all-reduce that runs once per backward anyway: ``max(h) == -max(-h)`` iff every rank's hash is
-    equal. On a mismatch each rank raises :class:`~raggedfsdp.fsdp._common.CollectiveMismatchError`
-    naming the units whose counts differ and the units it ran, *before* any ``.grad`` is set (and it
-    drops the sharded ``.grad`` of the root's units, so no optimizer step can use corrupted values).
-    No-sync micro-batches and forward-only passes keep accumulating the hash until the next backward
-    that reduces gradients (they communicate nothing extra).
-    Cost on the host: on CPU the small vector is read back at once. On CUDA, when every local
-    parameter got a gradient (nothing to learn from the flags), it is copied non-blocking into pinned
-    memory with an event and checked at the next root forward (or the next check), so the step has no
-    host sync; a mismatch then raises one step late -- the optimizer step of that iteration used the
-    wrong gradients, and the message says so (restore the last checkpoint). ``RAGGEDFSDP_DEBUG=1``
-    checks every collective before it runs instead. ``AGREEMENT_CHECK`` = "auto" (that rule),
-    "immediate" (always read at once) or "deferred" (always defer; used by the CPU tests). Mismatched collectives of *different* sizes do not get that
-    far: gloo aborts the rank with the smaller buffer ("Received data size doesn't match expected
-    size. Is there a distributed collective mismatch") and its peers' wait raises
-    :class:`~raggedfsdp.buffer.CollectiveError` naming the unit and this rank's sequence; same-byte
-    collectives of different kinds time out after the process group's timeout with the same error.
 """
 
 from __future__ import annotations
@@ -69,15 +45,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_, debug_enabled
+from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_
 from raggedfsdp.buffer.streams import on_stream
-from raggedfsdp.fsdp._common import CollectiveMismatchError, GradState, check, labelled
+from raggedfsdp.fsdp._agreement import Agreement
+from raggedfsdp.fsdp._common import GradState, RuntimeOptions, check, labelled
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
-
-
-EARLY_FREE = True  # Note [early free]
 
 
 class ReduceStage(enum.Enum):
@@ -125,29 +99,24 @@ class PendingReduce:
                 self._install_values(free_out=False)
         self.rs.wait(compute)  # ... which the compute stream waits with the collective (CommHandle.wait)
         self.rs_input.free()
-        check(g.grad_state is GradState.REDUCING, f"reduce-scatter completed in grad state {g.grad_state}")
-        g.grad_state = GradState.NONE
+        g.grads.reduce_scattered()
         if not hsdp:
             if not self.direct:
                 self.out.free()  # allocated on the compute stream, which now waited its last use
             return
         if hsdp:
             if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
-                if g._partial_reduce is None:
-                    g._partial_reduce = self.out.data.clone()
-                else:
-                    g._partial_reduce.add_(self.out.data)
-                g._partial_flags = {id(fp): f for fp, f in zip(self.params, self.flags)}
+                g.grads.defer_partial(self.out.data, self.params, self.flags)
                 self.out.free()
                 self.stage, self.attach = ReduceStage.DEFERRED, False
                 return
-            if g._partial_reduce is not None:
-                self.out.data.add_(g._partial_reduce)
-                g._partial_reduce = None
+            partial = g.grads.take_partial()
+            if partial is not None:
+                self.out.data.add_(partial)
             queue.make_room_all_reduce()
-            queue.note(g, "all-reduce")
+            queue.agreement.note(g, "all-reduce")
             self.ar = all_reduce_(self.out, g.replicate_group, stream=queue.ar_stream)
-            self.ar.context = queue.context(g)
+            self.ar.context = queue.agreement.context(g)
             self.stage = ReduceStage.ALL_REDUCE
             queue.all_reduces.append(self)
             return
@@ -222,65 +191,19 @@ class ReduceQueue:
     rs_stream: object = None
     ar_stream: object = None
     peak_inflight: int = 0  # observability: the most reduce-scatter inputs alive at once
-    # Note [unit agreement]: every unit of the root (set at its lazy init) and what this rank issued
-    units: list = field(default_factory=list)
-    seq_hash: int = 0
-    seq: list = field(default_factory=list)  # (unit name, kind), the first _SEQ_KEEP since the last check
-    seq_len: int = 0
-    counts: dict = field(default_factory=dict)  # unit id -> collectives issued since the last check
-    deferred: list = field(
-        default_factory=list
-    )  # (host copy, event, units, counts, ran): read at the next check
+    agreement: Agreement = field(default_factory=Agreement)  # Note [unit agreement]: notes every collective
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
 
-    def check_deferred(self) -> None:
-        """Read back deferred unit-agreement results (Note [unit agreement]) and raise
-        :class:`CollectiveMismatchError` if any shows a mismatch. Local (waits their events)."""
-        pending, self.deferred = self.deferred, []
-        for host, event, gs, counts, ran in pending:
-            if event is not None:
-                event.synchronize()
-            hash_differs, differ = _mismatches(host.tolist(), gs, counts)
-            if hash_differs or differ:
-                raise _mismatch_error(differ, ran, late=True)
-
-    def note(self, group: FSDPParamGroup, kind: str) -> None:
-        """Record that this rank issues ``kind`` for ``group`` (Note [unit agreement]). Local, O(1)."""
-        code = (group.unit_id + 1) * 4 + _KINDS[kind]
-        self.seq_hash = (self.seq_hash * _HASH_MUL + code) % _HASH_MOD
-        self.seq_len += 1
-        self.counts[group.unit_id] = self.counts.get(group.unit_id, 0) + 1
-        if len(self.seq) < _SEQ_KEEP:
-            self.seq.append((group.unit_name, kind))
-
-    def ran(self) -> str:
-        """This rank's collectives since the last check, for error messages."""
-        out, last = [], None
-        for name, kind in self.seq:
-            if last is not None and last[0] == (name, kind):
-                last[1] += 1
-                continue
-            last = [(name, kind), 1]
-            out.append(last)
-        text = ", ".join(f"{k} of {n!r}" + (f" x{c}" if c > 1 else "") for (n, k), c in out)
-        return text + (f", ... ({self.seq_len} in all)" if self.seq_len > len(self.seq) else "")
-
-    def context(self, group: FSDPParamGroup):
-        return lambda: (
-            f" of FSDP unit {group.unit_name!r} (#{group.unit_id}) on rank {dist.get_rank()} (this rank "
-            f"issued since the last check: {self.ran()}; if a peer reported a collective mismatch, the "
-            "ranks ran different FSDP units: see Note [unit agreement] in raggedfsdp/fsdp/_reduce.py)"
-        )
-
-    def clear_sequence(self) -> None:
-        self.seq_hash, self.seq_len = 0, 0
-        self.seq.clear()
-        self.counts.clear()
+    @property
+    def busy(self) -> bool:
+        """A reduction of this backward is not finished (in flight or not yet attached)."""
+        return bool(self.inflight or self.installed or self.all_reduces)
 
     def poll(self) -> None:
         """Complete, oldest first, the in-flight reductions that have already finished and issue no
         collective on completion, freeing their unsharded inputs now (Note [early free]). Local,
         non-blocking."""
-        while EARLY_FREE and self.inflight:
+        while self.options.early_free and self.inflight:
             rec = self.inflight[0]
             g = rec.group
             if (g.is_hsdp and g.replicate_world > 1 and g.all_reduce_grads) or not rec.rs.is_done():
@@ -325,21 +248,22 @@ class ReduceQueue:
         for r in recs:
             r.finish_host_side()
         for r in recs:
-            r.group._sg_pending = False
+            r.group.grads.reductions_finished()
         attach = [r for r in recs if r.attach]
         if not attach:  # no-sync / deferred micro-batch: no communication; the hash carries to the next check
             return
-        used = exchange_used_flags(attach, self)
+        used = self.agreement.exchange_used_flags(attach)
         groups: dict[int, tuple[FSDPParamGroup, dict]] = {}
         for r in attach:
             _, acc = groups.setdefault(id(r.group), (r.group, {}))
             for fp in r.params:
                 acc[id(fp)] = (fp, used[id(fp)])
         for g, acc in groups.values():
-            g.attach_sharded_grads(list(acc.values()))
+            g.grads.attach_sharded(list(acc.values()))
 
     def reset(self) -> None:
-        """reset_iter_state: wait and drop every record. Local (waits collectives already issued)."""
+        """reset_iter_state: wait and drop every record (the agreement is reset by its owner, the
+        ``CommContext``). Local (waits collectives already issued)."""
         for r in (*self.inflight, *self.all_reduces):
             r.drop()
         for r in self.installed:
@@ -348,132 +272,23 @@ class ReduceQueue:
         self.inflight.clear()
         self.all_reduces.clear()
         self.installed.clear()
-        self.deferred.clear()
-        self.clear_sequence()
-
-
-AGREEMENT_CHECK = "auto"  # "auto" | "immediate" | "deferred" (Note [unit agreement])
-
-_KINDS = {"all-gather": 0, "reduce-scatter": 1, "all-reduce": 2}
-_HASH_MUL, _HASH_MOD = 1_000_003, (1 << 61) - 1  # fits int64 with its negation
-_SEQ_KEEP = 256
-
-
-def exchange_used_flags(recs: list[PendingReduce], queue: ReduceQueue) -> dict[int, bool]:
-    """OR of the used flags over every data-parallel rank, checking unit agreement (Note [unit
-    agreement]) in the same collective: one MAX all-reduce of an int64 vector per mesh (per dim for
-    HSDP) over every param of every unit of the root on that mesh. Returns ``{id(fsdp_param): used}``.
-    Collective; reads the result back (on CUDA: pinned H2D, one D2H). Raises
-    :class:`CollectiveMismatchError` on every rank when the ranks' sequences differ."""
-    queue.check_deferred()  # the previous backward's deferred check first
-    local_or: dict[int, bool] = {}
-    for r in recs:
-        for fp, f in zip(r.params, r.flags):
-            local_or[id(fp)] = local_or.get(id(fp), False) or bool(f)
-    units = list(queue.units) or list({id(r.group): r.group for r in recs}.values())
-    by_mesh: dict[tuple, list] = {}
-    for g in units:
-        by_mesh.setdefault((id(g.shard_group), id(g.replicate_group)), []).append(g)
-    used: dict[int, bool] = {}
-    differ: list[str] = []
-    deferred: list = []
-    hash_differs = False
-    for gs in by_mesh.values():
-        g = gs[0]
-        params = [fp for u in gs for fp in u.fsdp_params]
-        local = [local_or.get(id(fp), False) for fp in params]
-        if g.shard_world * g.replicate_world > 1:
-            counts = [queue.counts.get(u.unit_id, 0) for u in gs]
-            n = len(gs)
-            t = torch.tensor(
-                [queue.seq_hash, -queue.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
-                dtype=torch.int64,
-            )
-            if g.device.type == "cuda":
-                t = t.pin_memory().to(g.device, non_blocking=True)
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group, async_op=True)
-            if g.is_hsdp and g.replicate_world > 1:
-                work.wait()
-                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.replicate_group, async_op=True)
-            handle = CommHandle(work, (), None, "used-flag all-reduce")
-            handle.context = queue.context(g)
-            handle.wait()
-            mode = "immediate" if debug_enabled() else AGREEMENT_CHECK
-            if all(local) and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
-                # every local param got a grad, so the OR is all-true: only the agreement needs reading,
-                # and that can wait for the next check (no host sync in the step)
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-                host.copy_(t, non_blocking=True)
-                event = None
-                if t.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()
-                deferred.append((host, event, gs, counts))
-            else:
-                vals = t.tolist()
-                h, d = _mismatches(vals, gs, counts)
-                hash_differs |= h
-                differ += d
-                local = [bool(v) for v in vals[2 + 2 * len(gs) :]]
-        for fp, f in zip(params, local):
-            used[id(fp)] = f
-    ran = queue.ran()
-    queue.clear_sequence()
-    queue.deferred += [(*d, ran) for d in deferred]
-    if hash_differs or differ:
-        for u in units:  # values in the sharded grad buffers may mix units: let no optimizer step see them
-            for fp in u.fsdp_params:
-                fp.sharded.grad = None
-        raise _mismatch_error(differ, ran, late=False)
-    return used
-
-
-def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, list[str]]:
-    """From the all-reduced ``[h, -h, counts, -counts, ...]``: whether the hashes differ, and the units
-    whose counts differ (Note [unit agreement])."""
-    n = len(gs)
-    differ = [
-        f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
-        for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n])
-        if hi != -lo
-    ]
-    return vals[0] != -vals[1], differ
-
-
-def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMismatchError:
-    what = "; ".join(differ) if differ else "the same units, in a different order"
-    when = (
-        "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
-        "next forward to keep the step free of host syncs): the optimizer step of that iteration already used "
-        "the wrong gradients, so restore the last checkpoint"
-        if late
-        else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
-        "were dropped (.grad is None)"
-    )
-    return CollectiveMismatchError(
-        f"raggedfsdp: FSDP units ran differently across ranks since the last check ({when}): units whose "
-        f"collective counts differ: {what}. This rank (rank {dist.get_rank()}) issued: {ran}. Collectives pair up "
-        "by issue order, so same-sized collectives of different units paired up and these gradients are wrong. "
-        "Every rank must run the same FSDP units in the same order: run a unit on every rank (with an empty "
-        "input, as MoE experts inside one unit are) or merge data-dependent branches into a unit every rank "
-        "runs. Call reset_iter_state() on the root before the next step."
-    )
 
 
 def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     """Reduce-scatter ``group``'s unsharded grads (collective over its shard group), after making room
     in ``queue``; returns the record (already pushed)."""
+    grads = group.grads
     check(
-        group.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
-        f"reduce without grads (state {group.grad_state})",
+        grads.grad_state in (GradState.ACCUMULATING, GradState.HELD) and group.bufs.has_grads(),
+        f"reduce without grads (state {grads.grad_state})",
     )
     queue.make_room()
     ws = group.shard_world * group.replicate_world
-    factor = group.divide_factor()
+    factor = grads.divide_factor()
     # AVG in the collective when it equals the requested division (no extra kernel); else SUM + one scale
     use_avg = factor == float(ws) and not group.is_hsdp and ws > 1
     op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
-    fresh = group.sharded_grads_fresh()
+    fresh = grads.sharded_grads_fresh()
     # direct: the collective writes the sharded grads themselves (no (S,) temporary, no install copy).
     # World size 1 (factor 1): the "reduce-scatter" is one local (casting) copy into them, as FSDP2's
     # reduce output becomes .grad at world size 1 (_fsdp_collectives.py, foreach_reduce).
@@ -488,15 +303,26 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         for fp in group.fsdp_params:
             if fp.unsharded is not None:
                 fp.unsharded.grad = None
-        params = tuple(group.grad_fps)
-        flags = group.take_used_flags()
-        if debug_enabled():
+        params = tuple(grads.grad_fps)
+        flags = grads.take_used_flags()
+        if queue.options.debug_on():
             group.agree_on_collective("reduce-scatter", group.bufs.grad_layout.total_size)
-        queue.note(group, "reduce-scatter")
+        queue.agreement.note(group, "reduce-scatter")
+        if group.nonfinite_probe is not None:  # this rank's own grads, before the collective mixes them
+            group.nonfinite_probe.append((group.unit_name, _nonfinite(group.bufs)))
         handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
-        handle.context = queue.context(group)
-    group.grad_state = GradState.REDUCING
-    group._sg_pending = True
+        handle.context = queue.agreement.context(group)
+    grads.reduce_started()
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
+
+
+def _nonfinite(bufs) -> torch.Tensor:
+    """0-d bool on the device: this rank's unreduced grads of a unit (accumulator + current micro-batch's
+    grads) hold a NaN/Inf. One read of the unit's grads, no host sync."""
+    parts = [b.data for b in (bufs.acc, bufs.grads) if b is not None and b.is_allocated and b.data.numel()]
+    if not parts:
+        return torch.zeros((), dtype=torch.bool, device=bufs.device)
+    flags = [~torch.isfinite(p).all() for p in parts]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()

@@ -26,7 +26,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._comm import CommContext
-from raggedfsdp.fsdp._common import GradState, ParamState
+from raggedfsdp.fsdp._common import ParamState, TrainingState
+from raggedfsdp.fsdp._compile import dynamo_disable
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
 
@@ -73,9 +74,10 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (recorded order)
         self.backward_prefetch: list[FSDPState] | None = None
         self.unshard_in_backward = True
-        self._post_backward_done = False
-        self._pre_backward_done = False
-        self._final_callback_queued = False
+        self.training_state = TrainingState.IDLE
+        self._final_callback_queued = False  # root only: this backward's final callback is queued
+        self._post_optim_event = None  # set_post_optim_event (FSDPModule)
+        self._is_last_backward = True  # set_is_last_backward (accepted for API parity)
 
     # ---- root / lazy init -----------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -102,7 +104,7 @@ class FSDPState:
         self.all_states = seen
         # one shared context (streams, reduce queue, order) for the whole tree
         devices = [st.group.device for st in seen if st.group is not None]
-        comm = CommContext(devices[0] if devices else None)
+        comm = CommContext(devices[0] if devices else None, options=self.comm.options)
         comm.reduces.max_inflight = max(st.comm.reduces.max_inflight for st in seen)
         names = {}
         for module in self.modules:
@@ -120,7 +122,7 @@ class FSDPState:
                 st.group.set_root_fqns(modnames)
                 st.group.comm = comm
                 st.group.unit_id, st.group.unit_name = i, names.get(id(st), "?")
-                comm.reduces.units.append(st.group)
+                comm.agreement.units.append(st.group)
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
@@ -132,24 +134,12 @@ class FSDPState:
         return None
 
     # ---- forward --------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         self._lazy_init()
-        root = self.root
         in_bw = _in_backward()
         if self.is_root and not in_bw:
-            if root.comm.reduces.inflight or root.comm.reduces.installed or root.comm.reduces.all_reduces:
-                root.comm.reduces.finish_backward()  # a backward that did not reach the final callback
-            root.comm.reduces.check_deferred()  # the last backward's unit agreement, if it was deferred (CUDA)
-            root.forward_order.clear()
-            root.comm.start_forward()
-            for st in root.all_states:
-                st._post_backward_done = False
-                st._pre_backward_done = False
-                st._group_fwd_left = set()
-                st._group_bwd_left, st._group_bwd_uncounted = 0, False
-                if st.group is not None and torch.is_grad_enabled():
-                    st.group.release_unused_sharded_grads()  # after zero_grad(set_to_none=True)
-        if self.is_root and not in_bw:
+            self._begin_iteration()
             args, kwargs = _inputs_to_device(args, kwargs, self._compute_device())
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dt = self.mp_policy.param_dtype
@@ -183,6 +173,22 @@ class FSDPState:
                 args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs
 
+    def _begin_iteration(self) -> None:
+        """Root pre-forward (outside backward): finish a backward that did not reach its final callback,
+        read the last deferred agreement check, start the forward order, and put every state back to
+        ``IDLE``. Collective only when a backward must be finished."""
+        if self.comm.reduces.busy:
+            self.comm.reduces.finish_backward()  # a backward that did not reach the final callback
+        self.comm.agreement.check_pending()  # the last backward's unit agreement, if it was deferred (CUDA)
+        self.forward_order.clear()
+        self.comm.start_forward()
+        for st in self.all_states:
+            st.training_state = TrainingState.IDLE
+            st._group_fwd_left = set()
+            st._group_bwd_left, st._group_bwd_uncounted = 0, False
+            if st.group is not None and torch.is_grad_enabled():
+                st.group.grads.release_unused_sharded()  # after zero_grad(set_to_none=True)
+
     def _forward_prefetch(self) -> None:
         nxt = self.comm.next_to_prefetch(self)  # records the order even when the explicit list is set
         targets = self.forward_prefetch if self.forward_prefetch is not None else ([nxt] if nxt else [])
@@ -190,6 +196,7 @@ class FSDPState:
             if st.group is not None:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_forward(self, module: nn.Module, args: Any, output: Any):
         in_bw = _in_backward()
         last_of_group = True
@@ -197,14 +204,14 @@ class FSDPState:
             self._group_fwd_left.discard(id(module))
             last_of_group = not self._group_fwd_left
         if self.group is not None and self.reshard_after_forward and not in_bw and last_of_group:
-            self.group.reshard_after_forward()
+            self.group.reshard_post_forward()
         if self.root is not None and not in_bw and last_of_group:
             self.root.forward_order.append(self)
         if self.is_root and not torch.is_grad_enabled() and not in_bw:
             for st in self.all_states:  # no backward will come: do not keep stale unsharded params
                 if st.group is not None:
                     st.group.reshard()
-                    st.group.post_forward_buf = None  # int reshard_after_forward slice
+                    st.group.drop_post_forward_slice()  # int reshard_after_forward slice
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:
@@ -218,15 +225,19 @@ class FSDPState:
         return output
 
     # ---- backward -------------------------------------------------------------------------
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _pre_backward(self, grad: torch.Tensor):
         root = self.root
         if root is not None and not root._final_callback_queued:
             root._final_callback_queued = True
             Variable._execution_engine.queue_callback(root._root_post_backward_final)
-        if self._pre_backward_done and self.group is not None and self.group.is_unsharded:
+        if (
+            self.training_state is TrainingState.PRE_BACKWARD
+            and self.group is not None
+            and self.group.is_unsharded
+        ):
             return grad
-        self._pre_backward_done = True
-        self._post_backward_done = False
+        self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.comm.reduces.poll()  # free finished reduce-scatter inputs first (Note [early free])
             if self.unshard_in_backward:
@@ -234,7 +245,7 @@ class FSDPState:
                 self.group.wait_for_unshard()
             # else (set_unshard_in_backward(False), e.g. an embedding whose backward never reads its
             # weight): no all-gather; autograd still accumulates into the unsharded grad views
-            self.group.prepare_grads()
+            self.group.grads.prepare()
             self._backward_prefetch()
         return grad
 
@@ -248,9 +259,10 @@ class FSDPState:
                 if i > 0:
                     targets = [order[i - 1]]
         for st in targets:
-            if st.group is not None and not st._post_backward_done:
+            if st.group is not None and st.training_state is not TrainingState.POST_BACKWARD:
                 st.group.unshard(async_op=True)
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _post_backward_of_module(self) -> None:
         if len(self.modules) > 1:
             self._group_bwd_left -= 1
@@ -261,47 +273,40 @@ class FSDPState:
     def _post_backward(self) -> None:
         if self.group is None:
             return
-        self._post_backward_done = True
-        self._pre_backward_done = False
+        self.training_state = TrainingState.POST_BACKWARD
         self.group.post_backward()
 
+    @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _root_post_backward_final(self) -> None:
         for st in self.all_states:
             g = st.group
             if g is None:
                 continue
-            if (
-                g.grad_state is GradState.ACCUMULATING
-                or (not st._post_backward_done and g.param_state is not ParamState.SHARDED)
-                or g.holds_unreduced_grads()
-            ):
-                # inputs needed no grad (root), grads began again after the hook, or a unit that did
-                # not run in this synced backward holds grads of earlier micro-batches
+            if g.owes_post_backward(st.training_state is TrainingState.POST_BACKWARD):
                 g.post_backward()
             elif g.param_state is not ParamState.SHARDED:  # e.g. prefetched, never used in backward
                 g.reshard(free=g.reshard_after_backward)
         try:
             self.comm.reduces.finish_backward()  # may raise CollectiveMismatchError (Note [unit agreement])
         finally:
-            for st in self.all_states:
-                st._post_backward_done = False
-                st._pre_backward_done = False
-            self._final_callback_queued = False
-            self.forward_order.clear()
+            self._end_backward(self.all_states)
+
+    def _end_backward(self, states: list[FSDPState]) -> None:
+        """Root: the backward is over (final callback or reset): every state back to ``IDLE``. Local."""
+        for st in states:
+            st.training_state = TrainingState.IDLE
+            st._final_callback_queued = False
+            st.forward_order.clear()
 
     def _reset_iter_state(self) -> None:
         """Wait all in-flight work, drop it, reshard every unit, reset every per-iteration flag. Local."""
         root = self.root or self
         states = root.all_states or [self]
-        root.comm.reduces.reset()
+        root.comm.reset()
         for st in states:
             if st.group is not None:
                 st.group.reset()
-            st._post_backward_done = False
-            st._pre_backward_done = False
-            st._final_callback_queued = False
-            st.forward_order.clear()
-        root.comm.pre_forward_order = []
+        root._end_backward(states)
 
 
 def _in_backward() -> bool:

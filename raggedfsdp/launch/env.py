@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["NodeOptions", "available_cpus", "first_slurm_host", "node_options", "set_threads"]
+__all__ = [
+    "NodeOptions",
+    "available_cpus",
+    "first_slurm_host",
+    "node_options",
+    "quiet_profiler_logs",
+    "set_threads",
+]
 
 
 def available_cpus() -> int:
@@ -14,6 +21,23 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+#: Environment for processes that run ``torch.profiler`` for measurement only (``bench`` / ``wrap-bench``
+#: CPU peak memory): kineto logs nothing (its ``USDT ... profiler_start/stop`` lines and, with a CUDA
+#: build on a machine without a GPU, ``ERROR ... gpuGetDeviceCount failed``; levels 0-5 print, 6 none),
+#: and c10's C++ log prints errors only (``CPUAllocator ... unknown size`` is a warning of the profiled
+#: CPU allocator about blocks allocated before the session). Set as defaults: a value the user exported
+#: wins. kineto reads its level when the first profiler session starts, c10 when torch is imported.
+QUIET_PROFILER_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def quiet_profiler_logs(environ: dict | None = None) -> None:
+    """Apply :data:`QUIET_PROFILER_ENV` as defaults to ``environ`` (default ``os.environ``): call it in a
+    launcher before its ranks start, or in a process before its first ``torch.profiler`` session."""
+    env = os.environ if environ is None else environ
+    for key, value in QUIET_PROFILER_ENV.items():
+        env.setdefault(key, value)
 
 
 def set_threads(local_world_size: int) -> int:

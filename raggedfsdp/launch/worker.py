@@ -137,6 +137,7 @@ def _run(
         world_size=world_size,
         tag=f"[rank {rank}/{world_size}]",
         timeout_s=cfg.job.hang_timeout_s,
+        pg_timeout_s=cfg.job.pg_timeout_s,
         interrupts=interrupts,
         store=heartbeat_store() if world_size > 1 else None,
     ).start()

@@ -12,6 +12,7 @@ from raggedfsdp.models.llama import LLAMA_FLAVORS, Llama, LlamaConfig
 from raggedfsdp.models.moe import MOE_FLAVORS, MoE, MoEConfig
 from raggedfsdp.models.parallelize import (
     FSDP_UNITS,
+    apply_compile,
     apply_ep,
     apply_fsdp,
     apply_tp,
@@ -63,6 +64,7 @@ __all__ = [
     "LlamaConfig",
     "MoE",
     "MoEConfig",
+    "apply_compile",
     "apply_ep",
     "apply_fsdp",
     "apply_tp",

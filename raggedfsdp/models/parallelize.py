@@ -177,6 +177,26 @@ def apply_fsdp(
     return model
 
 
+def apply_compile(model: nn.Module, **compile_kw: Any) -> nn.Module:
+    """``block.compile(fullgraph=True)`` for each of ``model.layers``, in place: call it before ``fully_shard``.
+
+    Per-block compilation as torchtitan's ``apply_compile``: each block body becomes one graph (the
+    blocks share it when they are alike), the FSDP hooks stay eager around it (``fsdp/_compile.py``),
+    and parameter names do not change (the module is compiled in place, not wrapped). ``compile_kw``
+    goes to ``torch.compile`` (e.g. ``backend="aot_eager"``). Local; returns ``model``.
+
+    Raises:
+        ValueError: no ``model.layers`` ``ModuleList``.
+    """
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"apply_compile expects model.layers to be an nn.ModuleList, got {type(layers)}")
+    kw = {"fullgraph": True, **compile_kw}
+    for block in layers:
+        block.compile(**kw)
+    return model
+
+
 def _shard_experts(modules, experts_mesh, world: int, backend: str, fully_shard, **kw) -> None:
     """One ``fully_shard`` per expert-parallel ``FusedExperts`` in ``modules``, over ``experts_mesh``."""
     from raggedfsdp.models.moe import FusedExperts

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Partial
 
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
@@ -287,12 +288,55 @@ def make_is_tensor_shardable(stock):
 
 # ---- inf-norms: an empty local piece contributes the identity of max (0) -----------------------
 # Reached through DTensor._op_dispatcher._custom_op_handlers (torch/distributed/tensor/_dispatch.py):
-# torch computes the local norm and marks the result _NormPartial(inf) (an all-reduce MAX when read),
+# torch computes the local norm and marks the result Partial(max) (an all-reduce MAX when read),
 # but linalg_vector_norm / _foreach_norm of an EMPTY local tensor raise for ord=+-inf ("no identity").
 # Max of absolute values has identity 0 (and -inf-norms, a min, identity +inf), so an empty piece
-# contributes that; the result is Partial(max) (Partial(min) for -inf), read with one all-reduce.
+# contributes that; the result is InfNormPartial("max") (("min") for -inf), read with one all-reduce.
+#
+# Note [norm of inf-norms]: torch.nn.utils.get_total_norm / clip_grad_norm_ take the inf-norm of
+# torch.stack(per-tensor norms). torch's reduction strategy (_ops/_math_ops.py
+# common_reduction_strategy) treats a max over a Partial("max") input as "linear" and keeps the
+# result Partial("max"), so the returned total norm is each rank's LOCAL max: .item() / .to_local()
+# differ per rank (torch's _local_scalar_dense reads the local value of a Partial), unlike the
+# p-norms, whose _NormPartial input forces a reduction and a Replicate result. The per-tensor
+# inf-norms are therefore marked with InfNormPartial, a Partial("max"/"min") subclass; a norm of an
+# InfNormPartial input (the norm of norms) first all-reduces it (one collective for the whole
+# stack), so the total is Replicate and equal on every rank, as for p-norms.
 _INF = (float("inf"), float("-inf"))
 _HANDLER_LOCK = threading.RLock()
+
+
+class InfNormPartial(Partial):
+    """``Partial("max")`` (or ``("min")``) of per-rank inf-norms: a pending max/min over the mesh dim.
+
+    Produced by ``linalg.vector_norm(x, +-inf)`` / ``_foreach_norm(xs, +-inf)`` of a RaggedShard
+    DTensor (one non-negative scalar per rank). Reducing it is an all-reduce MAX (MIN), exactly as
+    ``Partial("max")``; it differs only in that a norm over it reduces it first and gives a
+    Replicate result (Note [norm of inf-norms]). Compares unequal to a plain ``Partial``.
+    """
+
+    def __init__(self, reduce_op: str = "max"):
+        if reduce_op not in ("max", "min"):
+            raise ValueError(f"InfNormPartial: reduce_op={reduce_op!r} must be 'max' or 'min'")
+        super().__init__(reduce_op)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.reduce_op == self.reduce_op
+
+    def __hash__(self) -> int:
+        return hash(("InfNormPartial", self.reduce_op))
+
+    def __repr__(self) -> str:
+        return f"InfNormPartial({self.reduce_op!r})"
+
+    def __str__(self) -> str:
+        return f"InfNormP({self.reduce_op})"
+
+    def __reduce__(self):
+        return (type(self), (self.reduce_op,))
+
+    def __fx_repr__(self) -> str:
+        return f"InfNormPartial({self.reduce_op!r})"
 
 
 def call_torch_dispatch(op_call, args, kwargs):
@@ -314,9 +358,20 @@ def _is_ragged(t) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, RaggedShard) for p in t._spec.placements)
 
 
+def _reduce_inf_partials(t):
+    """``t`` with every InfNormPartial mesh dim all-reduced to Replicate (``t`` itself if it has none)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor) or not any(isinstance(p, InfNormPartial) for p in t._spec.placements):
+        return t
+    return t.redistribute(
+        t.device_mesh, [Replicate() if isinstance(p, InfNormPartial) else p for p in t.placements]
+    )
+
+
 def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
     """``linalg.vector_norm(dt, ord=+-inf)`` of a RaggedShard DTensor over all dims (no communication)."""
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import TensorMeta
 
     spec = dt._spec
@@ -333,7 +388,7 @@ def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
         if p.is_replicate():
             placements.append(p)
         elif p.is_shard() or isinstance(p, RaggedShard):
-            placements.append(Partial(op))
+            placements.append(InfNormPartial(op))
         else:
             raise _err(aten.linalg_vector_norm.default, f"an inf-norm of a {p} (pending-reduction) operand")
     meta = TensorMeta(val.shape, val.stride(), val.dtype)
@@ -341,28 +396,42 @@ def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
 
 
 def inf_norm_handler(op_call, args, kwargs):
-    """Custom DTensor handler of ``linalg_vector_norm`` / ``_foreach_norm``: RaggedShard inf-norms here."""
+    """Custom DTensor handler of ``linalg_vector_norm`` / ``_foreach_norm``.
+
+    RaggedShard inf-norms are computed here (empty pieces contribute the identity); a norm of
+    InfNormPartial inputs reduces them first (Note [norm of inf-norms]); a ``_foreach_norm`` list
+    that mixes RaggedShard DTensors with plain tensors is computed per tensor (torch's foreach
+    dispatch rejects the mix); everything else is torch's own dispatch.
+    """
+    from torch.distributed.tensor import DTensor
+
     if op_call is aten._foreach_norm.Scalar:
-        tensors = args[0]
+        tensors = [_reduce_inf_partials(t) for t in args[0]]
         ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
         dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-        if ord in _INF and any(_is_ragged(t) for t in tensors):
+        ragged = any(_is_ragged(t) for t in tensors)
+        mixed = ragged and not all(isinstance(t, DTensor) for t in tensors)
+        if (ord in _INF and ragged) or mixed:
             return [
                 _ragged_inf_norm(t, ord, dtype=dtype)
-                if _is_ragged(t)
+                if ord in _INF and _is_ragged(t)
                 else torch.linalg.vector_norm(t, ord, dtype=dtype)
                 for t in tensors
             ]
-        return call_torch_dispatch(op_call, args, kwargs)
+        return call_torch_dispatch(op_call, (tensors, *args[1:]), kwargs)
     names = ("self", "ord", "dim", "keepdim")
     a = dict(zip(names, args))
     a.update({k: v for k, v in kwargs.items() if k in names})
-    x, ord, dim = a["self"], float(a.get("ord", 2)), a.get("dim")
+    x, ord, dim = _reduce_inf_partials(a["self"]), float(a.get("ord", 2)), a.get("dim")
     full = dim is None or (
         x.dim() > 0 and {d % x.dim() for d in ([dim] if isinstance(dim, int) else dim)} == set(range(x.dim()))
     )
     if ord in _INF and _is_ragged(x) and full:
         return _ragged_inf_norm(x, ord, bool(a.get("keepdim", False)), kwargs.get("dtype"))
+    if x is not a["self"]:
+        args = (x, *args[1:]) if args else args
+        if not args:
+            kwargs = {**kwargs, "self": x}
     return call_torch_dispatch(op_call, args, kwargs)
 
 

@@ -53,7 +53,8 @@ class JobConfig:
     hang_timeout_s: float = _f(
         60.0,
         "a rank that makes no progress for this long outside a collective is named as hung and the "
-        "job stops (0: off; see train/watchdog.py)",
+        "job stops; the most: once steps were seen, max(30 s, 20 x the slowest recent step), and always "
+        "0.6 x job.pg_timeout_s or less (0: off; see train/watchdog.py)",
     )
     peak_tflops: float = _f(
         0.0, "peak TFLOP/s of one device for the MFU figure (0: from the GPU name; none on CPU)"
@@ -115,6 +116,11 @@ class TrainingConfig:
     )
     max_consecutive_skips: int = _f(5, "on_nonfinite=skip: stop after more non-finite steps in a row")
     divergence_ratio: float = _f(3.0, "stop when the loss exceeds this times the run's first loss (0: off)")
+    compile: bool = _f(
+        False,
+        "torch.compile each block (fullgraph=True) before fully_shard; the hooks stay eager",
+        flag="--compile",
+    )
 
 
 @dataclass(kw_only=True)

@@ -540,3 +540,39 @@ def write_token_bin(out: str | os.PathLike, ids, *, vocab_size: int, tokenizer: 
 
 
 # -- raggedfsdp tokenize -----------------------------------------------------------------------
+
+
+def batch_checksums(sampler: BatchSampler, step: int, dp_rank: int) -> tuple[int, int]:
+    """``(checksum of dp rank ``dp_rank``'s batch of ``step``, checksum of the next dp rank's batch as
+    this rank reads it)``: exact integers below 2**40 (a position-weighted token sum), which the
+    trainer folds into its per-step all-reduce (``guard.StepGuard.reduce(data=)``). Local."""
+    offsets = sampler.global_offsets(step)
+    sums = []
+    for dp in (dp_rank, (dp_rank + 1) % sampler.world_size):
+        rows = [r for m in range(sampler.grad_accum) for r in sampler.rows(m, dp)]
+        toks = windows(sampler.tokens, offsets[rows], sampler.seq_len)[0].reshape(-1)  # (rows x T,)
+        weights = torch.arange(toks.numel(), dtype=torch.int64) % 1021 + 1
+        sums.append(int((toks * weights).sum()) % (1 << 40))
+    return sums[0], sums[1]
+
+
+def check_same_data(step: int, data: list[tuple[float, float]], tp: int, ids: dict[int, str], source: str) -> None:
+    """``DataError`` (``culprits``: the ranks of the disagreeing pairs) when a rank's batch checksum
+    differs from that batch as its previous dp rank reads it: the ranks read different data (a file
+    swapped or changed after the start). ``data``: every rank's :func:`batch_checksums` pair. Local;
+    every rank decides alike (the same all-reduced ``data``)."""
+    w = len(data)
+    if w // tp < 2:
+        return
+    bad = [(r, (r - tp) % w) for r in range(w) if data[r][0] != data[(r - tp) % w][1]]
+    if not bad:
+        return
+    r, q = bad[0]
+    err = DataError(
+        f"ranks read different data at step {step}: rank {r}'s batch {ids[r]} has checksum {data[r][0]:.0f} "
+        f"on rank {r} but {data[q][1]:.0f} as rank {q} reads it from {source} (disagreeing pairs: "
+        f"{', '.join(f'{a}/{b}' for a, b in bad)}); every rank must read the same files (a file replaced or "
+        "changed after the start?); stopped before the optimizer step"
+    )
+    err.culprits = tuple(sorted({x for p in bad for x in p}))
+    raise err

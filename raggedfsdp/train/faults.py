@@ -19,6 +19,12 @@ Kinds (each fires once, at the start of step N unless noted):
   5) on this rank after writing its shard files, before the ``.metadata``, the manifest and the
   rename: a slow disk, so that a signal can arrive while the checkpoint is half written;
 - ``oom``: ``torch.OutOfMemoryError`` inside step N's forward on this rank, as an allocator raises it.
+- ``nangrad``: this rank's gradients of step N become NaN (a hook on the logits' gradient; the loss
+  stays finite), before the reduce-scatter spreads them to every rank;
+- ``swapdata@step0``: this rank trains on another corpus of the same size (its train tokens reversed,
+  after the pre-launch check): a rank reading other data;
+- ``nanparam``: after step N's optimizer step, one element of this rank's first non-empty parameter
+  shard becomes NaN (a poisoned shard: found by step N+1's guard, or after the last step).
 
 The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to ``raise``/``exit``/``hang``.
 Nothing here runs unless the variable (or those flags) is set.
@@ -35,7 +41,7 @@ __all__ = ["ENV", "Fault", "FaultPlan", "parse_faults"]
 ENV = "RAGGEDFSDP_FAULT"
 KINDS = (
     "nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc", "eacces",
-    "slowsave", "oom",
+    "slowsave", "oom", "nangrad", "nanparam", "swapdata",
 )  # fmt: skip
 SLEEP_ENV = "RAGGEDFSDP_FAULT_SLEEP_S"
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")

@@ -10,9 +10,11 @@ JSONL records (one object per line):
 Added when known: ``mfu`` (model FLOPs utilisation, 0-1: achieved model FLOP/s per rank over the
 device's peak; model FLOPs from :func:`model_flops_per_token`, peak from ``--job.peak_tflops`` or
 :data:`PEAK_TFLOPS`), ``peak_memory_bytes`` (max over ranks: the CUDA allocator's peak on GPU, the
-process's peak resident set on CPU) and ``aux_loss`` (MoE load balancing). With ``tensorboard``
+process's peak resident set on CPU, ``peak_memory_source`` ``"cuda"`` or ``"rss"`` says which; the
+line prints ``mem X rss`` for the latter) and ``aux_loss`` (MoE load balancing). With ``tensorboard``
 installed (``pip install 'raggedfsdp[tensorboard]'``) every numeric field also goes to TensorBoard
-event files under ``OUT/tb`` (``train/*``, ``eval/*``).
+event files under ``OUT/tb`` (``train/*``, ``eval/*``). The line ends with ``eta`` (steps left x
+``step_time_s``); without a known peak FLOP/s (CPU) one line says why there is no ``mfu``.
 """
 
 from __future__ import annotations
@@ -127,13 +129,27 @@ def format_line(rec: dict[str, Any], total_steps: int) -> str:
         + (f" | aux {rec['aux_loss']:.4f}" if "aux_loss" in rec else "")
         + f" | tok/s {rec['tokens_per_s']:,.0f} | step {rec['step_time_s'] * 1e3:.0f} ms"
     )
-    if "aux_loss" in rec:
-        line += f" | aux {rec['aux_loss']:.4f}"
     if "mfu" in rec:
         line += f" | mfu {100 * rec['mfu']:.1f}%"
-    if "peak_memory_bytes" in rec:
-        line += f" | mem {_gib(rec['peak_memory_bytes'])}"
+    if "peak_memory_bytes" in rec:  # CPU: the process's peak resident set (RSS), not tensor bytes
+        line += f" | mem {_gib(rec['peak_memory_bytes'])}" + (
+            " rss" if rec.get("peak_memory_source") == "rss" else ""
+        )
+    left = total_steps - rec["step"]
+    if left > 0:  # at the recent step time (the mean since the previous log line)
+        line += f" | eta {_duration(left * rec['step_time_s'])}"
     return line
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return (
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+        if s >= 3600
+        else f"{s // 60}m{s % 60:02d}s"
+        if s >= 60
+        else f"{s}s"
+    )
 
 
 class MetricsLogger:
@@ -163,6 +179,7 @@ class MetricsLogger:
         self.peak_flops = peak_flops
         self._fh = None
         self._tb = None
+        self._said_no_mfu = False
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -191,6 +208,10 @@ class MetricsLogger:
             return
         if "tokens_per_s_per_rank" in rec and self.flops_per_token and self.peak_flops:
             rec = dict(rec, mfu=rec["tokens_per_s_per_rank"] * self.flops_per_token / self.peak_flops)
+        elif "tokens_per_s_per_rank" in rec and not self.peak_flops and not self._said_no_mfu:
+            self._said_no_mfu = True
+            print("(no mfu column: this device's peak FLOP/s is unknown (CPU, or a GPU outside the table); "
+                  "set --job.peak_tflops T to get one)", file=self.stream, flush=True)  # fmt: skip
         print(format_line(rec, self.total_steps), file=self.stream, flush=True)
         if self._fh is not None:
             self._fh.write(json.dumps(rec) + "\n")

@@ -118,25 +118,37 @@ class OutLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise ValueError(
-                f"--out {self.path.parent} is in use by another job ({holder}); wait for it to end "
-                "or choose another --out"
-            ) from None
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+                finally:
+                    os.close(fd)
+                raise ValueError(
+                    f"--out {self.path.parent} is in use by another job ({holder}); wait for it to end "
+                    "or choose another --out"
+                ) from None
+            try:  # the holder removes the file on release: lock only the file that is still there
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self._fd = fd
         return self
 
     def release(self) -> None:
+        """Remove ``OUT/.lock`` (still holding it, so no one locks a file on its way out) and unlock."""
         if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
             os.close(self._fd)
             self._fd = None
 

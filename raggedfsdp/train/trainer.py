@@ -10,6 +10,7 @@ gradient is therefore the gradient of the mean loss over the global batch, whate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -23,8 +24,15 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.checkpoint.dcp import config_hash, load_checkpoint, resolve_resume, save_checkpoint
+from raggedfsdp.checkpoint.dcp import (
+    CheckpointError,
+    config_hash,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from raggedfsdp.models import (
+    apply_compile,
     apply_ep,
     apply_fsdp,
     apply_tp,
@@ -37,8 +45,10 @@ from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
+    batch_checksums,
     batch_id,
     check_batch,
+    check_same_data,
     check_split,
     eval_windows,
     load_corpus,
@@ -46,10 +56,11 @@ from raggedfsdp.train.data import (
 )
 from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
-    FaultError,
     StepGuard,
-    all_finite,
+    check_params,
+    check_saveable,
     gather_signals,
+    nonfinite_detail,
     out_of_memory,
     signal_name,
 )
@@ -108,6 +119,14 @@ class Trainer:
             divergence_ratio=t.divergence_ratio,
         )
         self.ckpt_folder = Path(cfg.checkpoint.resolved_folder(cfg.job.out))
+        try:
+            self._build()
+        except BaseException:
+            self.close()  # release OUT/.lock: a refused start leaves --out usable
+            raise
+
+    def _build(self) -> None:
+        cfg, device, t = self.cfg, self.device, self.cfg.training
         self.run_id = self._setup_run()
 
         # Data.
@@ -122,6 +141,8 @@ class Trainer:
             source=repr(self.corpus.source),
             val_fraction=cfg.data.val_fraction,
         )
+        if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
+            self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
         self.sampler = BatchSampler(
             self.corpus.train,
             seq_len=t.seq_len,
@@ -163,6 +184,8 @@ class Trainer:
                 model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
             if tp_mesh is not None:
                 apply_tp(model, tp_mesh)
+            if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
             model.to_empty(device=device)
             model.init_weights(cfg.job.seed)
@@ -174,12 +197,19 @@ class Trainer:
                 apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
             if ep > 1:
                 apply_ep(model, world_mesh["ep"])
+            if t.compile:
+                apply_compile(model)
             apply_fsdp(model, mesh, **fsdp_kw)
         if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
             from raggedfsdp.checkpoint.hf import load_hf_weights
 
             load_hf_weights(model, cfg.model.init_from)
         self.model = model
+        # per-rank non-finite flags of the gradients before each unit's reduce-scatter (raggedfsdp backend)
+        self._grad_probe: list | None = None
+        if hasattr(model, "set_nonfinite_grad_probe"):
+            self._grad_probe = []
+            model.set_nonfinite_grad_probe(self._grad_probe)
 
         # Optimizer (adamw | muon | adamw8bit): decay matrices and embeddings, not norm gains.
         self.optimizer = build_optimizer(cfg.optimizer, model)
@@ -247,6 +277,16 @@ class Trainer:
                 verify=self.cfg.checkpoint.verify,
                 notes=notes,
             )
+            skipped = [n.split("skipping ", 1)[1] for n in notes if n.startswith("--resume auto: skipping ")]
+            if path is None and skipped and not self.cfg.job.overwrite:
+                # every checkpoint of this run is unreadable: starting over would overwrite
+                # metrics.jsonl and the old step folders, so refuse (issue 23 item 4)
+                raise CheckpointError(
+                    f"--resume auto: no readable checkpoint of run {self.run_id} under {self.ckpt_folder}: "
+                    f"{'; '.join(skipped)}; nothing was changed (resume one with --resume PATH after "
+                    "repairing it, or start again from step 0 with --job.overwrite true, which overwrites "
+                    "metrics.jsonl and same-numbered step folders)"
+                )
             for note in notes:
                 logger.warning("%s", note)
             return path
@@ -312,14 +352,7 @@ class Trainer:
 
     def save(self, step: int, lr: float) -> Path:
         """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
-        tensors = [p for p in self.model.parameters()]
-        for state in self.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
-        if not all_finite(tensors, self.device):
-            raise FaultError(
-                f"refusing to save step {step}: the model or optimizer state holds NaN/Inf (the "
-                "newest checkpoint is kept as it is)"
-            )
+        check_saveable(step, self.model, self.optimizer, self.device)
         with self.watchdog.paused(f"saving step {step}"):
             return self._save(step, lr)
 
@@ -399,6 +432,8 @@ class Trainer:
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
         self.watchdog.progress(f"step {step} start", step)
+        if self._grad_probe is not None:
+            self._grad_probe.clear()
         if self.faults:
             self.faults.inject_step(step, self.rank)
         accum = t.grad_accum
@@ -411,6 +446,8 @@ class Trainer:
             if sync_toggle:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(inputs)  # (b, T, V)
+            if self.faults and micro == 0 and self.faults.take("nangrad", step):
+                logits.register_hook(lambda g: g * float("nan"))  # this rank's gradients only, loss finite
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             if self.faults and micro == 0:
                 self.faults.inject_forward(step)  # oom
@@ -427,9 +464,15 @@ class Trainer:
         self.watchdog.progress(f"step {step} optimizer", step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         signum = self.interrupts.signum if self.interrupts is not None else 0
-        stats = self.guard.reduce([p.grad for p in params], loss_sum, signum=signum)
+        probe = self._grad_probe
+        grad_bad = torch.stack([f for _, f in probe]).any() if probe else None
+        stats = self.guard.reduce(
+            [p.grad for p in params], loss_sum, signum=signum, grad_nonfinite=grad_bad,
+            params=list(self.model.parameters()), data=batch_checksums(self.sampler, step, self.dp_rank),
+        )  # fmt: skip
         self.last_stats = stats
-        self.last_applied = self.guard.check(step, stats, self.batch_ids(step))
+        check_same_data(step, stats.data, self.tp, self.batch_ids(step), self.corpus.source)
+        self.last_applied = self.guard.check(step, stats, self.batch_ids(step), detail=self._nonfinite_detail)
         lr = self.lr(step)
         if self.last_applied:
             max_norm = t.max_norm if t.max_norm > 0 else math.inf
@@ -439,9 +482,16 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self.faults and self.faults.take("nanparam", step):  # one element of this rank's first shard
+                p = next(p for p in self.model.parameters() if _local(p).numel())
+                _local(p).detach().view(-1)[0] = float("nan")
         self.optimizer.zero_grad(set_to_none=True)
         dev = self.device  # fill kernels, not host-to-device copies: the host need not wait for the step
         return torch.full((), stats.loss, device=dev), torch.full((), stats.grad_norm, device=dev), lr
+
+    def _nonfinite_detail(self, what: str) -> str:
+        """Local, on a failure only: this rank's non-finite tensors (``what``: parameters / gradients)."""
+        return nonfinite_detail(self.model, self._grad_probe, what)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -521,7 +571,7 @@ class Trainer:
         self.write_config()
         logger.info(
             "model %s/%s: %s params | data: %s (%d files, %d train / %d val bytes) | world size %d, "
-            "micro-batch %d x %d, grad_accum %d | fsdp backend %s, param %s, reduce %s",
+            "micro-batch %d x %d, grad_accum %d | fsdp backend %s, param %s, reduce %s | optimizer %s",
             cfg.model.name,
             cfg.model.flavor,
             f"{self.model_cfg.num_params():,}",
@@ -536,6 +586,7 @@ class Trainer:
             cfg.fsdp.backend,
             cfg.fsdp.param_dtype,
             cfg.fsdp.reduce_dtype,
+            type(self.optimizer).__name__,
         )
         tokens_per_step = t.global_batch_size * t.seq_len
         start = time.perf_counter()
@@ -563,10 +614,9 @@ class Trainer:
                     raise
                 raise oom from e
             st = self.last_stats  # global loss and grad norm, from the step's fused all-reduce
-            if st.signals:
-                self._interrupted(step, st.signals, saved_step)
             is_last = step == t.steps
-            if step == first or step % m.log_every == 0 or is_last:
+            # an interrupted step keeps its record (the interrupt is raised after the log)
+            if step == first or step % m.log_every == 0 or is_last or st.signals:
                 loss_val, grad_val = st.loss, st.grad_norm
                 extra = {}
                 if self.aux_loss_sum is not None:  # mean over ranks of the aux loss (log steps only)
@@ -591,6 +641,7 @@ class Trainer:
                         "tokens_seen": step * tokens_per_step,
                         "elapsed_s": now - start,
                         "peak_memory_bytes": int(peak.item()),
+                        "peak_memory_source": "cuda" if self.device.type == "cuda" else "rss",
                         **({"skipped_steps": self.guard.skipped_steps} if self.guard.skipped_steps else {}),
                     }
                 )
@@ -598,6 +649,8 @@ class Trainer:
                     first_loss = loss_val
                 last_loss = loss_val
                 mark, mark_step = time.perf_counter(), step
+            if st.signals:
+                self._interrupted(step, st.signals, saved_step)
             if (m.eval_every and step % m.eval_every == 0) or is_last:
                 eval_loss = self.evaluate()
                 self.metrics.log(
@@ -615,6 +668,8 @@ class Trainer:
                             f"during the save of step {step}, which completed: saved {path}; continue with "
                             f"--resume auto --out {cfg.job.out}"))  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
+        if t.steps >= first:
+            check_params(t.steps, self.model, self._grad_probe, self.device)  # the last update; earlier: the guard
         elapsed = time.perf_counter() - start
         self.watchdog.progress("done")
         summary = {

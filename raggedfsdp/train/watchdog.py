@@ -18,7 +18,9 @@ its next step boundary, or after ``GRACE_S`` when it cannot get there: no orphan
 
 **Hangs** (:class:`Watchdog`): the trainer marks progress (every micro-step, eval batch, checkpoint
 phase) once its step loop begins (start-up is not watched). A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
-(``job.hang_timeout_s``) and this rank's main thread is *not* inside a collective (its innermost
+(``Watchdog.effective_timeout``: at most ``job.hang_timeout_s``, at most ``max(30 s, 20 x`` the slowest
+recent step``)`` once steps were seen, and always ``0.6 x job.pg_timeout_s`` or less, so that the hung
+rank fires before a waiting peer's collective times out) and this rank's main thread is *not* inside a collective (its innermost
 Python frame is not in ``torch/distributed`` or ``raggedfsdp/fsdp|buffer``), this rank is the hung
 one: it prints its main thread's Python stack and one line naming itself, the step and the frame,
 records the error for torchrun and exits 1. Its peers, which wait in a collective, are not blamed;
@@ -47,6 +49,9 @@ __all__ = [
 ]  # fmt: skip
 
 GRACE_S = 2.0
+MIN_HANG_S = 30.0  # the adaptive hang timeout: max(MIN_HANG_S, STEP_FACTOR x the slowest recent step)
+STEP_FACTOR = 20.0
+PG_FRACTION = 0.6  # the hang timeout never exceeds this fraction of the process-group timeout
 _COLLECTIVE_PATHS = (
     os.path.join("torch", "distributed") + os.sep,
     os.path.join("raggedfsdp", "fsdp") + os.sep,
@@ -156,9 +161,13 @@ class Watchdog:
         interrupts: Interrupts | None = None,
         store=None,
         interval_s: float = 0.5,
+        pg_timeout_s: float = 0.0,
     ) -> None:
         self.rank, self.world_size, self.tag = rank, world_size, tag
         self.timeout_s, self.interval_s = timeout_s, interval_s
+        self.pg_timeout_s = pg_timeout_s  # 0: unknown (no cap)
+        self._steps: list[float] = []  # durations of the recent steps (start to next start), newest last
+        self._step_start: float | None = None
         self.interrupts = interrupts
         self.store = store
         self.parent = os.getppid()
@@ -188,7 +197,28 @@ class Watchdog:
         self._last = now
         self.where = where
         if step is not None:
+            if step != self.step:  # a new step began: the previous one's duration (with eval, saves)
+                if self._step_start is not None:
+                    self._steps = [*self._steps[-19:], now - self._step_start]
+                self._step_start = now
             self.step = step
+
+    def effective_timeout(self) -> tuple[float, str]:
+        """``(seconds, why)``: the hang timeout now. ``job.hang_timeout_s`` is the most; once steps
+        were seen, at most ``max(MIN_HANG_S, STEP_FACTOR x`` the slowest of the last 20``)``; and always
+        below the process-group timeout (``PG_FRACTION x job.pg_timeout_s``), so that the hung rank is
+        named before a waiting peer's collective times out and gets the blame."""
+        t, why = self.timeout_s, f"job.hang_timeout_s={self.timeout_s:g}"
+        if t <= 0:
+            return 0.0, "off"
+        if self._steps:
+            adaptive = max(MIN_HANG_S, STEP_FACTOR * max(self._steps))
+            if adaptive < t:
+                slow = max(self._steps)
+                t, why = adaptive, f"{STEP_FACTOR:g} x the slowest recent step {slow:.2f}s, at least {MIN_HANG_S:g}s"
+        if self.pg_timeout_s > 0 and PG_FRACTION * self.pg_timeout_s < t:
+            t, why = PG_FRACTION * self.pg_timeout_s, f"{PG_FRACTION:g} x job.pg_timeout_s={self.pg_timeout_s:g}"
+        return t, why
 
     def arm(self) -> None:
         """Start hang detection (the trainer calls it when its step loop begins)."""
@@ -249,12 +279,13 @@ class Watchdog:
                 self.store.set(f"hb{self.rank}", json.dumps(beat))
             except Exception:  # noqa: BLE001 (the launcher's store is gone: no more heartbeats)
                 self.store = None
-        if self.timeout_s <= 0 or self._paused or idle < self.timeout_s:
+        limit, why = self.effective_timeout()
+        if limit <= 0 or self._paused or idle < limit:
             return
         if not waiting:
             self._fail(
                 self.rank,
-                f"rank {self.rank} made no progress for {idle:.1f}s (job.hang_timeout_s={self.timeout_s:g}) "
+                f"rank {self.rank} made no progress for {idle:.1f}s (hang timeout {limit:g}s: {why}) "
                 f"at step {self.step} (last: {self.where}); its main thread is at {_where(frame)}, not in "
                 "a collective, so the other ranks are waiting for it",
                 frame,
@@ -277,7 +308,7 @@ class Watchdog:
                 continue
             beat = json.loads(self.store.get(f"hb{r}"))
             age = now - beat["t"]
-            if age > max(self.timeout_s, 4 * self.interval_s):
+            if age > max(self.effective_timeout()[0], 4 * self.interval_s):
                 return r, age, beat
         return None
 

@@ -25,9 +25,9 @@ def _roundtrip(rank, ws, tmp):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.models import apply_fsdp, build_model
     from raggedfsdp.checkpoint.dcp import save_checkpoint
     from raggedfsdp.checkpoint.hf import load_hf_weights, read_dcp_model, write_safetensors
+    from raggedfsdp.models import apply_fsdp, build_model
 
     mesh = init_device_mesh("cpu", (ws,))
     model = build_model("llama", "debug")
@@ -86,13 +86,22 @@ def test_dcp_to_hf_logits_and_back(tmp_path):
 def test_tied_model_and_errors(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
+    from raggedfsdp.checkpoint.hf import write_safetensors
     from raggedfsdp.cli import main
     from raggedfsdp.models import build_model
-    from raggedfsdp.checkpoint.hf import write_safetensors
 
     ours = build_model("llama", "debug", tie_embeddings=True)
     ours.init_weights(1)
     write_safetensors(tmp_path / "tied", {n: p for n, p in ours.state_dict().items()}, ours.cfg)
+    # the file follows the umask like config.json (safetensors alone writes 0600)
+    import os
+    import stat
+
+    for name in ("model.safetensors", "config.json"):
+        mode = stat.S_IMODE(os.stat(tmp_path / "tied" / name).st_mode)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert mode == 0o666 & ~umask, (name, oct(mode))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tied")).eval()
     tok = torch.randint(0, 256, (1, 17))
     with torch.no_grad():

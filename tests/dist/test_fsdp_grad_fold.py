@@ -85,15 +85,24 @@ def _shard(model, mesh, fs, extra_in_block=False, **kw):
     return model
 
 
+_EARLY_FREE = [True]  # of the current mode; applied to each model by _early_free (Note [early free])
+
+
+def _early_free(model):
+    from raggedfsdp.fsdp import set_runtime_options
+
+    set_runtime_options(model, early_free=_EARLY_FREE[0])
+    return model
+
+
 def _set_mode(mode, rank, seed):
     from raggedfsdp.buffer.streams import CommHandle
-    from raggedfsdp.fsdp import _reduce
 
     if not hasattr(CommHandle, "is_done"):  # a runtime without Note [early free]
         return
     if not hasattr(CommHandle, "_orig_is_done"):
         CommHandle._orig_is_done = CommHandle.is_done
-    _reduce.EARLY_FREE = mode != "off"
+    _EARLY_FREE[0] = mode != "off"
     rng = random.Random(1000 * seed + rank)
     if mode == "always":
         CommHandle.is_done = lambda self: True
@@ -150,6 +159,7 @@ def _scenario(case, rank, ws, mesh, build, run, *, steps=2, shard_kw=None, k=(1,
             try:
                 ref = copy.deepcopy(base)
                 model = (shard_fn or _shard)(copy.deepcopy(base), mesh, raggedfsdp.fully_shard, **(shard_kw or {}))
+                _early_free(model)
                 if post_shard is not None:
                     post_shard(model)
                 model.set_reduce_scatter_max_input_buffers(kk)
@@ -310,6 +320,8 @@ def _vs_torch(case, rank, ws, mesh, build, run, mp, *, steps=2, modes=("off", "r
 
     def train(fs, policy):
         model = _shard(copy.deepcopy(base), mesh, fs, mp_policy=policy)
+        if fs is raggedfsdp.fully_shard:
+            _early_free(model)
         opt = torch.optim.SGD(list(model.parameters()), lr=0.1)
         hist = []
         for step in range(steps):

@@ -242,7 +242,7 @@ def _hsdp_deferred_all_reduce(rank, ws):
 
     def sync(last):
         if last:  # the previous microbatch kept its shard-reduced grads instead of all-reducing them
-            deferred.append(model.layers[0]._raggedfsdp_state.group._partial_reduce is not None)
+            deferred.append(model.layers[0]._raggedfsdp_state.group.grads.partial_reduce is not None)
         model.set_requires_all_reduce(last)
 
     losses = _train(model, opt, data, rank, ws, microbatches=micro, sync_fn=sync)

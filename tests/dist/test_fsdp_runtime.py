@@ -99,7 +99,7 @@ class _LiveGradBuffers:
 
 def _bounded_memory(rank, ws, mesh):
     import raggedfsdp
-    from raggedfsdp.fsdp import _reduce
+    from raggedfsdp.fsdp import _reduce, set_runtime_options
 
     n_layers = 6
     data = batches(2, 2 * ws)
@@ -108,17 +108,15 @@ def _bounded_memory(rank, ws, mesh):
         ref = ToyLM(n_layers)
         model = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh)
         model.set_reduce_scatter_max_input_buffers(k)
+        set_runtime_options(model, early_free=False)  # the bound under slow communication (early free lowers it)
         for tok, tgt in data:
             tok_l, tgt_l = _slice(tok, tgt, rank, ws)
             counter = _LiveGradBuffers(model._raggedfsdp_state.group)
-            early = _reduce.EARLY_FREE
-            _reduce.EARLY_FREE = False  # the bound under slow communication (Note [early free] only lowers it)
             try:
                 model.zero_grad(set_to_none=True)
                 lm_loss(model, tok_l, tgt_l).backward()
             finally:
                 counter.close()
-                _reduce.EARLY_FREE = early
             # flat grad buffers exist only as reduce-scatter inputs (Note [grad fold]): at most K at once,
             # the root's included (its fold runs in the final callback, after room is made)
             assert counter.peak <= k, f"K={k}: {counter.peak} grad buffers alive"
@@ -165,7 +163,7 @@ def _forward_prefetch(rank, ws, mesh):
     torch.manual_seed(0)
     model = shard_model(ToyLM(4), raggedfsdp.fully_shard, mesh)
     layers = list(model.layers)
-    out_to_unit = {id(layer._raggedfsdp_state.group.unsharded_buf.data): i for i, layer in enumerate(layers)}
+    out_to_unit = {id(layer._raggedfsdp_state.group.bufs.params.data): i for i, layer in enumerate(layers)}
     log: list[tuple[str, int]] = []
     orig = dbuffer._all_gather_single
 
@@ -221,7 +219,7 @@ def _reset_after_exception(rank, ws, mesh):
     model.zero_grad(set_to_none=True)
     for st in model._raggedfsdp_state.all_states:
         g = st.group
-        assert not g.grad_buf.is_allocated and not g.unsharded_buf.is_allocated, "reset left buffers alive"
+        assert not g.bufs.grads.is_allocated and not g.bufs.params.is_allocated, "reset left buffers alive"
     assert not model._raggedfsdp_state.comm.reduces.inflight
     lm_loss(model, tok, tgt).backward()
     expected = _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok, tgt), ws)

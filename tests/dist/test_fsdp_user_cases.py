@@ -1,6 +1,6 @@
 """fully_shard semantics from public bug reports (issue 13): requires_grad changed after wrapping is
 honoured (vs single-process AdamW), and units run by only some ranks raise a clear error naming the
-units -- at the end of backward without debug mode (Note [unit agreement] in ``_reduce.py``), at the
+units -- at the end of backward without debug mode (Note [unit agreement] in ``_agreement.py``), at the
 first mismatched collective in debug mode -- instead of silently pairing up different units'
 collectives; a mismatch of different-sized collectives ends the job with an error, not a hang."""
 
@@ -224,7 +224,7 @@ def _order_mismatch(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
     import raggedfsdp
-    from raggedfsdp.fsdp import _reduce
+    from raggedfsdp.fsdp import set_runtime_options
     from raggedfsdp.fsdp._common import CollectiveMismatchError
 
     mesh = init_device_mesh("cpu", (ws,))
@@ -238,20 +238,17 @@ def _order_mismatch(rank, ws):
     with pytest.raises(CollectiveMismatchError, match="before any gradient was set"):
         model(x).sum().backward()
     model.reset_iter_state()
-    assert _reduce.AGREEMENT_CHECK == "auto"
-    _reduce.AGREEMENT_CHECK = "deferred"
-    try:
-        model(x).sum().backward()  # completes: the check is read at the next forward
-        assert all(p.grad is not None for p in model.parameters())
-        with pytest.raises(CollectiveMismatchError, match="deferred check .* already used the wrong gradients"):
-            model(x)
-        model.reset_iter_state()
-        model.a_first = True  # agreeing ranks: the deferred check passes silently
-        model.zero_grad(set_to_none=True)
-        model(x).sum().backward()
+    assert model._raggedfsdp_state.comm.options.agreement_check == "auto"
+    set_runtime_options(model, agreement_check="deferred")
+    model(x).sum().backward()  # completes: the check is read at the next forward
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(CollectiveMismatchError, match="deferred check .* already used the wrong gradients"):
         model(x)
-    finally:
-        _reduce.AGREEMENT_CHECK = "auto"
+    model.reset_iter_state()
+    model.a_first = True  # agreeing ranks: the deferred check passes silently
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    model(x)
     dist.barrier()
 
 

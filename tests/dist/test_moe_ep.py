@@ -111,6 +111,7 @@ def _ep_parity(rank, ws, n_experts, meshes):
         apply_ep(build_model("moe", "debug", experts="fused", n_experts=n_experts), mesh)
 
 
+@pytest.mark.slow
 def test_moe_ep_parity_ws4_ep4_and_dp2xep2():
     run_distributed(_ep_parity, 4, 8, [(1, 4), (2, 2)])
 

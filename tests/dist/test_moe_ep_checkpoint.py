@@ -12,6 +12,7 @@ same logits.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _dist import run_distributed
 from _toy_models import full_params
@@ -88,5 +89,6 @@ def _ckpt(rank, ws, path):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_moe_ep_checkpoint_dp2xep2_to_dp4_ep4_and_single_process(tmp_path):
     run_distributed(_ckpt, 4, str(tmp_path / "ckpt"))

@@ -17,6 +17,7 @@ sign flips of size ~lr*1e-3, or flips an 8-bit code).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_distributed
@@ -146,5 +147,6 @@ def _ep_fsdp(rank, ws):
                 _check_muon_once_per_expert(model, ns, world)
 
 
+@pytest.mark.slow
 def test_moe_ep_fsdp_dp2xep2_vs_single_process_and_torch():
     run_distributed(_ep_fsdp, WS)

@@ -39,6 +39,16 @@ def test_bench_json_smoke_moe_two_ranks():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "raggedfsdp bench: step 2/2" in res.stderr  # progress lines
+    # no profiler / allocator log noise between the progress and the table (issue 24, rough edge 3)
+    noise = [
+        ln
+        for ln in (res.stderr + res.stdout).splitlines()
+        if ln.startswith(("USDT:", "STAGE:", "ERROR:", "WARNING:", "[W ", "[W1", "[W2"))
+        or "CPUAllocator" in ln
+        or "gpuGetDeviceCount" in ln
+        or "profiler_st" in ln
+    ]
+    assert not noise, noise[:5]
     r = json.loads(res.stdout.strip().splitlines()[-1])
     for key in ("throughput_ratio", "peak_memory_ratio", "raggedfsdp", "torch"):
         assert key in r

@@ -176,6 +176,33 @@ def _cases(rank, world, tmp):
     _raises(ValueError, r"already holds a run \(run [0-9a-f]+; metrics.jsonl; checkpoints step-5, step-9\)",
             lambda: _trainer(_cfg(out)))  # fmt: skip
 
+    # 4b. --resume auto where every checkpoint of the run is unreadable: refused, one line naming each
+    #     and why, nothing overwritten; --job.overwrite true starts again from step 0 (issue 23 item 4).
+    out = tmp / "unread"
+    tr = _trainer(_cfg(out, checkpoint__interval=1, checkpoint__keep_latest=0, training__steps=2))
+    tr.train()
+    tr.close()
+    dist.barrier()
+    ck = out / "checkpoints"
+    if rank == 0:
+        for s in (1, 2):
+            f = ck / f"step-{s}" / "__0_0.distcp"
+            f.write_bytes(f.read_bytes()[:50])
+    dist.barrier()
+    metrics = (out / "metrics.jsonl").read_bytes()
+    sizes = {s: (ck / f"step-{s}" / "__0_0.distcp").stat().st_size for s in (1, 2)}
+    e = _raises(CheckpointError, rf"--resume auto: no readable checkpoint of run {tr.run_id} under {ck}: "
+                rf"{ck / 'step-2'}: __0_0.distcp has 50 bytes, .*; {ck / 'step-1'}: __0_0.distcp has 50 bytes.*"
+                r"nothing was changed.*--job.overwrite true",
+                lambda: _trainer(_cfg(out, checkpoint__resume="auto", training__steps=3)))  # fmt: skip
+    assert "\n" not in str(e)
+    dist.barrier()
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    assert {s: (ck / f"step-{s}" / "__0_0.distcp").stat().st_size for s in (1, 2)} == sizes
+    tr = _trainer(_cfg(out, checkpoint__resume="auto", job__overwrite="true"))
+    assert tr.start_step == 0 and tr.resumed_from is None
+    tr.close()
+
     # 5. a full disk during the save: one line naming the cause, the path and the rank; no step-1.
     out = tmp / "enospc"
     tr = _trainer(_cfg(out, checkpoint__interval=1), "enospc@step1:rank1")
@@ -214,6 +241,8 @@ def _cases(rank, world, tmp):
     tr.close()
     dist.barrier()
     assert integrity.verify_step_folder(out / "checkpoints" / "step-2") is None
+    # the interrupted step's metrics record is kept (issue 23 item 5)
+    assert 2 in _losses(out), (out / "metrics.jsonl").read_text()
 
     # 8. a checkpoint folder this rank may not write: one line naming the cause, the path and the
     #    rank; nothing under step-1.
@@ -237,6 +266,44 @@ def _cases(rank, world, tmp):
     tr.close()
 
 
+def _nonfinite_cases(rank, world, tmp):
+    """Issue 23 item 3: non-finite gradients and parameters named by the rank that holds them."""
+    from raggedfsdp.train.guard import NonFiniteError
+
+    tmp = Path(tmp)
+    # 10. a NaN only in rank 1's gradients (its loss finite) is rank 1's: the flag is taken before the
+    #     reduce-scatter, which spreads it to every rank's shard; rank 1 names its FSDP units.
+    tr = _trainer(_cfg(tmp / "nangrad"), "nangrad@step2:rank1")
+    tr.train_step(1)
+    mine = r" \(its own gradients of FSDP unit\(s\) layers\.1, layers\.0, \w+, before the reduce-scatter\)" if rank == 1 else ""
+    e = _raises(NonFiniteError, rf"non-finite gradients on rank 1 at step 2 \(batch step2:rows2-3 \(rank 1, "
+                rf"micro-step 0\)\){mine}; stopped", lambda: tr.train_step(2))  # fmt: skip
+    assert e.culprits == (1,)
+    tr.close()
+
+    # 11. a NaN written into one parameter shard on rank 0 after step 2's update, checkpointing off:
+    #     step 3's guard names rank 0 and the tensor (not the NaN loss it causes on every rank).
+    tr = _trainer(_cfg(tmp / "nanparam", checkpoint__interval=0), "nanparam@step2:rank0")
+    first = next(n for n, p in tr.model.named_parameters() if p.to_local().numel()) if rank == 0 else ""
+    mine = rf": tensor {first}; stopped" if rank == 0 else "; stopped"
+    e = _raises(NonFiniteError, r"non-finite parameters on rank 0 at step 3 \(as left by step 2's optimizer "
+                rf"step or written since\){mine}", tr.train)  # fmt: skip
+    assert e.culprits == (0,)
+    tr.close()
+
+
+    # 12. rank 1 reads another corpus (swapped after the pre-launch check): step 1 stops naming both
+    #     ranks of the disagreeing pair, the batch and the files (issue 23 item 1).
+    from raggedfsdp.train.data import DataError
+
+    tr = _trainer(_cfg(tmp / "swap"), "swapdata@step0:rank1")
+    e = _raises(DataError, r"ranks read different data at step 1: rank 0's batch step1:rows0-1 .* has checksum "
+                r"\d+ on rank 0 but \d+ as rank 1 reads it from .*disagreeing pairs: 0/1, 1/0\); every rank",
+                lambda: tr.train_step(1))  # fmt: skip
+    assert e.culprits == (0, 1)
+    tr.close()
+
+
 def _flag_at(train_step, ints, rank):
     def step(s):
         if s == 2 and rank == 1:
@@ -248,6 +315,10 @@ def _flag_at(train_step, ints, rank):
 
 def test_trainer_faults_at_two_ranks(tmp_path):
     run_distributed(_cases, 2, str(tmp_path))
+
+
+def test_nonfinite_gradient_and_parameter_named_by_rank_at_two_ranks(tmp_path):
+    run_distributed(_nonfinite_cases, 2, str(tmp_path))
 
 
 # -- real launches -------------------------------------------------------------------------------
@@ -366,6 +437,22 @@ def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
     assert "at step 3" in last and "faults.py" in last and "not in a collective" in last, last
     assert "[rank 1/2] main thread's Python stack:" in proc.stderr
     assert elapsed < 40, f"{elapsed:.1f}s from the hang to the job's end (process-group timeout: 120 s)"
+
+
+def test_hang_is_blamed_on_the_hung_rank_with_a_short_pg_timeout(tmp_path):
+    """Issue 23 item 2: the default hang timeout (60 s) is above --job.pg_timeout_s 20; the watchdog
+    caps itself below the process-group timeout (and adapts to the ~0.1 s steps), so the last line
+    names rank 1 (hung outside a collective at step 8), not rank 0's collective timeout, within 45 s."""
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "12", "--out", str(tmp_path / "o"),
+           "--debug.fail_rank", "1", "--debug.fail_step", "8", "--debug.fail_mode", "hang",
+           "--job.pg_timeout_s", "20"]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=150, env=_env())
+    elapsed = time.time() - _fault_time(proc.stderr)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 12."), last
+    assert "(hang timeout 12s: 0.6 x job.pg_timeout_s=20)" in last and "at step 8" in last, last
+    assert elapsed < 45, f"{elapsed:.1f}s from the hang to the job's end"
 
 
 def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_path):

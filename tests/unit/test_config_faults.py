@@ -5,6 +5,7 @@ manifests, the ``--out`` lock and policy, and the watchdog's classification of a
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from raggedfsdp.checkpoint import integrity
-from raggedfsdp.train import run_dir
 from raggedfsdp.checkpoint.dcp import compare_keys
+from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import TrainConfig, load_config
 from raggedfsdp.train.data import BatchSampler, DataError, batch_id, check_batch, reproduce_batch
 from raggedfsdp.train.faults import Fault, FaultPlan, parse_faults
@@ -149,8 +150,14 @@ def test_out_lock_and_policy(tmp_path):
     lock = run_dir.OutLock(tmp_path).acquire()
     with pytest.raises(ValueError, match=rf"--out {tmp_path} is in use by another job \(pid \d+ on "):
         run_dir.OutLock(tmp_path).acquire()
+    stale = os.open(tmp_path / ".lock", os.O_RDWR)  # a job that opened the file before it was removed
     lock.release()
-    run_dir.OutLock(tmp_path).acquire().release()
+    assert not (tmp_path / ".lock").exists()  # a finished run leaves no .lock behind
+    import fcntl
+
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it holds a removed file: that locks nothing
+    run_dir.OutLock(tmp_path).acquire().release()  # a new job locks the file at the path
+    os.close(stale)
     run_dir.check_out_dir(str(tmp_path), str(tmp_path / "checkpoints"), resume="", overwrite=False)
     run_dir.write_run_file(tmp_path, "abc")
     with pytest.raises(ValueError, match="already holds a run \\(run abc\\); continue it with --resume auto"):

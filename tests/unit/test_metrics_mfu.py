@@ -87,3 +87,26 @@ def test_plot_accepts_run_folder(tmp_path):
     assert plot_metrics([tmp_path / "run"], tmp_path / "p.png").is_file()
     with pytest.raises(ValueError, match="without a metrics.jsonl"):
         plot_metrics([tmp_path], tmp_path / "q.png")
+
+
+def test_line_names_aux_once_rss_eta_and_why_no_mfu(tmp_path):
+    """Issue 24 rough edges 5/7: ``aux`` once, ``mem ... rss`` on CPU, an ETA, and a hint when the peak
+    FLOP/s is unknown (the reference: the record's own fields)."""
+    import io
+
+    rec = {"step": 4, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "aux_loss": 0.0123, "tokens_per_s": 3e5,
+           "tokens_per_s_per_rank": 1e5, "step_time_s": 0.5, "peak_memory_bytes": 2**30,
+           "peak_memory_source": "rss"}  # fmt: skip
+    line = format_line(rec, 250)
+    assert line.count("aux 0.0123") == 1, line
+    assert "mem 1.00 GiB rss" in line
+    assert line.endswith("eta 2m03s"), line  # (250 - 4) steps x 0.5 s = 123 s
+    assert "eta" not in format_line(dict(rec, step=250), 250)  # the last step: nothing left
+    assert "rss" not in format_line(dict(rec, peak_memory_source="cuda"), 250)
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, enabled=True, jsonl=False, total_steps=250, stream=out,
+                        flops_per_token=1e6, peak_flops=None)  # fmt: skip
+    log.log(rec)
+    log.log(dict(rec, step=5))
+    text = out.getvalue()
+    assert text.count("no mfu column") == 1 and "--job.peak_tflops" in text and "| mfu" not in text

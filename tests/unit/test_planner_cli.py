@@ -270,3 +270,26 @@ def test_moe_2_4t_plans_each_distinct_unit_once(monkeypatch):
     distinct = {tuple(s for _, s in u.params) for u in units}
     assert len(calls) == len(distinct) < len(units)
     assert len(plan.units) == len(units)
+
+
+def test_text_report_groups_repeating_patterns_and_aligns_columns(capsys):
+    """Issue 24 rough edge 9: hybrid-27b's 64 layers (3 linear-attention + 1 attention, 16 times) are one
+    group of two rows, not 32 rows; every table row has the header's width (long names widen the
+    column). The reference: the ``--json`` plan of the same command, unit by unit."""
+    import json as _json
+
+    from raggedfsdp.cli import main as cli
+
+    argv = ["plan", "--model", "hybrid-27b", "--world-size", "64"]
+    assert cli(argv) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert cli([*argv, "--json"]) == 0
+    units = _json.loads(capsys.readouterr().out)["units"]
+    header = next(i for i, ln in enumerate(text) if ln.startswith("unit "))
+    end = next(i for i, ln in enumerate(text) if ln.startswith("total padding"))
+    table = text[header + 1 : end]
+    rows = [ln for ln in table if "rows below" not in ln]
+    assert len(rows) == 4, table  # embed, the 2 rows of the pattern, head
+    assert "layers.0 .. layers.63: 16 x the 2 rows below" in table
+    assert all(len(ln) == len(text[header]) for ln in rows), table
+    assert len(units) == 66 and sum(u["name"].startswith("layers.") for u in units) == 64

@@ -1,5 +1,6 @@
 """``FSDPModule``: the methods ``fully_shard`` adds to a module (torch 2.13 FSDP2 API,
-``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), and ``UnshardHandle``.
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), ``UnshardHandle``, and
+:func:`set_runtime_options` (raggedfsdp's runtime knobs).
 
 Both subclass torch's own ``torch.distributed.fsdp.FSDPModule`` / ``UnshardHandle``, so code that detects
 FSDP2 modules with ``isinstance`` (trainers, pipelining schedules, ``register_fsdp_forward_method``)
@@ -14,7 +15,7 @@ import sys
 
 import torch.distributed.fsdp as torch_fsdp
 
-from raggedfsdp.fsdp._common import FSDPDeepcopyError, FSDPTypeError
+from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTypeError
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
 
@@ -91,6 +92,17 @@ class FSDPModule(torch_fsdp.FSDPModule):
         handle.wait()
         return None
 
+    def set_nonfinite_grad_probe(self, probe: list | None, *, recurse: bool = True) -> None:
+        """raggedfsdp extension. Before each reduce-scatter of a unit, append ``(unit name, flag)`` to
+        ``probe``: ``flag`` is a 0-d bool tensor on the unit's device, True when this rank's own
+        (unreduced) gradients of the unit hold a NaN/Inf. After the reduce-scatter every rank's shard
+        is non-finite when any rank's input was, so only this flag names the rank at fault. Costs
+        one read of the unit's unsharded gradients, no host sync; ``None`` turns it off. Local.
+        Idea: Megatron-LM's per-rank ``check_for_nan_in_grad`` before its gradient reduction."""
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.nonfinite_probe = probe
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn reduce-scatter (and HSDP all-reduce) on or off; off accumulates unsharded grads locally."""
         for st in self._fsdp_states(recurse):
@@ -136,7 +148,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Kept for API parity; the final callback always completes reduce-scatters that were launched."""
-        self._fsdp_state()._is_last_backward = is_last_backward
+        self._fsdp_state()._is_last_backward = bool(is_last_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced grads by ``factor`` instead of the data-parallel world size (recursive)."""
@@ -274,3 +286,47 @@ def _check_fsdp_modules(modules, name: str) -> None:
                 f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call raggedfsdp.fully_shard on it "
                 "first"
             )
+
+
+_UNSET = object()
+
+
+def set_runtime_options(module, *, early_free=_UNSET, agreement_check=_UNSET, debug=_UNSET) -> None:
+    """Set the FSDP runtime's knobs (:class:`~raggedfsdp.fsdp._common.RuntimeOptions`) of every unit
+    under the ``fully_shard``'ed ``module`` (before its first forward; after it the root's units share
+    one options object, so any of them sets it for all). Arguments left out keep their values.
+
+    Args:
+        early_free: bool, free finished reduce-scatter inputs at each gradient (Note [early free] in
+            ``raggedfsdp/fsdp/_reduce.py``; default ``True``).
+        agreement_check: ``"auto"`` | ``"immediate"`` | ``"deferred"``: when the unit-agreement result
+            is read (Note [unit agreement] in ``raggedfsdp/fsdp/_agreement.py``; default ``"auto"``).
+        debug: bool or ``None``: check each collective's unit before it runs; ``None`` (default) follows
+            ``RAGGEDFSDP_DEBUG`` / ``raggedfsdp.buffer.set_debug``.
+
+    Every rank should set the same values. Local. Raises ``TypeError`` if ``module`` is not a
+    ``fully_shard``'ed module or a value has the wrong type, ``ValueError`` for an unknown
+    ``agreement_check``.
+    """
+    if not isinstance(module, FSDPModule):
+        raise TypeError(
+            f"set_runtime_options: {type(module).__name__} is not a fully_shard'ed module; call "
+            "fully_shard on it first"
+        )
+    if early_free is not _UNSET and not isinstance(early_free, bool):
+        raise TypeError(f"set_runtime_options: early_free must be a bool, got {early_free!r}")
+    if agreement_check is not _UNSET and agreement_check not in AGREEMENT_CHECKS:
+        raise ValueError(
+            f"set_runtime_options: agreement_check={agreement_check!r} must be one of "
+            f"{', '.join(map(repr, AGREEMENT_CHECKS))}"
+        )
+    if debug is not _UNSET and debug is not None and not isinstance(debug, bool):
+        raise TypeError(f"set_runtime_options: debug must be a bool or None, got {debug!r}")
+    for st in module._fsdp_states(True):
+        opts = st.comm.options
+        if early_free is not _UNSET:
+            opts.early_free = early_free
+        if agreement_check is not _UNSET:
+            opts.agreement_check = agreement_check
+        if debug is not _UNSET:
+            opts.debug = debug
