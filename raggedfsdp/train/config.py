@@ -81,7 +81,10 @@ class ModelConfig:
     n_experts: int | None = _f(None, "moe: override the flavor's routed experts per block")
     top_k: int | None = _f(None, "moe: override the flavor's experts per token")
     aux_loss_coef: float | None = _f(None, "moe: weight of the load-balancing loss added to the LM loss")
-    vocab_size: int | None = _f(None, "override the vocabulary size (tokenized .bin data: the tokenizer's)")
+    vocab_size: int | None = _f(
+        None,
+        "override the vocabulary size (default: the flavor's, or a tokenized .bin's sidecar vocabulary when larger)",
+    )
     init_device: str = _f("cpu", "cpu: init the full model then shard; meta: shard on meta, to_empty, init")
     init_from: str = _f(
         "",
@@ -251,6 +254,21 @@ class TrainConfig:
             "vocab_size",
         )
         out = {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+        if (
+            self.model.vocab_size is None
+            and self.data.path.endswith(".bin")
+            and os.path.isfile(self.data.path)
+        ):
+            # a tokenized .bin's sidecar records its tokenizer's vocabulary: use it when the flavor's is smaller
+            from raggedfsdp.models import build_model_config
+            from raggedfsdp.train.data import token_bin_info
+
+            vocab = token_bin_info(self.data.path).vocab_size
+            if (
+                vocab is not None
+                and vocab > build_model_config(self.model.name, self.model.flavor, **out).vocab_size
+            ):
+                out["vocab_size"] = vocab
         if self.parallel.ep > 1 and self.model.experts is None:
             out["experts"] = "fused"  # expert parallelism splits fused (X, D, F) stacks (same numbers)
         return out

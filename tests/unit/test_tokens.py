@@ -102,8 +102,12 @@ def test_tokenize_and_train(tmp_path):
     assert ids[-1] == tok.token_to_id("<eos>")
     assert tok.decode(ids[:-1].tolist()) == text  # byte-level BPE is lossless: the file is the one document
     # the vocabulary check names the fix, then a short run trains on the .bin
+    # the vocabulary comes from the sidecar (no --model.vocab_size needed); a smaller explicit one is refused
+    cfg = load_config("debug", {"data.path": str(out)})
+    cfg.check_data()
+    assert cfg.model_overrides()["vocab_size"] == 300
     with pytest.raises(ValueError, match="--model.vocab_size 300"):
-        load_config("debug", {"data.path": str(out)}).check_data()
+        load_config("debug", {"data.path": str(out), "model.vocab_size": 256}).check_data()
     run = subprocess.run(
         [
             sys.executable,
@@ -113,8 +117,6 @@ def test_tokenize_and_train(tmp_path):
             "debug",
             "--data",
             str(out),
-            "--model.vocab_size",
-            "300",
             "--steps",
             "3",
             "--out",
