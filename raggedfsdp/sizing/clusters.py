@@ -39,9 +39,6 @@ class Cluster:
     """CPU time per FSDP unit per phase (hooks, launches), seconds."""
     overlap: bool = True
     """Whether communication overlaps compute (False on CPU: gloo and compute share the cores)."""
-    shared_devices: int = 0
-    """CPU boxes: ranks time-share this many cores, so with more ranks than cores every phase of a
-    rank slows by ``world / shared_devices`` (0: one device per rank, as on GPUs)."""
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,11 +89,11 @@ CLUSTERS: dict[str, Cluster] = {
             intra_lat=50e-6,
             inter_lat=200e-6,
             devices_per_node=2,
-            shared_devices=2,
             mfu=1.0,
             host_s_per_unit=200e-6,
             overlap=False,
-            source="placeholder for a CPU box with gloo (a device is a core); fit it with calibrate()",
+            source="placeholder for a CPU box with gloo, one core per rank, predicting a rank's CPU seconds "
+            "per step; fit it with calibrate() (raggedfsdp estimate-time --calibrate)",
         ),
     )
 }

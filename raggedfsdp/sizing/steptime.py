@@ -448,8 +448,6 @@ def estimate_time(
         align=align,
     )
     end, compute, host = _simulate(costs, c, activation_checkpointing)
-    f = parallel.world / c.shared_devices if c.shared_devices and parallel.world > c.shared_devices else 1.0
-    end, compute, host = end * f, compute * f, host * f  # f > 1: ranks time-share the cores
     shard = sum(u.shard for u in costs)
     optim = shard * OPT_BYTES_PER_ELEM / c.hbm_bw
     if optimizer == "muon":
@@ -462,7 +460,6 @@ def estimate_time(
             if len(s) >= 2
         )
         optim += ns / parallel.world / (c.peak_flops * c.mfu)
-    optim *= f
     step = end + optim
     numel = sum(u.numel for u in costs)
     padded = sum(u.padded for u in costs)

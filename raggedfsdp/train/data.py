@@ -556,7 +556,9 @@ def batch_checksums(sampler: BatchSampler, step: int, dp_rank: int) -> tuple[int
     return sums[0], sums[1]
 
 
-def check_same_data(step: int, data: list[tuple[float, float]], tp: int, ids: dict[int, str], source: str) -> None:
+def check_same_data(
+    step: int, data: list[tuple[float, float]], tp: int, ids: dict[int, str], source: str
+) -> None:
     """``DataError`` (``culprits``: the ranks of the disagreeing pairs) when a rank's batch checksum
     differs from that batch as its previous dp rank reads it: the ranks read different data (a file
     swapped or changed after the start). ``data``: every rank's :func:`batch_checksums` pair. Local;

@@ -203,7 +203,9 @@ class StepGuard:
             bad_loss_ranks=[r for r in range(w) if flags[r] != 0],
             bad_grad_ranks=[r for r in range(w) if flags[w + r] != 0],
             signals={r: int(flags[2 * w + r]) for r in range(w) if flags[2 * w + r] != 0},
-            param_norm=(math.sqrt(v[2]) if v[2] >= 0 else float("nan")) if params is not None else float("nan"),
+            param_norm=(math.sqrt(v[2]) if v[2] >= 0 else float("nan"))
+            if params is not None
+            else float("nan"),
             bad_param_ranks=[r for r in range(w) if flags[3 * w + r] != 0],
             data=[(flags[4 * w + r], flags[5 * w + r]) for r in range(w)] if data is not None else [],
         )
@@ -302,7 +304,9 @@ def nonfinite_ranks(tensors: list[torch.Tensor], device: torch.device) -> list[i
     flags = torch.zeros(w, dtype=torch.float64, device=device)
     parts = [loc for loc, _ in map(_local, tensors) if loc.numel() > 0 and loc.is_floating_point()]
     if parts:  # a sum is non-finite iff an element is (float64 sums of finite float32/bf16 do not overflow)
-        flags[dist.get_rank()] = (~torch.isfinite(torch.stack([p.double().sum() for p in parts]))).any().double()
+        flags[dist.get_rank()] = (
+            (~torch.isfinite(torch.stack([p.double().sum() for p in parts]))).any().double()
+        )
     if w > 1:
         dist.all_reduce(flags)
     return [r for r, f in enumerate(flags.tolist()) if f]

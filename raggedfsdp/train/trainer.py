@@ -670,7 +670,9 @@ class Trainer:
                             f"--resume auto --out {cfg.job.out}"))  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
         if t.steps >= first:
-            check_params(t.steps, self.model, self._grad_probe, self.device)  # the last update; earlier: the guard
+            check_params(
+                t.steps, self.model, self._grad_probe, self.device
+            )  # the last update; earlier: the guard
         elapsed = time.perf_counter() - start
         self.watchdog.progress("done")
         summary = {

@@ -215,9 +215,15 @@ class Watchdog:
             adaptive = max(MIN_HANG_S, STEP_FACTOR * max(self._steps))
             if adaptive < t:
                 slow = max(self._steps)
-                t, why = adaptive, f"{STEP_FACTOR:g} x the slowest recent step {slow:.2f}s, at least {MIN_HANG_S:g}s"
+                t, why = (
+                    adaptive,
+                    f"{STEP_FACTOR:g} x the slowest recent step {slow:.2f}s, at least {MIN_HANG_S:g}s",
+                )
         if self.pg_timeout_s > 0 and PG_FRACTION * self.pg_timeout_s < t:
-            t, why = PG_FRACTION * self.pg_timeout_s, f"{PG_FRACTION:g} x job.pg_timeout_s={self.pg_timeout_s:g}"
+            t, why = (
+                PG_FRACTION * self.pg_timeout_s,
+                f"{PG_FRACTION:g} x job.pg_timeout_s={self.pg_timeout_s:g}",
+            )
         return t, why
 
     def arm(self) -> None:

@@ -275,7 +275,11 @@ def _nonfinite_cases(rank, world, tmp):
     #     reduce-scatter, which spreads it to every rank's shard; rank 1 names its FSDP units.
     tr = _trainer(_cfg(tmp / "nangrad"), "nangrad@step2:rank1")
     tr.train_step(1)
-    mine = r" \(its own gradients of FSDP unit\(s\) layers\.1, layers\.0, \w+, before the reduce-scatter\)" if rank == 1 else ""
+    mine = (
+        r" \(its own gradients of FSDP unit\(s\) layers\.1, layers\.0, \w+, before the reduce-scatter\)"
+        if rank == 1
+        else ""
+    )
     e = _raises(NonFiniteError, rf"non-finite gradients on rank 1 at step 2 \(batch step2:rows2-3 \(rank 1, "
                 rf"micro-step 0\)\){mine}; stopped", lambda: tr.train_step(2))  # fmt: skip
     assert e.culprits == (1,)
@@ -290,7 +294,6 @@ def _nonfinite_cases(rank, world, tmp):
                 rf"step or written since\){mine}", tr.train)  # fmt: skip
     assert e.culprits == (0,)
     tr.close()
-
 
     # 12. rank 1 reads another corpus (swapped after the pre-launch check): step 1 stops naming both
     #     ranks of the disagreeing pair, the batch and the files (issue 23 item 1).
@@ -450,7 +453,9 @@ def test_hang_is_blamed_on_the_hung_rank_with_a_short_pg_timeout(tmp_path):
     elapsed = time.time() - _fault_time(proc.stderr)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 12."), last
+    assert last.startswith(
+        "raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 12."
+    ), last
     assert "(hang timeout 12s: 0.6 x job.pg_timeout_s=20)" in last and "at step 8" in last, last
     assert elapsed < 45, f"{elapsed:.1f}s from the hang to the job's end"
 

@@ -8,7 +8,6 @@ same op runs."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 
