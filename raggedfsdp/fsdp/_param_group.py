@@ -249,6 +249,11 @@ class FSDPParamGroup:
         changed = False
         for fp in self.fsdp_params:
             rg = fp.sharded.requires_grad
+            if rg == fp.requires_grad and fp.unsharded.requires_grad != rg and self.is_unsharded:
+                # the unsharded param is the one registered on the module (a root kept unsharded after
+                # a forward): a change the user made on it wins, and the sharded param follows
+                rg = fp.unsharded.requires_grad
+                fp.sharded.requires_grad_(rg)
             if rg != fp.requires_grad or fp.unsharded.requires_grad != rg:
                 fp.unsharded.requires_grad_(rg)
                 fp.requires_grad = rg
@@ -488,6 +493,7 @@ class FSDPParamGroup:
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather and register the unsharded params on their modules. Local."""
         if self.param_state is ParamState.UNSHARDED:
+            self.refresh_requires_grad()  # kept unsharded since the last forward: honour changes since
             return
         if self.param_state is ParamState.SHARDED:
             self.unshard()
@@ -546,6 +552,7 @@ class FSDPParamGroup:
         if self.param_state is ParamState.UNSHARDING:
             self.wait_for_unshard()
         if self.param_state is ParamState.UNSHARDED:
+            self.refresh_requires_grad()  # a change made on the registered unsharded params carries over
             for fp in self.fsdp_params:
                 fp.set_on_owners(fp.sharded)
             self.param_state = ParamState.SHARDED

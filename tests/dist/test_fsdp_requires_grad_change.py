@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from _dist import run_distributed
 from torch import nn
@@ -147,23 +146,13 @@ def _cases(rank, ws):
                 ref_opt.zero_grad(set_to_none=True)
 
 
-_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="issue 25 item 2 still open: a root param frozen in the first forward and unfrozen later gets "
-    "no .grad (copying requires_grad in wait_for_unshard for a kept-unsharded root is not enough)",
-)
-
-
-@_OPEN
 def test_requires_grad_change_ws2():
     run_distributed(_cases, 2)
 
 
-@_OPEN
 def test_requires_grad_change_ws3():
     run_distributed(_cases, 3)
 
 
-@_OPEN
 def test_requires_grad_change_ws5():
     run_distributed(_cases, 5)
