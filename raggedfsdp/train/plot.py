@@ -60,6 +60,11 @@ def plot_metrics(
             )
     ax_loss.set(xlabel="step", ylabel="loss (nats/byte)", title="loss")
     ax_norm.set(xlabel="step", ylabel="grad norm (before clipping)", title="grad norm", yscale="log")
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # "3", "0.5": not matplotlib's log-axis "3x10^0"
+    ax_norm.yaxis.set_major_formatter(plain)
+    ax_norm.yaxis.set_minor_formatter(plain)
     for ax in (ax_loss, ax_norm):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

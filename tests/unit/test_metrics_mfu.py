@@ -84,7 +84,18 @@ def test_plot_accepts_run_folder(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "loss": 2.0, "grad_norm": 1.0}) + "\n"
     )
-    assert plot_metrics([tmp_path / "run"], tmp_path / "p.png").is_file()
+    import matplotlib.pyplot as plt
+
+    figs = []
+    close = plt.close
+    plt.close = lambda fig=None: (figs.append(fig), close(fig))
+    try:
+        assert plot_metrics([tmp_path / "run"], tmp_path / "p.png").is_file()
+    finally:
+        plt.close = close
+    ax_norm = figs[0].axes[1]  # the log-scale grad norm: plain tick labels (issue 24 rough edge 9)
+    for fmt in (ax_norm.yaxis.get_major_formatter(), ax_norm.yaxis.get_minor_formatter()):
+        assert [fmt(v, 0) for v in (3.0, 0.5, 10.0)] == ["3", "0.5", "10"]
     with pytest.raises(ValueError, match="without a metrics.jsonl"):
         plot_metrics([tmp_path], tmp_path / "q.png")
 
