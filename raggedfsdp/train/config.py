@@ -48,7 +48,7 @@ class JobConfig:
     seed: int = _f(0, "seed for the model init and the data order", flag="--seed")
     device: str = _f("auto", "auto | cpu | cuda (auto: cuda with nccl if available, else cpu with gloo)")
     pg_timeout_s: float = _f(
-        120.0, "process-group timeout in seconds (a stuck collective errors out after this)"
+        120.0, "process-group timeout in seconds: a stuck collective errors out after this long"
     )
     hang_timeout_s: float = _f(
         60.0,

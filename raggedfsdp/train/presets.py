@@ -34,7 +34,7 @@ PRESETS: dict[str, Preset] = {
         },
     ),
     "llama-tiny": Preset(
-        "the default: llama tiny (~0.9M params) on the stdlib sources, 600 steps, minutes on 2 CPU ranks",
+        "the default: llama tiny (~0.8M params) on the stdlib sources, 600 steps, minutes on 2 CPU ranks",
         {"model": {"name": "llama", "flavor": "tiny"}},
     ),
     "hybrid-tiny": Preset(
