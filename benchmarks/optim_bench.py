@@ -310,7 +310,9 @@ def main() -> None:
     import raggedfsdp  # noqa: F401
 
     shape = (ws,) if args.replicate == 1 else (args.replicate, ws // args.replicate)
-    mesh = init_device_mesh(args.device, shape)
+    mesh = init_device_mesh(
+        args.device, shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None
+    )
     out: list[str] = []
     for name in sections:
         SECTIONS[name](args, device, mesh, out)

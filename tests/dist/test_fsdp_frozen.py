@@ -51,13 +51,18 @@ def _check_layout(group, ws, rank):
     spans = [len(gl.segments(i)) for i in gl.members]
     assert max(spans) >= 2, "no trainable param split over ranks: the case is not covered"
     assert any(gl.contiguous_offset(i) is None for i in gl.members), "no non-contiguous grad segments"
-    assert any(gl.piece(i, r)[0] == gl.piece(i, r)[1] for i in gl.members for r in range(ws)), "no empty piece"
+    assert any(gl.piece(i, r)[0] == gl.piece(i, r)[1] for i in gl.members for r in range(ws)), (
+        "no empty piece"
+    )
     sg = group.bufs.sharded_grads
     assert sg is None or sg.data.numel() == gl.shard_size
     for fp in group.fsdp_params:  # every sharded .grad is its param's own local piece and placement
         g = fp.sharded.grad
         if g is not None:
-            assert g.placements == fp.sharded.placements and g._local_tensor.shape == fp.sharded._local_tensor.shape
+            assert (
+                g.placements == fp.sharded.placements
+                and g._local_tensor.shape == fp.sharded._local_tensor.shape
+            )
 
 
 def _frozen_cases(rank, ws, mesh_shape=None):
@@ -68,7 +73,8 @@ def _frozen_cases(rank, ws, mesh_shape=None):
     import raggedfsdp
 
     hsdp = mesh_shape is not None
-    mesh = init_device_mesh("cpu", mesh_shape or (ws,))
+    names = ("replicate", "shard") if mesh_shape is not None and len(mesh_shape) == 2 else None
+    mesh = init_device_mesh("cpu", mesh_shape or (ws,), mesh_dim_names=names)
     g = torch.Generator().manual_seed(5)
     data = [torch.randn(2 * ws, 24, generator=g) for _ in range(10)]
     per = 2
@@ -76,11 +82,27 @@ def _frozen_cases(rank, ws, mesh_shape=None):
     #  micro-batches, reduce_dtype)
     cases = [
         ("lora", 3, {}, True, 1, None),
-        ("change-between-steps", 6, {2: [(["base.bias"], True)], 3: [(["a.weight"], False)],
-                                     4: [(FROZEN + ("a.weight",), True)], 5: [(["base.weight"], False)]}, False, 1,
-         None),
-        ("accumulate, freeze / unfreeze mid-window", 3, {(0, 1): [(["base.bias"], True)], (1, 1): [(["a.weight"], False)],
-                                                         2: [(["a.weight"], True)]}, True, 2, torch.float64),
+        (
+            "change-between-steps",
+            6,
+            {
+                2: [(["base.bias"], True)],
+                3: [(["a.weight"], False)],
+                4: [(FROZEN + ("a.weight",), True)],
+                5: [(["base.weight"], False)],
+            },
+            False,
+            1,
+            None,
+        ),
+        (
+            "accumulate, freeze / unfreeze mid-window",
+            3,
+            {(0, 1): [(["base.bias"], True)], (1, 1): [(["a.weight"], False)], 2: [(["a.weight"], True)]},
+            True,
+            2,
+            torch.float64,
+        ),
     ]
     if hsdp:
         cases = cases[:1] + cases[2:]
@@ -116,7 +138,9 @@ def _frozen_cases(rank, ws, mesh_shape=None):
                 assert (p.grad is None) == (q.grad is None), f"{where}: grad presence differs"
                 if p.grad is not None:
                     got = p.grad.full_tensor()
-                    torch.testing.assert_close(got, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+                    torch.testing.assert_close(
+                        got, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+                    )
             if not set_to_none and step in (1, 4):
                 continue  # accumulate into the kept sharded grads across the next layout change
             opt.step()
@@ -125,7 +149,9 @@ def _frozen_cases(rank, ws, mesh_shape=None):
             ref_opt.zero_grad(set_to_none=set_to_none)
         got = full_params(model)
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, w=f"{name} {n}": f"{w}: {m}")
+            torch.testing.assert_close(
+                got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, w=f"{name} {n}": f"{w}: {m}"
+            )
 
 
 def test_frozen_params_parity_ws3():
