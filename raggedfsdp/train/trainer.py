@@ -219,7 +219,7 @@ class Trainer:
     def save(self, step: int, lr: float) -> Path:
         """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
         check_saveable(step, self.model, self.optimizer, self.device)
-        with self.watchdog.paused(f"saving step {step}"):
+        with self.watchdog.watching("save", f"saving step {step}"):  # a rank frozen in it is named
             return self._save(step, lr)
 
     def _save(self, step: int, lr: float) -> Path:
@@ -271,7 +271,7 @@ class Trainer:
         (``guard.StepGuard``) before the optimizer step; ``self.last_stats`` holds its result and
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
-        self.watchdog.progress(f"step {step} start", step)
+        self.watchdog.progress(f"step {step} start", step, phase="train")
         if self._grad_probe is not None:
             self._grad_probe.clear()
         if self.faults:
@@ -345,7 +345,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)
         for i in range(0, per_rank, b):  # same number of forwards on every rank (FSDP collectives)
-            self.watchdog.progress(f"evaluation batch {i // b}")
+            self.watchdog.progress(f"evaluation batch {i // b}", phase="eval")
             inputs, targets = windows(self.corpus.val, mine[i : i + b], t.seq_len)
             logits = self.model(inputs.to(self.device))  # (b, T, V)
             loss = F.cross_entropy(

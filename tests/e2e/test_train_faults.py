@@ -454,26 +454,29 @@ def test_hung_rank_is_named_well_before_the_pg_timeout(tmp_path):
     assert last.startswith("raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 3."), (
         last
     )
-    assert "at step 3" in last and "faults.py" in last and "not in a collective" in last, last
+    assert "at step 3, phase: train" in last and "faults.py" in last and "not in a collective" in last, last
     assert "[rank 1/2] main thread's Python stack:" in proc.stderr
     assert elapsed < 40, f"{elapsed:.1f}s from the hang to the job's end (process-group timeout: 120 s)"
 
 
-def test_hang_is_blamed_on_the_hung_rank_with_a_short_pg_timeout(tmp_path):
-    """Issue 23 item 2: the default hang timeout (60 s) is above --job.pg_timeout_s 20; the watchdog
-    caps itself below the process-group timeout (and adapts to the ~0.1 s steps), so the last line
-    names rank 1 (hung outside a collective at step 8), not rank 0's collective timeout, within 45 s."""
-    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "12", "--out", str(tmp_path / "o"),
-           "--debug.fail_rank", "1", "--debug.fail_step", "8", "--debug.fail_mode", "hang",
+def test_rank_frozen_inside_a_save_is_named_before_the_pg_timeout(tmp_path):
+    """Issue 23 item 2: rank 1 sleeps forever inside the checkpoint save of step 2, after writing its
+    shards (``--debug.fail_mode savehang``), while rank 0 waits in DCP's collective. Saves are watched
+    (they were not), with the longest limit below the process-group timeout (0.6 x 20 s), so the last
+    line names rank 1, its step and "phase: save", not rank 0's collective timeout, within 45 s."""
+    out = tmp_path / "o"
+    cmd = [*_cli(), "train", "--nproc", "2", *ARGS, "--steps", "4", "--checkpoint-interval", "2", "--out",
+           str(out), "--debug.fail_rank", "1", "--debug.fail_step", "2", "--debug.fail_mode", "savehang",
            "--job.pg_timeout_s", "20"]  # fmt: skip
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=150, env=_env())
     elapsed = time.time() - _fault_time(proc.stderr)
     assert proc.returncode == 1, proc.stderr
-    last = _last_line(proc.stderr, tmp_path / "o")
+    last = _last_line(proc.stderr, out)
     assert last.startswith(
         "raggedfsdp train: [rank 1/2] error: HangError: rank 1 made no progress for 12."
     ), last
-    assert "(hang timeout 12s: 0.6 x job.pg_timeout_s=20)" in last and "at step 8" in last, last
+    assert "(hang timeout 12s: in a save: 0.6 x job.pg_timeout_s=20) at step 2, phase: save" in last, last
+    assert "faults.py" in last and "in write_data, not in a collective" in last, last
     assert elapsed < 45, f"{elapsed:.1f}s from the hang to the job's end"
 
 
