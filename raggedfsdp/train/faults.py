@@ -23,8 +23,9 @@ Kinds (each fires once, at the start of step N unless noted):
 - ``oom``: ``torch.OutOfMemoryError`` inside step N's forward on this rank, as an allocator raises it.
 - ``nangrad``: this rank's gradients of step N become NaN (a hook on the logits' gradient; the loss
   stays finite), before the reduce-scatter spreads them to every rank;
-- ``swapdata@step0``: this rank trains on another corpus of the same size (its train tokens reversed,
-  after the pre-launch check): a rank reading other data;
+- ``swapdata``: this rank trains on another corpus of the same size (its train tokens reversed):
+  ``@step0`` after its load, before the start's corpus agreement (``train/data_identity.py``);
+  ``@stepN``, N > 0, from step N on (the step's batch checksums find it);
 - ``nanparam``: after step N's optimizer step, one element of this rank's first non-empty parameter
   shard becomes NaN (a poisoned shard: found by step N+1's guard, or after the last step).
 

@@ -43,6 +43,7 @@ from raggedfsdp.train.data import (
     load_corpus,
     windows,
 )
+from raggedfsdp.train.data_identity import check_same_corpus, fingerprint, reference_fingerprint
 from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
     StepGuard,
@@ -133,6 +134,8 @@ class Trainer:
         )
         if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
             self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
+        # every rank reads the corpus the pre-launch check saw (one all_gather; issue 23 item 1)
+        check_same_corpus(fingerprint(self.corpus), device, reference_fingerprint())
         self.sampler = BatchSampler(
             self.corpus.train,
             seq_len=t.seq_len,
@@ -276,6 +279,8 @@ class Trainer:
             self._grad_probe.clear()
         if self.faults:
             self.faults.inject_step(step, self.rank)
+            if self.faults.take("swapdata", step):  # other data from this step on (found by the step's check)
+                self.sampler.tokens = self.sampler.tokens.flip(0).contiguous()
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
