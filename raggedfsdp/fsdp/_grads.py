@@ -47,6 +47,16 @@ Note [frozen parameters]
     Each sharded ``.grad`` stays a view with its param's own RaggedShard spec. A change of the member
     set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
     left the set keeps its ``.grad`` as its own tensor).
+
+Note [sharded grad lifetime]
+    Once backward has set a unit's sharded ``.grad`` views (``attach_sharded``), the unit drops its own
+    reference to that ``(Sg,)`` storage (``UnitBuffers.hand_off_sharded_grads``): the ``.grad`` views
+    alone own it, as FSDP2's ``.grad`` tensors own theirs, so ``optimizer.zero_grad(set_to_none=True)``
+    frees it at once -- between steps and in eval a unit holds no gradient memory. The next reduce
+    allocates a fresh zeroed buffer; ``.grad`` views still held then (accumulation across backwards
+    without ``zero_grad``) are copied into it (``_adopt_foreign_grad``). Pinned (offload) buffers stay
+    with the unit. Until 2026-12 the storage was kept until the next grad-enabled forward: +1 fp32
+    shard per parameter of state (issue 21 item 5).
 """
 
 from __future__ import annotations
@@ -341,8 +351,14 @@ class UnitGrads:
             if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
                 fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
             fp.sharded.grad = fp.sharded_grad
-            for hook in (getattr(fp.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
-                hook(fp.sharded)
+        # Note [sharded grad lifetime]: the .grad views own the storage from here on
+        if self.group.bufs.hand_off_sharded_grads():
+            for fp in self.group.fsdp_params:
+                fp.sharded_grad = None
+        for fp, u in used:
+            if fp.sharded.grad is not None:
+                for hook in (getattr(fp.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+                    hook(fp.sharded)
 
     def reset(self) -> None:
         """reset_iter_state for this unit's gradients: drop unsharded grads, free their buffer, clear every

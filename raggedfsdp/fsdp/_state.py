@@ -190,7 +190,9 @@ class FSDPState:
             st.training_state = TrainingState.IDLE
             st._group_fwd_left = set()
             st._group_bwd_left, st._group_bwd_uncounted = 0, False
-            if st.group is not None:  # after optimizer.zero_grad(set_to_none=True), in any grad mode (eval too)
+            if (
+                st.group is not None
+            ):  # after optimizer.zero_grad(set_to_none=True), in any grad mode (eval too)
                 st.group.grads.release_unused_sharded()
 
     def _forward_prefetch(self) -> None:
