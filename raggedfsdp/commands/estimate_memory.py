@@ -65,7 +65,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N (default: 1)",
     )
-    p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
+    p.add_argument(
+        "--granularity",
+        default="element",
+        help="planner block for matrices (default element, as fully_shard's; row, rows:K, tile:RxC, ...)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (a list for several world sizes)"
     )

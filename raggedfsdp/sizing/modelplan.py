@@ -24,7 +24,7 @@ from typing import Any
 from raggedfsdp.sizing.archs import Unit
 from raggedfsdp.planner.layout import Layout
 from raggedfsdp.planner.planner import plan_layout, shard_size_lower_bound
-from raggedfsdp.planner.policy import BlockSpec, Policy, granularity_for, make_policy
+from raggedfsdp.planner.policy import DEFAULT_BLOCK, BlockSpec, Policy, granularity_for, make_policy
 
 
 def fsdp2_padding(shapes: Sequence[Sequence[int]], world_size: int) -> int:
@@ -208,9 +208,10 @@ class ModelPlan:
 
 
 def as_policy(policy: Policy | BlockSpec | str | None) -> Policy:
-    """A policy callable: ``None`` means ``"row"``; a block spec applies to every matrix (vectors: element)."""
+    """A policy callable: ``None`` means ``DEFAULT_BLOCK`` (element, fully_shard's default); a block spec
+    applies to every matrix (vectors: element)."""
     if policy is None or isinstance(policy, (str, BlockSpec)):
-        return make_policy(policy or "row")
+        return make_policy(policy or DEFAULT_BLOCK)
     return policy
 
 
@@ -230,7 +231,7 @@ def resolve_unit_blocks(
         r = cache.get(s)
         if r is None:
             got = pol(s)
-            blk = BlockSpec("row") if got is None else BlockSpec.parse(got)
+            blk = DEFAULT_BLOCK if got is None else BlockSpec.parse(got)
             try:
                 g, d = granularity_for(s, blk, name=name)
             except ValueError as exc:

@@ -25,7 +25,7 @@ from raggedfsdp.planner.policy import (
     [
         ((4096, 1024), "element", (1, (0, 1))),
         ((4096, 1024), "row", (1024, (0,))),
-        ((4096, 1024), None, (1024, (0,))),
+        ((4096, 1024), None, (1, (0, 1))),  # the default: element granularity (least padding)
         ((4096, 1024), "rows:32", (32 * 1024, (0,))),
         ((4096, 1000), "tile:32x32", (32 * 1000, (0,))),  # partial edge tiles stay on one rank
         ((4096, 1024), (128, 128), (128 * 1024, (0,))),
@@ -122,8 +122,13 @@ def test_plan_params_with_orig_param_policy(world_size):
                 assert lo % (32 * p.shape[1]) == 0 and (hi - lo) % (32 * p.shape[1]) == 0
 
 
-def test_policy_none_means_row_and_shape_inputs():
-    blocks = resolve_blocks([("a", (6, 5)), ("b", torch.empty(7))], lambda p: None)
+def test_policy_none_means_element_and_shape_inputs():
+    """``None`` (and no policy) is DEFAULT_BLOCK, element granularity; the explicit ``row`` stays rows."""
+    named = [("a", (6, 5)), ("b", torch.empty(7))]
+    for pol in (lambda p: None, None):
+        blocks = resolve_blocks(named, pol)
+        assert [(b.granularity, b.dims, b.block) for b in blocks] == [(1, (0, 1), "element"), (1, (0,), "element")]
+    blocks = resolve_blocks(named, lambda p: "row")
     assert [(b.granularity, b.dims, b.block) for b in blocks] == [(5, (0,), "row"), (1, (0,), "row")]
 
 
