@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             row = plan_json(model, m, "--granularity", "row")
             gap = 100 * (d["padding_ratio"] - d["fsdp2_padding_ratio"])
             ugap = max(
-                100 * (_ratio(u["padding"], u["numel"]) - _ratio(u["fsdp2_padding"], u["numel"])) for u in d["units"]
+                100 * (_ratio(u["padding"], u["numel"]) - _ratio(u["fsdp2_padding"], u["numel"]))
+                for u in d["units"]
                 if u["name"].startswith("layers.")
             )
             worst = max(worst, (max(gap, ugap), (model, m)))

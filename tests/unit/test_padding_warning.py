@@ -73,12 +73,15 @@ def test_padding_warning_once_and_fsdp2_reference():
     assert r["default"] == [], r["default"]
     assert set(r["default_granularities"]) == {1}, r["default_granularities"]
     pad, numel, align = r["default_padding"]
-    assert pad <= align * ws and pad / (numel + pad) <= r["torch_padding"] / (numel + r["torch_padding"]) + 1e-3
+    torch_ratio = r["torch_padding"] / (numel + r["torch_padding"])
+    assert pad <= align * ws and pad / (numel + pad) <= torch_ratio + 1e-3
     # Shard(0) (whole rows, what FSDP2 keeps) pads 11 % here: warned once for the three identical units
     assert r["row_granularities"] == [2560] * 3 + [4096, 2560, 2560, 9728] + [1] * 4, r["row_granularities"]
     assert len(r["row"]) == 1, r["row"]
     msg = r["row"][0]
-    assert "'down.weight' (2560, 9728) (9728 elements)" in msg and "leave shard_placement_fn unset" in msg, msg
+    assert "'down.weight' (2560, 9728) (9728 elements)" in msg and "leave shard_placement_fn unset" in msg, (
+        msg
+    )
     assert "(torch's fully_shard: 0.0%)" in msg, msg
     assert r["row_padding"][0] > 0.03 * numel, r["row_padding"]
     # our FSDP2 padding formula equals torch's actual sharding, and brute force on odd shapes

@@ -79,7 +79,8 @@ def test_json_output_revalidates(capsys, model, m, extra, rows):
     _revalidate(d, rows)
     assert d["padding_ratio"] >= d["bound_padding_ratio"] - 1e-12
     assert d["padding_ratio"] >= d["fsdp1_padding_ratio"] - 1e-12
-    if rows == 0:  # issue 22: the default pads within 0.1 percentage point of FSDP2 (at most align * m per unit)
+    # issue 22: the default pads within 0.1 percentage point of FSDP2 (at most align * m per unit)
+    if rows == 0:
         assert d["padding_ratio"] <= d["fsdp2_padding_ratio"] + 1e-3
         assert all(u["padding"] <= d["align"] * m for u in d["units"])
 

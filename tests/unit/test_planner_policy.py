@@ -127,7 +127,10 @@ def test_policy_none_means_element_and_shape_inputs():
     named = [("a", (6, 5)), ("b", torch.empty(7))]
     for pol in (lambda p: None, None):
         blocks = resolve_blocks(named, pol)
-        assert [(b.granularity, b.dims, b.block) for b in blocks] == [(1, (0, 1), "element"), (1, (0,), "element")]
+        assert [(b.granularity, b.dims, b.block) for b in blocks] == [
+            (1, (0, 1), "element"),
+            (1, (0,), "element"),
+        ]
     blocks = resolve_blocks(named, lambda p: "row")
     assert [(b.granularity, b.dims, b.block) for b in blocks] == [(5, (0,), "row"), (1, (0,), "row")]
 
@@ -183,7 +186,7 @@ def _blocks_allowed(shape, need):
         ([(6, 5), (7,), (4, 3)], [None, None, None], 4, 2),
         ([(6, 5), (7,), (4, 3)], [None, None, None], 5, 1),
         ([(2, 3, 4), (9,), (6, 2)], [None, None, None], 3, 2),
-        ([(6, 5), (3,), (4, 3)], ["tile:2x5", None, None], 3, 1),  # one tensor declares tiles (AdamW8bit-like)
+        ([(6, 5), (3,), (4, 3)], ["tile:2x5", None, None], 3, 1),  # one tensor declares tiles
         ([(6, 4), (4, 6), (5,)], ["tile:3x4", "tile:2x3", None], 4, 2),
     ],
 )
