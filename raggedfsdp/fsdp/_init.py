@@ -232,8 +232,8 @@ def _granularity_fn(shard_placement_fn):
     def fn(p: nn.Parameter, fqn: str = ""):
         r = shard_placement_fn(p) if shard_placement_fn is not None else None
         if isinstance(p, DTensor):  # TP/EP: blocks of the global shape, seen in the TP-local tensor
-            if isinstance(r, Shard) and r.dim == 0:
-                r = "row"
+            if isinstance(r, Shard) and r.dim == 0:  # FSDP2: Shard(0) of the TP-local tensor, one local row
+                return granularity_for(p._local_tensor.shape, "row", name=fqn)[0]
             if r is None or isinstance(r, (str, tuple, BlockSpec)):
                 return granularity_for_local(p.shape, p._local_tensor.shape, r, name=fqn)[0]
         if r is None:
