@@ -217,10 +217,9 @@ class FSDPParamGroup:
             f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its {self.layout.total_numel} "
             f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank boundary "
             f"may cut a block; its largest blocks: {blocks}. Only structure-aware optimizers need blocks "
-            "(AdamW8bit and Shampoo need their shard_placement_fn; raggedfsdp.optim.Muon, AdamW and SGD work on "
-            "any layout): for those leave shard_placement_fn unset (the default, element granularity, pads "
-            "least), give blocks only to the parameters that need them, or shard over fewer ranks (HSDP: a 2-D "
-            "mesh)",
+            "(AdamW8bit, Shampoo: their shard_placement_fn). For AdamW, SGD and raggedfsdp.optim.Muon leave "
+            "shard_placement_fn unset (the default, element granularity, pads least); otherwise give blocks only "
+            "to the parameters that need them, or shard over fewer ranks (HSDP: a 2-D mesh)",
             stacklevel=4,
         )
 
