@@ -220,6 +220,13 @@ class DebugConfig:
     fail_rank: int = _f(-1, "raise on this rank (testing failure handling)", hidden=True)
     fail_step: int = _f(-1, "... at this step", hidden=True)
     fail_mode: str = _f("raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever)", hidden=True)
+    slow_rank: int = _f(
+        -1, "make this rank a straggler: sleep debug.slow_s every step (tests the report)", hidden=True
+    )
+    slow_s: float = _f(0.2, "... seconds per step", hidden=True)
+    slow_unit: str = _f(
+        "", "... before this FSDP unit's forward (e.g. layers.1; empty: at the step's start)", hidden=True
+    )
 
 
 @dataclass(kw_only=True)
