@@ -219,7 +219,10 @@ class CheckpointConfig:
 class DebugConfig:
     fail_rank: int = _f(-1, "raise on this rank (testing failure handling)", hidden=True)
     fail_step: int = _f(-1, "... at this step", hidden=True)
-    fail_mode: str = _f("raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever)", hidden=True)
+    fail_mode: str = _f(
+        "raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever) | savehang (sleep forever inside "
+        "the checkpoint save of fail_step)", hidden=True,
+    )  # fmt: skip
     slow_rank: int = _f(
         -1, "make this rank a straggler: sleep debug.slow_s every step (tests the report)", hidden=True
     )
@@ -319,7 +322,7 @@ class TrainConfig:
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
-            "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
+            "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang", "savehang")),
             "training.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
         }
         from raggedfsdp.models.parallelize import parse_unit

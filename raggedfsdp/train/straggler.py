@@ -4,8 +4,9 @@ A collective hides a straggler: every rank waits in it for the slowest, so each 
 the same. What differs is how long each rank took to *reach* the collective. So every rank records,
 per step, the time from the step's start to the forward of each FSDP unit (a forward pre-hook that
 runs before the unit's own, i.e. before its all-gather is waited), as increments: the time since the
-previous unit was reached (or since the step began, for the first). Ranks leave each collective
-together, so the increment is that rank's own work (and delays) between two collectives.
+previous unit's all-gather was waited (a second pre-hook, after the unit's own), or since the step
+began for the first. Ranks leave each collective together, so the increment is that rank's own work
+(and delays) between two collectives, without the time it spent waiting for the others.
 
 The sums since the last log step travel in the log step's existing MAX all-reduce (the peak-memory
 one; each rank fills only its row of a ``(world, units)`` block, so MAX is a gather): no collective is
@@ -70,6 +71,7 @@ class StragglerProbe:
                 i = len(self.units)
                 self.units.append(name or "root")
                 self._hooks.append(m.register_forward_pre_hook(self._reached(i), prepend=True))
+                self._hooks.append(m.register_forward_pre_hook(self._left))  # after FSDP's (its wait)
         self.sums = [0.0] * len(self.units)
         self.steps = 0
         self._last: float | None = None  # None: not inside a step's forward/backward
@@ -85,6 +87,11 @@ class StragglerProbe:
             self._seen.add(i)
 
         return hook
+
+    def _left(self, _module, _args):
+        """After the unit's own pre-forward (its all-gather waited): what follows is this rank's work."""
+        if self._last is not None:
+            self._last = time.perf_counter()
 
     def start_step(self) -> None:
         self._last = time.perf_counter()
