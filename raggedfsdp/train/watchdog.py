@@ -254,12 +254,18 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001 (the watchdog must never kill a healthy job)
                 print(f"{self.tag} watchdog: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
+    def launcher_gone(self) -> bool:
+        """True once this process's parent (torchrun's agent, which hosts the job's store) has died."""
+        return os.getppid() != self.parent
+
     def _tick(self) -> None:
         now = time.monotonic()
         frame = self._main_frame()
         waiting = in_collective(frame)
-        if os.getppid() != self.parent and self.interrupts is not None and self.interrupts.signum == 0:
-            self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
+        if self.launcher_gone():
+            self.store = None  # its store died with it: no heartbeat (a store call prints a C++ stack)
+            if self.interrupts is not None and self.interrupts.signum == 0:
+                self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
         ints = self.interrupts
         idle = now - self._last
         pending = ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S
@@ -319,7 +325,7 @@ class Watchdog:
         return None
 
     def _fail(self, culprit: int, message: str, frame) -> None:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        from raggedfsdp.launch.failures import REPORTED_ENV, record_failure
 
         if frame is not None:
             stack = "".join(traceback.format_stack(frame)).rstrip("\n").splitlines()
@@ -328,9 +334,11 @@ class Watchdog:
                 file=sys.stderr,
             )
         err = HangError(message)
-        print(f"{self.tag} error: HangError: {message}", file=sys.stderr, flush=True)
+        if os.environ.get(REPORTED_ENV) != "1":  # else the launcher prints it, last
+            print(f"{self.tag} error: HangError: {message}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
         with contextlib.suppress(Exception):
-            get_error_handler().record_exception(err)
+            record_failure(err, (culprit,))
         os._exit(1)
 
 
