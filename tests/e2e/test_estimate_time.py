@@ -19,7 +19,8 @@ def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path, monkeypat
     train, the others idle at a barrier), so the fit and the check see the same machine state. The
     step is a rank's CPU seconds (the median over steps of the slowest rank): with 3-4 ranks on a
     2-core box the elapsed time is the scheduler's share (the model's ``step_s`` stretches the work by
-    ranks / cores there, ``work_s`` is the work). The fit is ``--calibrate``'s own (the CLI runs here on
+    ranks / cores there, ``work_s`` is the work), and other jobs on the machine stretch it further. The
+    fastest of the 6 steps is compared (see ``samples_from_rows``: other jobs only add to a step). The fit is ``--calibrate``'s own (the CLI runs here on
     the 1-2-rank rows, its measurement replaced by them), and its saved cluster is what predicts."""
     import raggedfsdp.bench.steptime as bench
     from raggedfsdp.cli import main
@@ -49,11 +50,12 @@ def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path, monkeypat
         meas = r["cpu_min_s"]
         out.append((r["model"], r["world_size"], meas, p.work_s, p.work_s / meas - 1, r["cpu_s"], p.step_s))
     with capsys.disabled():
-        for m, n, meas, pred, err in out:
+        for m, n, meas, pred, err, med, step in out:
             print(
-                f"\n{m} ws {n}: measured {meas * 1e3:.1f} ms CPU, predicted {pred * 1e3:.1f} ms ({err:+.1%})"
+                f"\n{m} ws {n}: measured {meas * 1e3:.1f} ms CPU (median {med * 1e3:.1f}), predicted "
+                f"{pred * 1e3:.1f} ms ({err:+.1%}; elapsed on {cluster['devices_per_node']} cores: {step * 1e3:.0f} ms)"
             )
-    assert all(abs(e) <= 0.25 for m, n, _, _, e in out if n >= 3), out
+    assert all(abs(row[4]) <= 0.25 for row in out if row[1] >= 3), out
 
 
 def _cluster(d: dict):
