@@ -29,7 +29,10 @@ schedule is torch FSDP2's, ``torch/distributed/fsdp/_fully_shard/_fsdp_param_gro
   device is faster than the host.
 * **A CPU host** (``Cluster.shared_host``, the ``cpu`` preset): the devices are the machine's cores,
   nothing overlaps (gloo and compute share the cores), ``work_s`` is a rank's CPU seconds per step and
-  ranks beyond the cores time-share them (elapsed ``step_s = work_s x ranks / cores``).
+  ranks beyond the cores time-share them (elapsed ``step_s = work_s x ranks / cores``). gloo's
+  collectives also copy their whole buffer once at memory speed (``_allgather_base`` gathers into a
+  temporary; our reduce-scatter is an in-place all-reduce and a slice copy): a cost that appears at 2
+  ranks and does not grow with the ring, unlike its ``(n - 1) / n`` part.
 * **Optimizer**: memory-bound AdamW (``OPT_BYTES_PER_ELEM`` bytes touched per shard element at HBM
   speed); Muon adds its Newton-Schulz FLOPs spread over all ranks.
 
@@ -292,6 +295,9 @@ def _costs(
             padded_tot += m * S
             ag += _coll(m * S * param_bytes, m, bw, lat)
             rs += _coll(m * S * reduce_bytes, m, bw, lat)
+            if c.shared_host and m > 1:  # gloo: each collective also copies its whole buffer once
+                ag += m * S * param_bytes / c.hbm_bw  # _allgather_base gathers into a temporary
+                rs += m * S * reduce_bytes / c.hbm_bw  # ours: in-place all-reduce, then the slice out
             ar += 2 * _coll(S * reduce_bytes, R, bw_rep, lat_rep)
             if layout == "fsdp2":
                 copy_in += 2 * S * param_bytes / c.hbm_bw

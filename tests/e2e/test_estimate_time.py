@@ -31,6 +31,7 @@ def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path, monkeypat
     from raggedfsdp.sizing.steptime import Parallel, estimate_time
 
     rows = measure_steps(list(CALIBRATION_MODELS), [1, 2, 3, 4], batch=2, seq=128)
+    (tmp_path / "rows.json").write_text(json.dumps(rows))  # the measurement, for a look afterwards
     small = [r for r in rows if r["world_size"] <= 2]
     monkeypatch.setattr(bench, "measure_steps", lambda models, sizes, **kw: small)
     fit = tmp_path / "cpu.json"
