@@ -11,7 +11,9 @@ Examples::
 
 No GPU needed: the shapes come from the model (a planner table, a built-in model such as
 llama:small, or a Hugging Face config.json), the constants from a cluster preset (h100, h200,
-b200, cpu; sources in raggedfsdp/sizing/steptime.py) or a JSON file written by ``--calibrate``.
+b200, cpu; sources in raggedfsdp/sizing/clusters.py) or a JSON file written by ``--calibrate``.
+On a CPU host (the cpu cluster) the devices are its cores: ranks beyond them time-share, so the
+report's step is the elapsed time on an idle machine (the work x ranks / cores).
 Ours (the planner's layout, copy-free collectives) is printed next to FSDP2's layout (dim-0
 padding, copy-in / copy-out) on the same model and dims. ``--rank N`` lists the N fastest
 configurations (unit, granularity, dp_replicate, tp, ep) for the world size.
@@ -65,7 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="time local gloo runs (built-in dense and MoE at 1 and 2 ranks) and fit the cluster",
+        help="time local gloo runs (built-in dense and MoE at 1 and 2 ranks, one launch; a rank's CPU "
+        "seconds) and fit the cpu cluster, this machine's cores as its devices",
     )
     p.add_argument("--save", default=None, metavar="FILE", help="with --calibrate: write the fitted cluster")
     p.add_argument("--json", action="store_true", help="print one JSON object")

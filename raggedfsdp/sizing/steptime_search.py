@@ -193,6 +193,11 @@ def format_time_report(ours: StepTime, fsdp2: StepTime, *, label: str = "") -> s
     out.append(f"{'':26s}{'ours':>12s}{'fsdp2':>12s}")
     for text, key in rows:
         out.append(f"{text:26s}{getattr(ours, key) * 1e3:10.2f}ms{getattr(fsdp2, key) * 1e3:10.2f}ms")
+    if ours.work_s != ours.step_s:  # a shared CPU host with more ranks than cores
+        out.append(
+            f"{'work per rank (CPU)':26s}{ours.work_s * 1e3:10.2f}ms{fsdp2.work_s * 1e3:10.2f}ms"
+            "  (ranks time-share the cores)"
+        )
     out.append(f"{'tokens/s':26s}{ours.tokens_per_s:12.4g}{fsdp2.tokens_per_s:12.4g}")
     out.append(f"{'MFU':26s}{ours.mfu:12.1%}{fsdp2.mfu:12.1%}")
     out.append(
