@@ -126,7 +126,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
-    cfg = None
+    cfg = prepared = None
     try:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -151,14 +151,19 @@ def run_train(args: argparse.Namespace) -> int:
         if reproduce:
             return _reproduce(cfg, reproduce, args.nproc)
         run_dir.hand_to_workers(cfg, prepared)  # the ranks neither re-lock OUT nor re-hash --resume
+        from raggedfsdp.train.data_identity import REFERENCE_ENV, write_reference
+
+        node_tag = "" if node.nnodes == 1 else f".node{node.node_rank}"
+        # the corpus the ranks must read (each compares its own with it at the start)
+        write_reference(cfg, Path(cfg.job.out) / f"data_fingerprint{node_tag}.json")
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(prepared)
     except OSError as e:  # --out not writable (permission, read-only or full disk): before any launch
         what = f"cannot use --out {cfg.job.out}" if cfg is not None else "cannot read the configuration"
         print(f"raggedfsdp train: error: {what}: {e.strerror or e}: {str(e.filename)!r} (choose a path this "
               "user can write)", file=sys.stderr)  # fmt: skip
-        return 2
+        return _refused(prepared)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the local ranks
         from raggedfsdp.launch.env import available_cpus
 
@@ -191,7 +196,6 @@ def run_train(args: argparse.Namespace) -> int:
     # One last line per failed job: the ranks print no one-line error of their own (the root cause's
     # is printed here, last), torchrun's log lines go to OUT/launcher.log, its failure table and every
     # rank's traceback to OUT/failure.log (launch/failures.py).
-    node_tag = "" if node.nnodes == 1 else f".node{node.node_rank}"
     out_dir = Path(cfg.job.out)
     os.environ[REPORTED_ENV] = "1"
     restore_logs = capture_torchrun_logs(out_dir / f"launcher{node_tag}.log")
@@ -220,10 +224,18 @@ def run_train(args: argparse.Namespace) -> int:
         return 2 if "CheckpointError: cannot load" in last_line else 1
     finally:
         restore_logs()
-        os.environ.pop(REPORTED_ENV, None)
+        for key in (REPORTED_ENV, REFERENCE_ENV):  # a launcher called in-process leaves nothing behind
+            os.environ.pop(key, None)
         if prepared.lock is not None:
             prepared.lock.release()
     return 0
+
+
+def _refused(prepared) -> int:
+    """Exit code 2 before the launch, releasing ``OUT/.lock`` if this process took it."""
+    if prepared is not None and prepared.lock is not None:
+        prepared.lock.release()
+    return 2
 
 
 def _reproduce(cfg, text: str, nproc: int) -> int:

@@ -62,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides_from_args(args), validate=False)
         run = run_dir.prepare(cfg, world_size, rank=rank)  # the config validated once per process
     except (ValueError, OSError) as e:  # a config error (or an unwritable --out): one line, no usage text
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        # Under `raggedfsdp train` the launcher checked all this before the launch, so it changed since
+        # (e.g. a data file truncated): recorded, for the launcher's last line (issue 23 item 5).
+        reported = os.environ.get(REPORTED_ENV) == "1"
+        if reported and type(e).__name__ == "DataError":
+            e = type(e)(f"{e} (found by rank {rank} after the launch: changed after the pre-launch check?)")
+        record_failure(e, (rank,))  # no-op without torchrun
+        if not reported:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -219,7 +219,10 @@ class CheckpointConfig:
 class DebugConfig:
     fail_rank: int = _f(-1, "raise on this rank (testing failure handling)", hidden=True)
     fail_step: int = _f(-1, "... at this step", hidden=True)
-    fail_mode: str = _f("raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever)", hidden=True)
+    fail_mode: str = _f(
+        "raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever) | savehang (sleep forever inside "
+        "the checkpoint save of fail_step)", hidden=True,
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -312,7 +315,7 @@ class TrainConfig:
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
-            "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang")),
+            "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang", "savehang")),
             "training.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
         }
         from raggedfsdp.models.parallelize import parse_unit
@@ -409,10 +412,16 @@ class TrainConfig:
             raise ValueError(
                 f"parallel.tp={par.tp} and parallel.dp_replicate={par.dp_replicate} must be >= 1"
             )
-        if par.ep > 1 and (par.tp > 1 or par.dp_replicate > 1):
+        if par.ep > 1 and par.tp > 1:
             raise ValueError(
-                f"parallel.ep={par.ep} with parallel.tp={par.tp} / parallel.dp_replicate={par.dp_replicate}: "
-                "combining expert parallel with TP or HSDP in the job is not supported yet; use one of them"
+                f"parallel.ep={par.ep} with parallel.tp={par.tp}: EP x TP is not supported (apply_tp is the dense "
+                "Llama's plan, with no tensor-parallel split of experts or router); train the MoE with "
+                "--parallel.ep and --parallel.tp 1, or a dense model with --parallel.tp"
+            )
+        if par.ep > 1 and par.dp_replicate > 1:
+            raise ValueError(
+                f"parallel.ep={par.ep} with parallel.dp_replicate={par.dp_replicate}: EP x HSDP is not supported "
+                "in the job yet; use --parallel.dp_replicate 1 (FSDP over dp x ep)"
             )
         if world_size is not None and world_size % (par.tp * par.dp_replicate):
             raise ValueError(

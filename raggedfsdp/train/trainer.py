@@ -43,6 +43,7 @@ from raggedfsdp.train.data import (
     load_corpus,
     windows,
 )
+from raggedfsdp.train.data_identity import check_same_corpus, fingerprint, reference_fingerprint
 from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
     StepGuard,
@@ -133,6 +134,8 @@ class Trainer:
         )
         if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
             self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
+        # every rank reads the corpus the pre-launch check saw (one all_gather; issue 23 item 1)
+        check_same_corpus(fingerprint(self.corpus), device, reference_fingerprint())
         self.sampler = BatchSampler(
             self.corpus.train,
             seq_len=t.seq_len,
@@ -219,7 +222,7 @@ class Trainer:
     def save(self, step: int, lr: float) -> Path:
         """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
         check_saveable(step, self.model, self.optimizer, self.device)
-        with self.watchdog.paused(f"saving step {step}"):
+        with self.watchdog.watching("save", f"saving step {step}"):  # a rank frozen in it is named
             return self._save(step, lr)
 
     def _save(self, step: int, lr: float) -> Path:
@@ -271,11 +274,13 @@ class Trainer:
         (``guard.StepGuard``) before the optimizer step; ``self.last_stats`` holds its result and
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
-        self.watchdog.progress(f"step {step} start", step)
+        self.watchdog.progress(f"step {step} start", step, phase="train")
         if self._grad_probe is not None:
             self._grad_probe.clear()
         if self.faults:
             self.faults.inject_step(step, self.rank)
+            if self.faults.take("swapdata", step):  # other data from this step on (found by the step's check)
+                self.sampler.tokens = self.sampler.tokens.flip(0).contiguous()
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
@@ -345,7 +350,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)
         for i in range(0, per_rank, b):  # same number of forwards on every rank (FSDP collectives)
-            self.watchdog.progress(f"evaluation batch {i // b}")
+            self.watchdog.progress(f"evaluation batch {i // b}", phase="eval")
             inputs, targets = windows(self.corpus.val, mine[i : i + b], t.seq_len)
             logits = self.model(inputs.to(self.device))  # (b, T, V)
             loss = F.cross_entropy(

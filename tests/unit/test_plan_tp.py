@@ -51,6 +51,10 @@ def test_tp_plan_matches_apply_tp_and_fully_shard(fake_world16):
 
     names = ("dp_replicate", "dp_shard", "tp")
     mesh = init_device_mesh("cpu", (2, 4, 2), mesh_dim_names=names)
+    from raggedfsdp.models import build_model
+
+    with pytest.raises(ValueError, match=r"apply_tp: layers \[0, 1\] of MoE are mixture-of-experts.*EP x TP"):
+        apply_tp(build_model("moe", "debug"), mesh["tp"])
     model = apply_tp(Llama(LlamaConfig.flavor("debug")), mesh["tp"])
     local = {
         n: tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
