@@ -51,7 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--unit", default="layer", help="FSDP unit: layer | superblock | layers:K (default: layer)"
     )
-    p.add_argument("--granularity", default="row", help="planner block for matrices: row | element | ... ")
+    p.add_argument(
+        "--granularity",
+        default="element",
+        help="planner block for matrices (default element, as fully_shard's): element | row | rows:K | ...",
+    )
     p.add_argument(
         "--param-dtype", default="bf16", choices=["bf16", "fp32"], help="all-gathered dtype (default: bf16)"
     )

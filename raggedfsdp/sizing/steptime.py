@@ -413,7 +413,7 @@ def estimate_time(
     layout: str = "ours",
     param_bytes: int = 2,
     reduce_bytes: int = 4,
-    policy: str = "row",
+    policy: str = "element",
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
 ) -> StepTime:
