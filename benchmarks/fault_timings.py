@@ -7,7 +7,10 @@ Each case is one real 2-rank launch of the debug model (``RAGGEDFSDP_FAULT``, se
 ``raggedfsdp/train/faults.py``). The fault's wall time comes from the rank's own log line
 (``debug: injecting fault KIND@stepN (t=...)``); SIGINT and kill -9 are sent to the launcher by this
 script (``ctrl-c-*``: to the job's whole process group, as a terminal does, while every rank sleeps
-inside the save of step 4: ``slowsave``). Prints one row per case.
+inside the save of step 4: ``slowsave``; ``truncdata*``: the ``--data`` file is truncated the moment
+the launcher prints its ``launching`` line, i.e. after its pre-launch check, before the ranks load).
+Prints one row per case: the time, the exit code, how many ``error:`` lines the user saw (1: one clear
+last line), whether torchrun's failure table or a C++ stack was printed (``noise``), and the last line.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ CASES = {
     "nangrad": ("nangrad@step3:rank1", []),
     "nanparam-ckpt-off": ("nanparam@step2:rank0", ["--checkpoint-interval", "0"]),
     "swapdata": ("swapdata@step0:rank1", []),
+    "swapdata-step3": ("swapdata@step3:rank1", []),
     "hang-pg20": ("hang@step8:rank1", ["--steps", "12", "--job.pg_timeout_s", "20"]),
+    "savehang-pg20": ("savehang@step2:rank1", ["--job.pg_timeout_s", "20"]),
+    "truncdata-empty": ("", []),
+    "truncdata-half": ("", []),
     "sigint-launcher": ("", []),
     "kill9-launcher": ("", []),
     "ctrl-c-mid-save": ("slowsave@step4", []),
@@ -79,7 +86,18 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
+NOISE = ("FAILED", "Root Cause", "closing signal", "frame #", "Traceback")  # torchrun's table, C++ stacks
+
+
+def _shape(text: str) -> str:
+    """``E errors[, noise]``: the ``error:`` lines the user saw and whether any noise was printed."""
+    errors = sum(" error: " in ln for ln in text.splitlines())
+    return f"{errors} error{'s' if errors != 1 else ''}" + (
+        ", noise" if any(n in text for n in NOISE) else ""
+    )
+
+
+def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str, str]:
     fault, extra = CASES[name]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "RAGGEDFSDP_OUT_LOCK_HELD")}
     env["RAGGEDFSDP_FAULT"] = fault
@@ -87,43 +105,59 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str]:
     cmd = [*_cli(), "train", "--nproc", str(nproc), *ARGS, "--steps", steps, "--out", str(tmp / name), *extra]
     if name.startswith("ctrl-c"):
         return _ctrl_c_mid_save(name, cmd, env)
+    data = None
+    if name.startswith("truncdata"):  # a 200 kB text file, truncated after the pre-launch check
+        data = tmp / f"{name}.txt"
+        data.write_text(
+            "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(4000))
+        )
+        cmd += ["--data", str(data)]
     if not name.endswith("launcher"):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        lines, t_last = [], time.time()
+        lines, t_last, t0 = [], time.time(), None
         for line in proc.stderr:  # the time of the last line the user sees (all ranks have exited)
             lines.append(line)
             t_last = time.time()
+            if data is not None and t0 is None and "launching" in line:
+                whole = data.read_bytes()
+                data.write_bytes(b"" if name.endswith("empty") else whole[: len(whole) // 2])
+                t0 = time.time()
         out = proc.stdout.read()
         proc.wait()
-        t0 = _fault_t("".join(lines))
+        t0 = t0 or _fault_t("".join(lines))
         last = (lines[-1] if lines else "").strip()
         if proc.returncode == 0:
             last = (out.strip().splitlines() or [""])[-1]
             t_last = time.time()
-        return name, (t_last - t0) if t0 else float("nan"), proc.returncode, last
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return name, (t_last - t0) if t0 else float("nan"), proc.returncode, _shape("".join(lines)), last
+    err_path = tmp / f"{name}.err"
+    err_fh = open(err_path, "w")  # noqa: SIM115 (the ranks inherit it)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_fh, text=True, env=env)
     while "step   3/400" not in (proc.stdout.readline() or "step   3/400"):
         pass
     ranks = _children(proc.pid)
     t0 = time.time()
     if name == "sigint-launcher":
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-        return name, time.time() - t0, proc.returncode, err.strip().splitlines()[-1]
+        proc.communicate(timeout=120)
+        err_fh.close()
+        err = err_path.read_text()
+        return name, time.time() - t0, proc.returncode, _shape(err), err.strip().splitlines()[-1]
     proc.kill()
     proc.wait()
     while any(map(_alive, ranks)) and time.time() - t0 < 60:
         time.sleep(0.05)
+    dt = time.time() - t0
     left = [r for r in ranks if _alive(r)]
-    return (
-        name,
-        time.time() - t0,
-        -9,
-        f"ranks {ranks} {'still alive: ' + str(left) if left else 'all exited'}",
-    )
+    time.sleep(1.0)
+    err_fh.close()
+    err = err_path.read_text()
+    stacks = err.count("frame #0:")
+    what = f"ranks {ranks} {'still alive: ' + str(left) if left else 'all exited'}; {stacks} C++ stack(s)"
+    return name, dt, -9, _shape(err), what
 
 
-def _ctrl_c_mid_save(name: str, cmd: list[str], env: dict[str, str]) -> tuple[str, float, int, str]:
+def _ctrl_c_mid_save(name: str, cmd: list[str], env: dict[str, str]) -> tuple[str, float, int, str, str]:
     """SIGINT (once, or twice 2.5 s apart) to the job's process group during the save of step 4."""
     import threading
 
@@ -142,7 +176,13 @@ def _ctrl_c_mid_save(name: str, cmd: list[str], env: dict[str, str]) -> tuple[st
         os.killpg(proc.pid, signal.SIGINT)
     proc.wait()
     reader.join(timeout=10)
-    return name, time.time() - t0, proc.returncode, (lines[-1] if lines else "").strip()
+    return (
+        name,
+        time.time() - t0,
+        proc.returncode,
+        _shape("".join(lines)),
+        (lines[-1] if lines else "").strip(),
+    )
 
 
 def main() -> None:
@@ -153,8 +193,8 @@ def main() -> None:
     names = [n for n in CASES if not args.only or n in args.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            n, dt, rc, last = run_case(name, args.nproc, Path(tmp))
-            print(f"{n:16s} fault->end {dt:6.2f}s  rc {rc:4d}  last: {last}", flush=True)
+            n, dt, rc, shape, last = run_case(name, args.nproc, Path(tmp))
+            print(f"{n:22s} fault->end {dt:6.2f}s  rc {rc:4d}  {shape:16s} last: {last}", flush=True)
 
 
 if __name__ == "__main__":

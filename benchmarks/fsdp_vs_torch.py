@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.fsdp.copy_accounting import CopyCounter
+from raggedfsdp.bench.copy_accounting import CopyCounter
 
 
 def _build(args, backend, mesh, device):
@@ -54,12 +54,9 @@ def _step(model, opt, tok):
 
 def _padding(model, backend, ws):
     if backend == "ragged":
-        pad = 0
-        for m in model.modules():
-            st = getattr(m, "_raggedfsdp_state", None)
-            if st is not None and st.group is not None and m is st.modules[0]:
-                pad += st.group.layout.padding
-        return pad
+        from raggedfsdp.fsdp import fsdp_units
+
+        return sum(int(u.layout.padding) for u in fsdp_units(model))
     pad = 0
     for p in model.parameters():  # FSDP2: each param padded on dim 0 to ceil(d0/ws)*ws rows
         d0 = p.shape[0]

@@ -65,7 +65,7 @@ ENV_CODE = (
     "    import importlib.util\n"
     "    info[f'has_{mod}'] = importlib.util.find_spec(mod) is not None\n"
     "try:\n"
-    "    import raggedfsdp, raggedfsdp.fsdp.memory, raggedfsdp.models.llama, raggedfsdp.models.moe\n"
+    "    import raggedfsdp, raggedfsdp.bench.memory, raggedfsdp.models.llama, raggedfsdp.models.moe\n"
     "    info['raggedfsdp_import'] = 'ok'\n"
     "except Exception as e:\n"
     "    info['raggedfsdp_import'] = f'{type(e).__name__}: {e}'\n"

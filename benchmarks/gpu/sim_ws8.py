@@ -10,7 +10,7 @@ torch's ``fully_shard``:
   system alone); raggedfsdp twice, with collectives reporting "never done" before their wait
   (a network slower than the backward: the worst case) and "done at once" (early free fires);
 * ``speed``: step time without communication (interleaved, synchronized), host time to enqueue;
-* ``copy_bytes``: bytes written by copy kernels in one step (``raggedfsdp.fsdp.copy_accounting.CopyCounter``);
+* ``copy_bytes``: bytes written by copy kernels in one step (``raggedfsdp.bench.copy_accounting.CopyCounter``);
 * ``overlap``: from a ``torch.profiler`` trace of one step, the fraction of side-stream GPU time
   (raggedfsdp's all-gather-stream casts and reduce-scatter-stream copies; FSDP2's copy-in / copy-out)
   that overlaps compute-stream kernels (``_common.stream_overlap``).
@@ -57,7 +57,7 @@ def comm_completion(done: bool):
 
 
 def memory(bench: Bench, res: Result) -> None:
-    from raggedfsdp.fsdp.memory import measure_train_step
+    from raggedfsdp.bench.memory import measure_train_step
 
     out = {}
     for name, system, done in (
@@ -89,7 +89,7 @@ def memory(bench: Bench, res: Result) -> None:
 
 
 def speed_copies_overlap(bench: Bench, res: Result, warmup: int, steps: int) -> None:
-    from raggedfsdp.fsdp.copy_accounting import CopyCounter
+    from raggedfsdp.bench.copy_accounting import CopyCounter
 
     if bench.dev.type == "cuda":
         torch.cuda.empty_cache()

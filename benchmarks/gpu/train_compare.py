@@ -3,7 +3,7 @@
 One GPU, NCCL world size 1, bf16 params / fp32 reduce (the no-FSDP floor: fp32 params under
 ``torch.autocast(bf16)``), AdamW, same init (one state dict loaded into every model) and same data.
 
-* ``memory``: each system measured on its own with ``raggedfsdp.fsdp.memory.measure_train_step``
+* ``memory``: each system measured on its own with ``raggedfsdp.bench.memory.measure_train_step``
   (build inside the measured region, one warm-up step, then one step; the other systems do not
   exist at that time, and ``torch.cuda.empty_cache()`` runs between them): ``state_bytes`` (params,
   grads kept between steps, optimizer state), ``fwd_bwd_peak_bytes`` and ``optim_peak_bytes``, all
@@ -177,7 +177,7 @@ class _null:
 
 
 def memory(bench: Bench, res: Result) -> None:
-    from raggedfsdp.fsdp.memory import measure_train_step
+    from raggedfsdp.bench.memory import measure_train_step
 
     out = {}
     for s in SYSTEMS:

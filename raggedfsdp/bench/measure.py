@@ -10,7 +10,7 @@ All of it is local to the calling rank (no collective); the bench gathers the pe
   On CUDA the bench also counts the syncs ``torch.cuda.set_sync_debug_mode`` reports.
 - ``padding_bytes``: bytes of padding in the collective buffers of each system's layout.
 - ``state_bytes``: persistent bytes of this rank's sharded params and optimizer state.
-- ``peak_memory``: ``raggedfsdp.fsdp.memory.PeakMemory`` (the project's shared method: CUDA allocator
+- ``peak_memory``: ``raggedfsdp.bench.memory.PeakMemory`` (the project's shared method: CUDA allocator
   peak on GPU; CPU allocator events from ``torch.profiler`` on CPU).
 """
 
@@ -22,11 +22,11 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Imported first thing (the bench imports this module before it builds any model): it switches on
-# c10's process-wide CPU allocator accounting, and a block allocated before that is unknown to c10, so
-# its free is never reported (docs/memory.md). Imported lazily, after the models were built, a
-# buffer freed and re-grown every step (raggedfsdp's sharded grads) counted as if never freed.
-from raggedfsdp.fsdp.memory import PeakMemory, storage_bytes
+# The bench worker switches c10's process-wide CPU accounting on before it builds any model
+# (``bench.memory.enable_cpu_allocator_accounting``; importing changes nothing): a block allocated
+# before that is unknown to c10, so a buffer freed and re-grown every step would count as never freed.
+from raggedfsdp.bench.memory import PeakMemory, storage_bytes
+from raggedfsdp.fsdp import fsdp_units
 
 aten = torch.ops.aten
 _SYNC_OPS = {
@@ -118,16 +118,7 @@ def padding_bytes(model: torch.nn.Module, backend: str, world_size: int) -> int:
     FSDP2 pads every parameter on dim 0 to a multiple of the world size (``ceil(d0/ws)*ws`` rows).
     """
     if backend == "ragged":
-        total, seen = 0, set()
-        for m in model.modules():
-            st = getattr(m, "_raggedfsdp_state", None)
-            g = getattr(st, "group", None)
-            if g is None or id(g) in seen:
-                continue
-            seen.add(id(g))
-            elem = torch.empty((), dtype=getattr(g, "orig_dtype", torch.float32)).element_size()
-            total += int(g.layout.padding) * elem
-        return total
+        return sum(u.padding_bytes for u in fsdp_units(model))
     from torch.distributed.tensor import DTensor, Shard
 
     total = 0
@@ -154,20 +145,13 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
     for st in optimizer.state.values():
         tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    seen = set()
-    for m in model.modules():
-        g = getattr(getattr(m, "_raggedfsdp_state", None), "group", None)
-        if g is None or id(g) in seen:
-            continue
-        seen.add(id(g))
-        b = g.bufs
-        tensors += [x.data for x in (b.sharded_grads, b.params, b.grads, b.acc) if x is not None]
-        tensors.append(g.post_forward_buf)
+    for unit in fsdp_units(model):  # the runtime's own buffers, as it reports them
+        tensors += unit.storages
     return storage_bytes(tensors)
 
 
 def peak_memory(device: torch.device):
-    """``raggedfsdp.fsdp.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
+    """``raggedfsdp.bench.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
     return PeakMemory(device)
 
 

@@ -20,7 +20,7 @@ Phases (collective: every rank runs every phase):
    collectives are also replayed alone (``comm_only_seconds``, the same sizes, blocking, no compute),
    so ``non_comm_overhead_seconds`` = step - floor - comm is what hooks, copies, gradient traffic and
    exposed waits cost;
-3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.fsdp.copy_accounting``),
+3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.bench.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
    its persistent state (sharded params + optimizer state) plus the step's peak above its start;
@@ -107,8 +107,13 @@ def run(args: argparse.Namespace) -> dict | None:
         replay_collectives,
         state_bytes,
     )
+    from raggedfsdp.bench.copy_accounting import CopyCounter
+    from raggedfsdp.bench.memory import enable_cpu_allocator_accounting
     from raggedfsdp.bench.registry import get_bench_model
-    from raggedfsdp.fsdp.copy_accounting import CopyCounter
+
+    # c10's process-wide CPU accounting, before any model is built: a block allocated earlier is
+    # unknown to c10, so its free would never be reported (docs/memory.md)
+    enable_cpu_allocator_accounting()
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     device = _device(args)

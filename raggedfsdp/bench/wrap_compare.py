@@ -12,7 +12,7 @@ Method (collective: every rank runs :func:`compare_wraps`, rank 0 gets the resul
 2. ``warmup`` untimed steps of each, then ``steps`` timed repetitions whose internal order
    alternates (so slow drift of a shared machine cancels); a barrier and a device sync around
    each step; a step's time is that of the slowest rank; the median is reported;
-3. one step of each under the project's peak-memory method (``raggedfsdp.fsdp.memory.PeakMemory``:
+3. one step of each under the project's peak-memory method (``raggedfsdp.bench.memory.PeakMemory``:
    the CUDA allocator's peak on GPU, CPU allocator events on CPU): a rank's peak is its persistent
    state (distinct storages of its sharded params, grads and optimizer state) plus the step's peak
    above it; the maximum over ranks is reported;
@@ -61,8 +61,8 @@ def _step(model, opt, tok) -> torch.Tensor:
 
 
 def _peak_memory(device: torch.device):
-    """``raggedfsdp.fsdp.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
-    from raggedfsdp.fsdp.memory import PeakMemory
+    """``raggedfsdp.bench.memory.PeakMemory(device)``: the shared peak-memory method (docs/memory.md)."""
+    from raggedfsdp.bench.memory import PeakMemory
 
     return PeakMemory(device)
 
@@ -87,15 +87,12 @@ def fsdp_padding_bytes(model, world_size: int) -> tuple[int, int]:
     """``(padding bytes, number of FSDP units)`` of a sharded model: the planned layouts' padding for
     ``raggedfsdp.fully_shard``; for torch's ``fully_shard`` its ``Shard(0)`` padding (dim 0 rounded up
     to a multiple of the world size, per parameter)."""
-    total, seen = 0, set()
-    for m in model.modules():
-        g = getattr(getattr(m, "_raggedfsdp_state", None), "group", None)
-        if g is None or id(g) in seen:
-            continue
-        seen.add(id(g))
-        total += int(g.layout.padding) * torch.empty((), dtype=g.orig_dtype).element_size()
-    if seen:
-        return total, len(seen)
+    from raggedfsdp.fsdp import fsdp_units
+
+    units = fsdp_units(model)
+    if units:
+        return sum(u.padding_bytes for u in units), len(units)
+    total = 0
     groups = set()
     for m in model.modules():
         get = getattr(m, "_get_fsdp_state", None)

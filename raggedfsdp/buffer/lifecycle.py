@@ -314,6 +314,20 @@ class UnitBuffers:
     def has_grads(self) -> bool:
         return self.grads.is_allocated or (self.acc is not None and self.acc.is_allocated)
 
+    def storages(self) -> list[torch.Tensor]:
+        """The flat storages this unit holds, as 1-D tensors (each role's ``DBuffer.data``): the sharded
+        params ``(S,)``, the unsharded params and grads ``(m*S,)`` (the parameter-layout grad buffer and,
+        when gradients are compacted, the compacted one), the no-sync accumulator and the sharded grads
+        ``(S,)`` -- those that exist. A freed buffer (``resize_(0)``) is listed with 0 bytes of storage.
+        Local, no collective; what a measurer counts as the runtime's own memory (``bench/measure.py``)."""
+        bufs = (self.sharded, self.params, self.param_layout_grads, self.grads, self.acc, self.sharded_grads)
+        out, seen = [], set()
+        for b in bufs:
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b.data)
+        return out
+
     def free_grads(self) -> None:
         self.grads.free()
         if self.acc is not None:

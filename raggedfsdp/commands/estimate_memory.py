@@ -8,6 +8,7 @@ Examples::
     raggedfsdp estimate-memory --model path/to/config.json --world-size 32
     raggedfsdp estimate-memory --model hybrid:tiny --unit superblock --world-size 3 --recipe fp32
     raggedfsdp estimate-memory --model gpt-oss-120b --world-size 256 --ep 8
+    raggedfsdp estimate-memory --model llama3-70b --world-size 1024 --tp 8 --replicate 2
 
 No GPU, no process group, nothing allocated (built-in models are built on the meta device). With
 ``--model`` the shapes are known and sharded state is the planner's real per-rank shard (padding
@@ -65,6 +66,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N (default: 1)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size with --model (dense models): matrices split over N ranks, the TP-local "
+        "shapes sharded over world/(replicate x N) (default: 1)",
+    )
     p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (a list for several world sizes)"
@@ -120,10 +128,17 @@ def run(args: argparse.Namespace) -> int:
                     replicate=args.replicate,
                     policy=args.granularity if units is not None else None,
                     ep=args.ep,
+                    tp=args.tp,
                 )
             )
     except ValueError as exc:
         msg = str(exc)
+        from raggedfsdp.sizing.modelplan import BlockError
+
+        if isinstance(exc, BlockError):
+            return _error(f"--granularity {args.granularity}: {msg}")
+        if args.tp != 1 and not msg.startswith("--"):
+            return _error(f"--tp {args.tp}: {msg.removeprefix('estimate_memory: ')}")
         return _error(
             f"--ep {args.ep}: {msg}" if args.ep != 1 and "ep" in msg and not msg.startswith("--ep") else msg
         )

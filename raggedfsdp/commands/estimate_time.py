@@ -108,7 +108,8 @@ def _load_cluster(text: str):
 def calibrate_here(out=sys.stderr):
     """Measure built-in dense and MoE steps at 1 and 2 gloo ranks and fit the ``cpu`` preset."""
     from raggedfsdp.bench.steptime import measure_steps
-    from raggedfsdp.sizing.steptime import CLUSTERS, Parallel, calibrate
+    from raggedfsdp.sizing.steptime import CLUSTERS, Parallel
+    from raggedfsdp.sizing.steptime_search import calibrate
 
     samples = []
     for name in ("llama:small", "moe:moe-small"):
@@ -135,7 +136,8 @@ def calibrate_here(out=sys.stderr):
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from raggedfsdp.sizing.steptime import Parallel, estimate_time, format_time_report, rank_configs
+    from raggedfsdp.sizing.steptime import Parallel, estimate_time
+    from raggedfsdp.sizing.steptime_search import format_time_report, rank_configs
 
     if args.calibrate:
         cluster, _ = calibrate_here()

@@ -8,6 +8,7 @@ Examples::
     raggedfsdp plan --model hybrid-27b --world-size 512 --unit superblock
     raggedfsdp plan --model llama3-70b --world-size 10240 --unit auto [--padding-target 0.03]
     raggedfsdp plan --model gpt-oss-120b --world-size 256 --ep 8
+    raggedfsdp plan --model llama3-70b --world-size 1024 --tp 8
 
 Sizes are elements. ``--align`` defaults to 8 elements: 16 bytes of bf16 and 32 bytes of fp32,
 so every shard offset ``k*S`` of a bf16 or fp32 buffer is 16-byte aligned (paper-notes section 7.1).
@@ -20,6 +21,11 @@ tensor (name, shape, granularity, offset, dims), enough to re-validate the plan 
 layer's routed experts, sharded over the ``world/N`` ranks holding the same experts; everything else is
 sharded over the whole world. The report gives both FSDP group sizes, both plans, the per-rank shard
 and the largest layer's all-gather (ours vs FSDP2's even ``Shard(0)``) in elements and bf16 bytes.
+``--tp N`` (tensor parallel, ``raggedfsdp.sizing.tp``): every attention / MLP / embedding / head matrix is
+split over N TP ranks (Megatron's column / row split, ``raggedfsdp.models.apply_tp``); the planner plans the
+TP-local shapes over the FSDP group of ``world/N`` ranks (a block spec is defined on the global shape and no
+TP boundary may cut it; ``row`` is one row of the TP-local tensor, ``fully_shard``'s default). Dense models
+only: ``--tp`` with ``--ep`` (EP x TP) is refused.
 """
 
 from __future__ import annotations
@@ -99,6 +105,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="expert-parallel size: routed experts split over N EP ranks, FSDP-sharded over world/N (default 1)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: matrices split over N TP ranks, TP-local shapes planned over world/N "
+        "(dense models; default 1)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with every unit and tensor")
     p.set_defaults(func=run)
@@ -282,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, AttributeError) as exc:  # a config.json with unexpected values
         return _bad_config(args, exc)
     choice: UnitChoice | None = None
+    if args.tp != 1:
+        return _run_tp(args, units, spec)
     if args.ep != 1:
         return _run_ep(args, units, spec)
     try:
@@ -348,6 +363,54 @@ def _run_ep(args, units, spec) -> int:
     else:
         print(_ep_report(args, plan))
         print(_all_gather_line(plan))
+    return 0
+
+
+def _run_tp(args, units, spec) -> int:
+    """``--tp N``: :func:`raggedfsdp.sizing.tp.plan_model_tp` (TP-local shapes over world/N ranks)."""
+    from raggedfsdp.sizing.tp import plan_model_tp
+
+    if args.ep != 1:
+        return _error(
+            f"--tp {args.tp} with --ep {args.ep}: EP x TP is not supported (raggedfsdp.models.apply_tp has no "
+            "expert TP plan); plan one of them: --ep for a mixture of experts, --tp for a dense model"
+        )
+    if args.unit == "auto":
+        return _error(f"--unit auto with --tp {args.tp}: not supported; give --unit layer | layers:K")
+    try:
+        policy = gcd_fallback(spec) if args.on_indivisible == "gcd" else spec
+        plan = plan_model_tp(
+            units, args.world_size, args.tp, policy=policy, align=args.align, order=args.order
+        )
+    except BlockError as exc:
+        return _error(f"--granularity {args.granularity} with --tp {args.tp}: {exc}")
+    except ValueError as exc:
+        return _error(str(exc) if str(exc).startswith("--tp") else f"--tp {args.tp}: {exc}")
+    m = plan.world_size
+    if args.json:
+        d = plan.to_dict()
+        d.update(
+            model=args.model,
+            granularity=args.granularity,
+            unit=args.unit,
+            tp=args.tp,
+            world=args.world_size,
+            fsdp_group=m,
+        )
+        sys.stdout.write(json.dumps(d, separators=(",", ":")) + "\n")
+        return 0
+    total = sum(u.numel for u in units)
+    print(
+        f"TP {args.tp}: world {args.world_size} = {m} x {args.tp}; every unit is planned on its TP-local "
+        f"shapes (one TP rank's {plan.numel / 1e9:.2f}B of the model's {total / 1e9:.2f}B params) over an FSDP "
+        f"group of {m} ranks"
+    )
+    print(_text_report(args, plan))
+    print(
+        _all_gather_line(EPPlan(m, 1, plan, None)).replace(
+            "largest all-gather", "largest all-gather per TP rank"
+        )
+    )
     return 0
 
 

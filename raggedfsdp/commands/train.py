@@ -14,9 +14,11 @@ Use torchrun directly for other launcher options.
 
 Before launching, the config is validated, including the data source (missing, empty, too small for
 ``seq_len``) and the batch split over ``--nproc``: such errors are one line and exit code 2. When a
-rank fails, the failing rank prints its traceback once (lines tagged ``[rank R/W]``), torchrun's
-rank-tagged failure table follows with one-line errors, and the last line names the root-cause rank
-and its error (exit code 1).
+rank fails, the job ends with one line naming the root-cause rank and its error (exit code 1),
+``raggedfsdp train: [rank R/W] error: Type: message (every rank's report: OUT/failure.log)``; above it
+only the traceback of an unexpected error (once, lines tagged ``[rank R/W]``) or a hung rank's stack.
+``OUT/failure.log`` holds torchrun's rank-tagged failure table and every rank's traceback,
+``OUT/launcher.log`` torchrun's own log lines.
 """
 
 from __future__ import annotations
@@ -25,8 +27,15 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
-from raggedfsdp.launch.failures import STOPPED_CODES, failure_report
+from raggedfsdp.launch.failures import (
+    REPORTED_ENV,
+    STOPPED_CODES,
+    capture_torchrun_logs,
+    failure_report,
+    write_failure_log,
+)
 from raggedfsdp.train.config import add_config_args, load_config, override_argv, overrides_from_args
 
 _TRAIN_EPILOG = """\
@@ -117,7 +126,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
-    cfg = None
+    cfg = prepared = None
     try:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -142,14 +151,19 @@ def run_train(args: argparse.Namespace) -> int:
         if reproduce:
             return _reproduce(cfg, reproduce, args.nproc)
         run_dir.hand_to_workers(cfg, prepared)  # the ranks neither re-lock OUT nor re-hash --resume
+        from raggedfsdp.train.data_identity import REFERENCE_ENV, write_reference
+
+        node_tag = "" if node.nnodes == 1 else f".node{node.node_rank}"
+        # the corpus the ranks must read (each compares its own with it at the start)
+        write_reference(cfg, Path(cfg.job.out) / f"data_fingerprint{node_tag}.json")
     except ValueError as e:
         print(f"raggedfsdp train: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(prepared)
     except OSError as e:  # --out not writable (permission, read-only or full disk): before any launch
         what = f"cannot use --out {cfg.job.out}" if cfg is not None else "cannot read the configuration"
         print(f"raggedfsdp train: error: {what}: {e.strerror or e}: {str(e.filename)!r} (choose a path this "
               "user can write)", file=sys.stderr)  # fmt: skip
-        return 2
+        return _refused(prepared)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the local ranks
         from raggedfsdp.launch.env import available_cpus
 
@@ -179,6 +193,12 @@ def run_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # One last line per failed job: the ranks print no one-line error of their own (the root cause's
+    # is printed here, last), torchrun's log lines go to OUT/launcher.log, its failure table and every
+    # rank's traceback to OUT/failure.log (launch/failures.py).
+    out_dir = Path(cfg.job.out)
+    os.environ[REPORTED_ENV] = "1"
+    restore_logs = capture_torchrun_logs(out_dir / f"launcher{node_tag}.log")
     try:
         run(parse_args(torchrun_argv))
     except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
@@ -193,14 +213,29 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"raggedfsdp train: interrupted (exit code {min(codes)}){on}; resume with --resume auto "
                   f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
             return min(codes)
-        summary, last_line = failure_report(e, world)
-        print(f"raggedfsdp train: the {world}-rank job failed{on}\n{summary}", file=sys.stderr)
+        report = out_dir / f"failure{node_tag}.log"
+        summary, last_line = failure_report(e, world, details=str(report))
+        try:
+            write_failure_log(report, e, f"the {world}-rank job failed{on}\n{summary}", last_line)
+        except OSError as err:  # OUT not writable any more: the table goes to stderr instead
+            print(f"{summary}\n(cannot write {report}: {err})", file=sys.stderr)
+            last_line = failure_report(e, world)[1]
         print(last_line, file=sys.stderr, flush=True)
         return 2 if "CheckpointError: cannot load" in last_line else 1
     finally:
+        restore_logs()
+        for key in (REPORTED_ENV, REFERENCE_ENV):  # a launcher called in-process leaves nothing behind
+            os.environ.pop(key, None)
         if prepared.lock is not None:
             prepared.lock.release()
     return 0
+
+
+def _refused(prepared) -> int:
+    """Exit code 2 before the launch, releasing ``OUT/.lock`` if this process took it."""
+    if prepared is not None and prepared.lock is not None:
+        prepared.lock.release()
+    return 2
 
 
 def _reproduce(cfg, text: str, nproc: int) -> int:

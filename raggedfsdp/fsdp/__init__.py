@@ -5,14 +5,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from raggedfsdp.fsdp._common import RuntimeOptions
 from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from raggedfsdp.fsdp._module import set_runtime_options
+from raggedfsdp.fsdp._report import FSDPUnit, fsdp_units
 
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "FSDPUnit",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "RuntimeOptions",
     "UnshardHandle",
+    "fsdp_units",
     "fully_shard",
     "set_runtime_options",
 ]

@@ -1,12 +1,29 @@
-"""A failed job in a few lines: each rank's error in one line and the root-cause rank.
+"""A failed job in one line: the root-cause rank and its error (every rank's report in a log file).
 
 Used by the launchers (``raggedfsdp train``, ``raggedfsdp bench``) on torchrun's ``ChildFailedError``
-and by the worker (:mod:`raggedfsdp.launch.worker`), which prints its own error once.
+and by the worker (:mod:`raggedfsdp.launch.worker`), which records its error (:func:`record_failure`:
+torchrun's error file, plus the ranks the error blames) and, when its launcher reports the root cause
+(:data:`REPORTED_ENV`), prints no one-line error of its own: a failed ``raggedfsdp train`` job ends
+with exactly one ``[rank R/W] error: ...`` line, the root cause's. torchrun's own log lines (``Sending
+process ... closing signal``, ``failed (exitcode: 1)``) go to ``OUT/launcher.log``
+(:func:`capture_torchrun_logs`), its failure table and every rank's traceback to ``OUT/failure.log``
+(:func:`write_failure_log`).
 """
 
 from __future__ import annotations
 
-__all__ = ["ONE_LINE", "PEER_FAILURE_HINTS", "STOPPED_CODES", "failure_report", "one_line"]
+import json
+import logging
+import os
+import time
+
+__all__ = [
+    "ONE_LINE", "PEER_FAILURE_HINTS", "REPORTED_ENV", "STOPPED_CODES", "capture_torchrun_logs", "culprits_of",
+    "failure_report", "one_line", "record_failure", "write_failure_log",
+]  # fmt: skip
+
+#: Set (to "1") by a launcher that prints the root cause's error line itself, for its ranks.
+REPORTED_ENV = "RAGGEDFSDP_LAUNCHER_REPORTS"
 
 # Substrings of collective errors that are consequences of a failure elsewhere.
 PEER_FAILURE_HINTS = ("closed by peer", "reset by peer", "Timed out", "Broken pipe", "Connection refused")
@@ -50,36 +67,126 @@ def is_consequence(failure) -> bool:
     return failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT")
 
 
-def failure_report(err, world_size: int) -> tuple[str, str]:
+def record_failure(e: BaseException, culprits=()) -> None:
+    """Record ``e`` in torchrun's error file (``TORCHELASTIC_ERROR_FILE``; nothing without torchrun),
+    with ``culprits`` (the ranks at fault, e.g. ``FaultError.culprits``) in its ``extraInfo``, so that
+    the launcher names a culprit rank whichever rank exits first (:func:`failure_report`)."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(e)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not culprits or not path:
+        return
+    try:  # torchrun's format: {"message": {"message": ..., "extraInfo": {"py_callstack", "timestamp"}}}
+        with open(path) as fh:
+            data = json.load(fh)
+        data["message"]["extraInfo"]["culprits"] = sorted(int(r) for r in culprits)
+        with open(path + ".tmp", "w") as fh:
+            json.dump(data, fh)
+        os.replace(path + ".tmp", path)
+    except (OSError, ValueError, KeyError, TypeError):  # another format: the timestamps decide
+        pass
+
+
+def culprits_of(failure) -> tuple[int, ...]:
+    """The ranks a failed rank's recorded error blames (:func:`record_failure`), or ``()``."""
+    msg = failure.message
+    if not isinstance(msg, dict):
+        return ()
+    return tuple(int(r) for r in (msg.get("extraInfo") or {}).get("culprits") or ())
+
+
+def _root(failures):
+    """``(rank, failure, message, blamed)`` of the root cause among ``failures`` (sorted by time):
+    ``failure`` is the record its message comes from (the blamed rank's own, else the one naming it)."""
+    blamed = sorted(_blamed(failures))
+    if blamed:  # ranks at fault named by a recorded error: the first with its own record
+        own = [(r, f) for r, f in failures if r in blamed]
+        recorded = [(r, f) for r, f in own if isinstance(f.message, dict)]
+        if recorded:
+            return recorded[0][0], recorded[0][1], one_line(recorded[0][1]), True
+        rank = own[0][0] if own else blamed[0]  # stopped (or on another node) before it recorded
+        naming = next(f for _, f in failures if rank in culprits_of(f))
+        return rank, naming, one_line(naming), True
+    rank, failure = next(((r, f) for r, f in failures if not is_consequence(f)), failures[0])
+    return rank, failure, one_line(failure), False
+
+
+def _blamed(failures) -> set[int]:
+    return {r for _, f in failures for r in culprits_of(f)}
+
+
+def failure_report(err, world_size: int, *, details: str | None = None) -> tuple[str, str]:
     """``(summary, last_line)`` for a failed job (a torchrun ``ChildFailedError``).
 
     ``summary`` is torchrun's rank-tagged failure table with each traceback replaced by its one-line
-    error (the root-cause rank printed its traceback to stderr once; every traceback is also in the
-    ``error_file`` listed). The root cause is the first failure that is not a consequence of another
-    (a rank torchrun stopped, or a collective that lost its peer), so a rank that timed out in the
-    same second as the real failure is not blamed. ``last_line`` names that rank and its error and is
-    meant to be printed last.
+    error (every traceback is in the ``error_file`` listed). The root cause is a rank that a recorded
+    error names as at fault (:func:`record_failure`: e.g. the rank whose loss was NaN, whichever rank
+    exited first), else the first failure that is not a consequence of another (a rank torchrun
+    stopped, or a collective that lost its peer), so a rank that timed out in the same second as the
+    real failure is not blamed. ``last_line`` names that rank and its error and is meant to be
+    printed last; ``details``: where the full report is (a file), named at its end.
     """
     import copy
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     failures = sorted(err.failures.items(), key=lambda rf: rf[1].timestamp)  # stable: rank order on ties
-    root_rank, root = next(((r, f) for r, f in failures if not is_consequence(f)), failures[0])
+    root_rank, root, root_msg, blamed = _root(failures)
     short = {}
-    for rank, failure in [(root_rank, root)] + [(r, f) for r, f in failures if r != root_rank]:
+    for rank, failure in sorted(failures, key=lambda rf: rf[0] != root_rank):  # the root first
         f = copy.copy(failure)
         f.message = one_line(failure)
         short[rank] = f
-    short[root_rank].timestamp = min(f.timestamp for f in short.values())  # shown as the root cause
+    if root_rank in short:
+        short[root_rank].timestamp = min(f.timestamp for f in short.values())  # shown as the root cause
     summary = ChildFailedError(err.name, short).format_msg()
-    consequence = is_consequence(root)
-    if isinstance(root.message, dict) and has_error_file(root):
-        above = "" if consequence or one_line(root).split(":")[0] in ONE_LINE else "above and "
+    consequence = not blamed and is_consequence(root)
+    if details is not None:
+        where = f"every rank's report: {details}"
+    elif isinstance(root.message, dict) and has_error_file(root):
+        above = "" if consequence or root_msg.split(":")[0] in ONE_LINE else "above and "
         where = f"traceback {above}in {root.error_file}"
     else:
         where = "see its output above"
-    last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {one_line(root)} ({where})"
+    last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {root_msg} ({where})"
     if consequence:
         last_line += "; this usually means another rank failed or hung first"
     return summary, last_line
+
+
+def capture_torchrun_logs(path):
+    """Send torchrun's own log records (``torch.distributed.elastic.*``, ``torch.distributed.run``:
+    ``Sending process N closing signal SIGTERM``, ``failed (exitcode: 1) local_rank: 1 ...``) to the
+    file ``path`` (created at the first record) instead of stderr. Returns ``undo()``, which restores
+    the loggers (a launcher called in-process, e.g. by tests, leaves nothing behind)."""
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
+    before = [log.propagate for log in logs]
+    for log in logs:
+        log.addHandler(handler)
+        log.propagate = False  # not to torch's stderr handler
+
+    def undo() -> None:
+        for log, prop in zip(logs, before):
+            log.removeHandler(handler)
+            log.propagate = prop
+        handler.close()
+
+    return undo
+
+
+def write_failure_log(path, err, summary: str, last_line: str) -> None:
+    """Write a failed job's full report to ``path``: the last line, the rank-tagged failure table
+    (``summary``) and each failed rank's exit code, error file and traceback (copied: torchrun's
+    error files live in a temporary folder)."""
+    parts = [time.strftime("%Y-%m-%d %H:%M:%S"), last_line, "", summary, ""]
+    for rank, f in sorted(err.failures.items()):
+        tb = ""
+        if isinstance(f.message, dict):
+            tb = (f.message.get("extraInfo") or {}).get("py_callstack") or ""
+        parts += [f"--- rank {rank} (local rank {f.local_rank}, pid {f.pid}): exit code {f.exitcode}; "
+                  f"{one_line(f)}", f"error file: {f.error_file}", tb.rstrip() or "(no traceback recorded)", ""]  # fmt: skip
+    with open(path, "w") as fh:
+        fh.write("\n".join(parts))

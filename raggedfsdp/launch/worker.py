@@ -12,11 +12,13 @@ Rank, world size and the rendezvous come from torchrun's environment (``RANK``, 
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``); without them the worker is
 rank 0 of 1. CPU runs use gloo, CUDA runs NCCL.
 
-Failures: an exception on any rank is written, with its traceback, to torchrun's error file (so it
-shows up, with the rank, in the launcher's failure summary), and printed here once: the traceback
-(each line tagged ``[rank R/W]``), then one line ``[rank R/W] error: Type: message``. A collective
-that failed because a peer went away (closed connection, timeout) prints only the one line plus a
-hint; its traceback stays in the error file. The worker then exits with code 1. torchrun stops the
+Failures: an exception on any rank is written, with its traceback and the ranks it blames, to
+torchrun's error file (``launch.failures.record_failure``; the launcher names the root-cause rank
+from them), and an unexpected one's traceback is printed here once (each line tagged ``[rank R/W]``).
+Under ``raggedfsdp train`` the launcher prints the one-line error (``[rank R/W] error: Type: message``)
+of the root cause only, last; under a bare torchrun each failing rank prints its own. A collective
+that failed because a peer went away (closed connection, timeout) prints no traceback (it stays in
+the error file). The worker then exits with code 1. torchrun stops the
 other ranks, so a crash on one rank never leaves the others hanging in a collective;
 ``job.pg_timeout_s`` bounds the wait for a rank that hangs without exiting.
 """
@@ -30,10 +32,10 @@ import sys
 import traceback
 from datetime import timedelta
 
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from raggedfsdp.launch.env import set_threads
-from raggedfsdp.launch.failures import ONE_LINE, PEER_FAILURE_HINTS
+from raggedfsdp.launch.failures import ONE_LINE, PEER_FAILURE_HINTS, REPORTED_ENV, record_failure
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
 
@@ -60,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides_from_args(args), validate=False)
         run = run_dir.prepare(cfg, world_size, rank=rank)  # the config validated once per process
     except (ValueError, OSError) as e:  # a config error (or an unwritable --out): one line, no usage text
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        # Under `raggedfsdp train` the launcher checked all this before the launch, so it changed since
+        # (e.g. a data file truncated): recorded, for the launcher's last line (issue 23 item 5).
+        reported = os.environ.get(REPORTED_ENV) == "1"
+        if reported and type(e).__name__ == "DataError":
+            e = type(e)(f"{e} (found by rank {rank} after the launch: changed after the pre-launch check?)")
+        record_failure(e, (rank,))  # no-op without torchrun
+        if not reported:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -83,28 +92,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tag} {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
     except Exception as e:  # noqa: BLE001 (recorded, reported, exit code 1)
-        # The traceback goes to torchrun's error file (its summary names the rank) and, once, to
-        # stderr; the one-line error comes last. A consequence of another rank's failure prints no
-        # traceback. The launcher prints the root cause's line again at the very end.
+        # The error (with its traceback and the ranks it blames) goes to torchrun's error file. Under
+        # `raggedfsdp train` (REPORTED_ENV) the launcher prints the root cause's one line last, so a rank
+        # prints only the traceback of an unexpected error; under a bare torchrun (or one process) it
+        # also prints its one-line error. A consequence of another rank's failure prints no traceback.
         culprits = getattr(e, "culprits", ())
         if culprits and rank not in culprits:
             import time
 
-            time.sleep(1.0)  # let a culprit rank fail first: the launcher names the first failure
-        get_error_handler().record_exception(e)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
+            time.sleep(1.0)  # let a culprit rank record first (its message names its own tensors)
+        record_failure(e, culprits)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
+        reported = os.environ.get(REPORTED_ENV) == "1"
         peer = world_size > 1 and any(s in str(e) for s in PEER_FAILURE_HINTS)
-        msg = f"{tag} error: {type(e).__name__}: {e}"
+        lines = [] if reported else [f"{tag} error: {type(e).__name__}: {e}"]
         if type(e).__name__ in ONE_LINE:
             pass
         elif peer:
-            msg += (
-                "\n"
-                + f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
-            )
+            if not reported:
+                lines.append(
+                    f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
+                )
         else:
             tb = traceback.format_exc().rstrip("\n").splitlines()
-            msg = "\n".join(f"{tag} {line}" for line in tb) + "\n" + msg
-        print(msg, file=sys.stderr, flush=True)
+            lines = [f"{tag} {line}" for line in tb] + lines
+        if lines:
+            print("\n".join(lines), file=sys.stderr, flush=True)
         return 1
 
 
@@ -158,8 +170,10 @@ def _run(
         ok = True
     finally:
         watchdog.stop()
-        # barrier + store check-in: no rank closes its sockets while a peer is still in a collective
-        shutdown_process_group(synchronize=ok)
+        # barrier + store check-in: no rank closes its sockets while a peer is still in a collective.
+        # Not when the launcher is gone (kill -9): the store lived in it, and each store call would
+        # print a 13-frame C++ stack ("recvValue failed ... Connection was likely closed").
+        shutdown_process_group(synchronize=ok and not watchdog.launcher_gone())
     return 0
 
 

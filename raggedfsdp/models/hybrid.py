@@ -34,19 +34,21 @@ unit-lower-triangular solve and the outputs are matrix products, so it runs at m
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raggedfsdp.models.llama import (
+from raggedfsdp.models.layers import (
     Attention,
     FeedForward,
     RMSNorm,
-    _fill_,
-    _param_seed,
+    fill_,
+    param_seed,
     precompute_rope,
+    swiglu_hidden_dim,
+    with_overrides,
 )
 
 __all__ = [
@@ -114,9 +116,7 @@ class HybridConfig:
 
     @property
     def hidden_dim(self) -> int:
-        if self.ffn_dim > 0:
-            return self.ffn_dim
-        return self.multiple_of * math.ceil(int(8 * self.dim / 3) / self.multiple_of)
+        return swiglu_hidden_dim(self.dim, self.ffn_dim, self.multiple_of)
 
     @property
     def superblock_size(self) -> int:
@@ -129,11 +129,7 @@ class HybridConfig:
     def flavor(cls, name: str, **overrides) -> HybridConfig:
         if name not in HYBRID_FLAVORS:
             raise ValueError(f"unknown hybrid flavor {name!r}; choose one of {sorted(HYBRID_FLAVORS)}")
-        valid = {f.name for f in fields(cls)}
-        for key in overrides:
-            if key not in valid:
-                raise ValueError(f"unknown HybridConfig field {key!r}; valid fields: {sorted(valid)}")
-        return replace(HYBRID_FLAVORS[name], **overrides)
+        return with_overrides(HYBRID_FLAVORS[name], overrides, cls)
 
     def num_params(self) -> int:
         d, f = self.dim, self.hidden_dim
@@ -395,11 +391,11 @@ class Hybrid(nn.Module):
         self.rope_sin.copy_(sin)
         depth_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            gen = torch.Generator().manual_seed(param_seed(seed, name))
             if name.endswith("norm.weight"):
-                _fill_(p, lambda shape: torch.ones(shape))
+                fill_(p, lambda shape: torch.ones(shape))
             elif name.endswith("A_log"):
-                _fill_(p, lambda shape, gen=gen: torch.empty(shape).uniform_(1, 16, generator=gen).log())
+                fill_(p, lambda shape, gen=gen: torch.empty(shape).uniform_(1, 16, generator=gen).log())
             elif name.endswith("dt_bias"):
 
                 def dt(shape, gen=gen):
@@ -407,7 +403,7 @@ class Hybrid(nn.Module):
                     step = (torch.rand(shape, generator=gen) * (hi - lo) + lo).exp()
                     return step + torch.log(-torch.expm1(-step))  # softplus^-1(step)
 
-                _fill_(p, dt)
+                fill_(p, dt)
             else:
                 if name == "tok_embeddings.weight":
                     std = 1.0 / math.sqrt(self.cfg.dim) if self.cfg.tie_embeddings else 1.0
@@ -419,4 +415,4 @@ class Hybrid(nn.Module):
                     std = 1.0 / math.sqrt(p.shape[1])
                     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "out_proj.weight")):
                         std *= depth_scale
-                _fill_(p, lambda shape, std=std, gen=gen: torch.randn(shape, generator=gen) * std)
+                fill_(p, lambda shape, std=std, gen=gen: torch.randn(shape, generator=gen) * std)

@@ -47,22 +47,23 @@ fused and separate experts start from the same numbers (the fused ``w1[e]`` is `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from raggedfsdp.models._ep import ep_dispatch_combine
-from raggedfsdp.models.llama import (
+from raggedfsdp.models.layers import (
     Attention,
     FeedForward,
-    LlamaConfig,
     RMSNorm,
-    _fill_,
-    _param_seed,
+    fill_,
+    param_seed,
     precompute_rope,
+    with_overrides,
 )
+from raggedfsdp.models.llama import LlamaConfig
 
 __all__ = [
     "MOE_FLAVORS",
@@ -131,11 +132,7 @@ class MoEConfig(LlamaConfig):
         key = name if name in MOE_FLAVORS else f"moe-{name}"
         if key not in MOE_FLAVORS:
             raise ValueError(f"unknown moe flavor {name!r}; choose one of {sorted(MOE_FLAVORS)}")
-        valid = {f.name for f in fields(cls)}
-        for k in overrides:
-            if k not in valid:
-                raise ValueError(f"unknown MoEConfig field {k!r}; valid fields: {sorted(valid)}")
-        return replace(MOE_FLAVORS[key], **overrides)
+        return with_overrides(MOE_FLAVORS[key], overrides, cls)
 
     def num_params(self) -> int:
         """Total parameter count (all experts)."""
@@ -378,7 +375,7 @@ class MoE(nn.Module):
         depth_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                _fill_(p, lambda shape: torch.ones(shape))
+                fill_(p, lambda shape: torch.ones(shape))
                 continue
             if name == "tok_embeddings.weight":
                 std = 1.0 / math.sqrt(cfg.dim) if cfg.tie_embeddings else 1.0
@@ -389,8 +386,8 @@ class MoE(nn.Module):
                 std = (
                     1.0 / math.sqrt(p.shape[1]) * (depth_scale if w == "w2" else 1.0)
                 )  # fan_in: D, or F for w2
-                seeds = [_param_seed(seed, f"{prefix}.{e}.{w}.weight") for e in range(p.shape[0])]
-                _fill_(
+                seeds = [param_seed(seed, f"{prefix}.{e}.{w}.weight") for e in range(p.shape[0])]
+                fill_(
                     p,
                     lambda shape, std=std, seeds=seeds: torch.stack(
                         [
@@ -405,5 +402,5 @@ class MoE(nn.Module):
                 std = 1.0 / math.sqrt(p.shape[1])
                 if name.endswith(("attention.wo.weight", ".w2.weight")):
                     std *= depth_scale
-            gen = torch.Generator().manual_seed(_param_seed(seed, name))
-            _fill_(p, lambda shape, std=std, gen=gen: torch.randn(shape, generator=gen) * std)
+            gen = torch.Generator().manual_seed(param_seed(seed, name))
+            fill_(p, lambda shape, std=std, gen=gen: torch.randn(shape, generator=gen) * std)

@@ -295,8 +295,9 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
 
     Raises:
         TypeError: ``mesh`` is not a 1-D ``DeviceMesh``.
-        ValueError: not a ``Llama`` (no ``layers`` of attention + feed-forward blocks), or heads, hidden
-            width or vocabulary not divisible by the TP size (see :func:`tp_plan_errors`).
+        ValueError: not a ``Llama`` (no ``layers`` of attention + feed-forward blocks), a mixture-of-experts
+            layer (EP x TP is not supported), or heads, hidden width or vocabulary not divisible by the TP size
+            (see :func:`tp_plan_errors`).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -314,6 +315,13 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
         raise ValueError(
             f"apply_tp: {type(model).__name__} is not a raggedfsdp Llama (layers of attention + "
             "feed_forward blocks); write a parallelize_module plan for it"
+        )
+    moe = [i for i, b in enumerate(layers) if not all(hasattr(b.feed_forward, w) for w in ("w1", "w2", "w3"))]
+    if moe:
+        raise ValueError(
+            f"apply_tp: layers {moe} of {type(model).__name__} are mixture-of-experts layers; EP x TP is not "
+            "supported (this plan has no tensor-parallel split of experts or router): use apply_ep + "
+            "apply_fsdp(experts_mesh=) for a mixture of experts, apply_tp for a dense Llama"
         )
     tp = mesh.size()
     errs = tp_plan_errors(cfg, tp)

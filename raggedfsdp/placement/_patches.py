@@ -385,7 +385,7 @@ def self_check() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Not applied on import: c10's process-wide CPU allocation accounting, for the peak-memory method
-# (raggedfsdp/fsdp/memory.py). c10's ``ProfiledCPUMemoryReporter`` (c10/core/CPUAllocator.cpp) keeps
+# (raggedfsdp/bench/memory.py). c10's ``ProfiledCPUMemoryReporter`` (c10/core/CPUAllocator.cpp) keeps
 # its table of live CPU blocks, and the running total it stamps on every profiler memory event
 # (``total_allocated``), only while the *calling thread* profiles -- unless the c10 flag
 # ``FLAGS_caffe2_report_cpu_memory_usage`` is set. With the flag set, every thread's allocations

@@ -46,6 +46,9 @@ class Unit:
 
     name: str
     params: tuple[tuple[str, Shape], ...]
+    global_shapes: tuple[Shape, ...] = ()
+    """Tensor parallel (``raggedfsdp.sizing.tp``): the global shape of each of ``params``, whose shapes are
+    then the TP-local ones; ``()``: the shapes are global (no TP)."""
 
     @property
     def numel(self) -> int:

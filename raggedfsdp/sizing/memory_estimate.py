@@ -142,7 +142,8 @@ class MemoryEstimate:
     shard_numel: int
     """Elements of one rank's shard, summed over units (padding included)."""
     padding_numel: int
-    """``M * shard_numel - num_params``: padding elements over one shard group."""
+    """``M * shard_numel - num_params``: padding elements over one shard group (TP: over the ``M x tp``
+    ranks of one FSDP group per TP rank, ``tp * (M * shard_numel - TP-local numel)``)."""
     stages: tuple[StageMemory, ...]
     shapes_known: bool
     working_bytes: float = 0.0
@@ -152,10 +153,19 @@ class MemoryEstimate:
     """``(unit name, numel, shard size)`` per unit when shapes are known."""
     ep: int = 1
     """Expert-parallel size: ``<layer>.experts`` units are sharded over ``shard_world / ep`` ranks."""
+    tp: int = 1
+    """Tensor-parallel size: every unit holds TP-local shapes, sharded over ``shard_world`` ranks."""
 
     @property
     def shard_world(self) -> int:
-        return self.world_size // self.replicate
+        """The FSDP group size ``world / (replicate x tp)``."""
+        return self.world_size // (self.replicate * self.tp)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padding / the elements the shards of one ``shard_world x tp`` slice hold (their sum)."""
+        held = self.shard_world * self.tp * self.shard_numel
+        return self.padding_numel / held if held else 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -173,6 +183,7 @@ class MemoryEstimate:
             "shard_world": self.shard_world,
             "ep": self.ep,
             "experts_shard_world": self.shard_world // self.ep,
+            "tp": self.tp,
             "recipe": self.recipe.name,
             "bytes_per_param": {
                 "params": self.recipe.param,
@@ -184,9 +195,7 @@ class MemoryEstimate:
             "shapes_known": self.shapes_known,
             "shard_numel": self.shard_numel,
             "padding_numel": self.padding_numel,
-            "padding_ratio": self.padding_numel / (self.padding_numel + self.num_params)
-            if self.num_params
-            else 0.0,
+            "padding_ratio": self.padding_ratio,
             "zero3_working_bytes": self.working_bytes,
             "stages": [s.to_dict() for s in self.stages],
         }
@@ -218,6 +227,7 @@ def estimate_memory(
     policy: Any = None,
     align: int | None = None,
     ep: int = 1,
+    tp: int = 1,
 ) -> MemoryEstimate:
     """Persistent memory per rank for ZeRO stages 0, 1, 2 and 3.
 
@@ -237,14 +247,21 @@ def estimate_memory(
         ep: expert-parallel size (needs ``units``; :mod:`raggedfsdp.sizing.ep`): each rank keeps 1/ep of
             every MoE layer's routed experts, sharded over ``M / ep`` ranks (their units are reported
             as ``<layer>.experts``); everything else over ``M``. ``num_params`` stays the whole model's.
+        tp: tensor-parallel size (needs ``units`` of a dense model; :mod:`raggedfsdp.sizing.tp`): every
+            matrix is split over ``tp`` ranks (Megatron column / row), the FSDP group is
+            ``M = world_size / (replicate x tp)`` and the planner plans the TP-local shapes over it; a block
+            spec is defined on the global shape (``row``: one row of the TP-local tensor). ``num_params``
+            stays the whole model's; stages 0-2 hold one TP rank's replica.
 
     Returns:
         A :class:`MemoryEstimate` (bytes per rank per stage, padding, a ZeRO-3 working-set estimate).
 
     Raises:
         ValueError: neither or both of ``num_params``/``units``, a non-whole or negative count,
-            ``world_size < 1``, ``replicate`` not dividing ``world_size``, an unknown recipe, or ``ep > 1``
-            without ``units``, not dividing ``M``, or on a model without routed experts.
+            ``world_size < 1``, ``replicate`` not dividing ``world_size``, an unknown recipe, ``ep > 1``
+            without ``units``, not dividing ``M``, or on a model without routed experts, ``tp > 1`` without
+            ``units``, with ``ep > 1`` (EP x TP is not supported), ``replicate x tp`` not dividing
+            ``world_size``, or a matrix with no TP rule / a dim not divisible by ``tp``.
         TypeError: a non-integer ``world_size``/``replicate``.
     """
     world_size = _check_int("world_size", world_size, 1)
@@ -260,8 +277,25 @@ def estimate_memory(
         recipe = RECIPES[recipe]
     if (num_params is None) == (units is None):
         raise ValueError("estimate_memory: give exactly one of num_params (a count) or units (shapes)")
-    m = world_size // replicate
     ep = _check_int("ep", ep, 1)
+    tp = _check_int("tp", tp, 1)
+    global_numel = None
+    if tp > 1:
+        from raggedfsdp.sizing.tp import split_units_for_tp, tp_fsdp_group
+
+        if units is None:
+            raise ValueError(
+                "estimate_memory: tp > 1 needs units (shapes: --model), not a bare parameter count"
+            )
+        if ep > 1:
+            raise ValueError(
+                f"estimate_memory: tp={tp} with ep={ep}: EP x TP is not supported (raggedfsdp.models.apply_tp has "
+                "no expert TP plan); estimate one of them"
+            )
+        tp_fsdp_group(world_size, tp, replicate)
+        global_numel = sum(u.numel for u in units)
+        units = split_units_for_tp(units, tp)
+    m = world_size // (replicate * tp)
     unit_rows: list[tuple[str, int, int]] = []
     working = 0.0
     groups = [(units, m)]
@@ -310,9 +344,11 @@ def estimate_memory(
             num_params = int(num_params)
         count = _check_int("num_params", num_params, 0)
         shard = -(-count // m)
-    full = float(
-        count if ep == 1 else sum(n for _, n, _ in unit_rows)
-    )  # EP: a rank's replica has 1/ep experts
+    # EP: a rank's replica has 1/ep of the experts; TP: a rank's replica is TP-local
+    full = float(count if ep == 1 and tp == 1 else sum(n for _, n, _ in unit_rows))
+    padding = m * shard - count
+    if global_numel is not None:  # every TP rank's shards over its FSDP group, minus the model
+        padding, count = tp * padding, global_numel
     sh = float(shard)
     r = recipe
     stages = (
@@ -327,12 +363,13 @@ def estimate_memory(
         replicate=replicate,
         recipe=r,
         shard_numel=shard,
-        padding_numel=m * shard - count,
+        padding_numel=padding,
         stages=stages,
         shapes_known=units is not None,
         working_bytes=working,
         units=tuple(unit_rows),
         ep=ep,
+        tp=tp,
     )
 
 
@@ -354,6 +391,8 @@ def format_report(est: MemoryEstimate, *, label: str = "") -> str:
     hsdp = f" (HSDP: {est.replicate} replicas x {m} ranks)" if est.replicate > 1 else ""
     if est.ep > 1:
         hsdp += f", EP {est.ep} (routed experts sharded over {m // est.ep} ranks, the rest over {m})"
+    if est.tp > 1:
+        hsdp += f", TP {est.tp} (TP-local shapes sharded over FSDP groups of {m} ranks)"
     src = f"{label}: " if label else ""
     lines = [
         f"{src}{est.num_params:,} params ({_count(est.num_params)}), world size {est.world_size}{hsdp}",
@@ -362,7 +401,7 @@ def format_report(est: MemoryEstimate, *, label: str = "") -> str:
         f"({r.total:g} B/param x {est.num_params:,})",
     ]
     if est.shapes_known:
-        pad = est.padding_numel / (est.padding_numel + est.num_params) if est.num_params else 0.0
+        pad = est.padding_ratio
         lines.append(
             f"planner shards: {est.shard_numel:,} elements per rank over {len(est.units)} units, "
             f"padding {est.padding_numel:,} elements ({100 * pad:.3f}%)"

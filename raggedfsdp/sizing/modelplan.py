@@ -24,7 +24,7 @@ from typing import Any
 from raggedfsdp.sizing.archs import Unit
 from raggedfsdp.planner.layout import Layout
 from raggedfsdp.planner.planner import plan_layout, shard_size_lower_bound
-from raggedfsdp.planner.policy import BlockSpec, Policy, granularity_for, make_policy
+from raggedfsdp.planner.policy import BlockSpec, Policy, granularity_for, granularity_for_local, make_policy
 
 
 def fsdp2_padding(shapes: Sequence[Sequence[int]], world_size: int) -> int:
@@ -226,16 +226,23 @@ def resolve_unit_blocks(
     """
     cache = {} if cache is None else cache
     grans, dims, blocks = [], [], []
-    for name, s in unit.params:
-        r = cache.get(s)
+    globals_ = unit.global_shapes or tuple(s for _, s in unit.params)
+    for (name, s), gs in zip(unit.params, globals_, strict=True):
+        key = s if gs == s else (s, gs)
+        r = cache.get(key)
         if r is None:
-            got = pol(s)
+            got = pol(gs)  # a block spec is defined on the global tensor (TP: Note [FSDP x TP])
             blk = BlockSpec("row") if got is None else BlockSpec.parse(got)
             try:
-                g, d = granularity_for(s, blk, name=name)
+                if gs == s:
+                    g, d = granularity_for(s, blk, name=name)
+                elif blk.kind == "row":  # fully_shard's default under TP: one row of the TP-local tensor
+                    g, d = granularity_for(s, blk, name=name)
+                else:  # no TP boundary may cut the block either
+                    g, d = granularity_for_local(gs, s, blk, name=name)
             except ValueError as exc:
                 raise BlockError(f"unit {unit.name!r}: {exc}", block=blk) from None
-            r = cache[s] = (g, d, str(blk))
+            r = cache[key] = (g, d, str(blk))
         grans.append(r[0])
         dims.append(r[1])
         blocks.append(r[2])
@@ -263,7 +270,7 @@ def plan_model(
     out = []
     for unit in units:
         shapes = tuple(s for _, s in unit.params)
-        hit = plan_cache.get(shapes)
+        hit = plan_cache.get((shapes, unit.global_shapes))
         names = tuple(n for n, _ in unit.params)
         if hit is None:
             grans, dims, blocks = resolve_unit_blocks(unit, pol, gran_cache)
@@ -273,7 +280,15 @@ def plan_model(
             f1 = fsdp1_padding(sum(numels), world_size, align)
             f2b = fsdp2_block_padding(shapes, grans, world_size)
             bound = shard_size_lower_bound(numels, grans, world_size, align)
-            hit = plan_cache[shapes] = (lay, f2, f1, tuple(dims), tuple(blocks), f2b, bound)
+            hit = plan_cache[shapes, unit.global_shapes] = (
+                lay,
+                f2,
+                f1,
+                tuple(dims),
+                tuple(blocks),
+                f2b,
+                bound,
+            )
             lay_u = lay
         else:
             lay_u = replace(hit[0], names=names)

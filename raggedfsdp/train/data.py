@@ -117,6 +117,7 @@ class Corpus:
     val: torch.Tensor  # (N_val,) uint8
     source: str  # description: where the bytes came from
     num_files: int
+    files: tuple[tuple[str, int], ...] = ()  # (path, tokens it contributes), in stream order (train + val)
 
 
 def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: float = 0.05) -> Corpus:
@@ -143,7 +144,7 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
         files = stdlib_source_files()
         source = f"python stdlib ({sysconfig.get_paths()['stdlib']})"
     order = np.random.default_rng(FILE_ORDER_SEED).permutation(len(files))
-    chunks, total, used = [], 0, 0
+    chunks, total, used, spans = [], 0, 0, []
     for f in (files[i] for i in order):
         try:
             data = f.read_bytes()
@@ -155,6 +156,7 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
             chunks.append(data if data.endswith(b"\n") else data + b"\n")
             total += len(chunks[-1])
             used += 1
+            spans.append((str(f), len(chunks[-1])))
         if max_bytes and total >= max_bytes:
             break
     blob = b"".join(chunks)[: max_bytes or None]
@@ -164,9 +166,12 @@ def load_corpus(path: str = "", *, max_bytes: int = 4_000_000, val_fraction: flo
     n_val = int(len(tokens) * val_fraction)
     if len(tokens) - n_val < 2 or n_val < 2:
         raise ValueError(f"corpus {source} is too small ({len(tokens)} bytes) to split into train/val")
+    if spans and total > len(blob):  # the cap cut the last file's appended newline
+        spans[-1] = (spans[-1][0], spans[-1][1] - (total - len(blob)))
     return Corpus(
-        train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :], source=source, num_files=used
-    )
+        train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :], source=source, num_files=used,
+        files=tuple(spans),
+    )  # fmt: skip
 
 
 def _padded_size(path: Path) -> int:
@@ -517,8 +522,9 @@ def load_token_corpus(path: str, *, max_tokens: int = 0, val_fraction: float = 0
         raise ValueError(f"token file {path!r} is too small ({len(mm)} tokens) to split into train/val")
     arr = TokenArray(mm)
     return Corpus(
-        train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1
-    )
+        train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1,
+        files=((str(info.path), len(mm)),),
+    )  # fmt: skip
 
 
 def write_token_bin(out: str | os.PathLike, ids, *, vocab_size: int, tokenizer: str | None = None) -> Path:

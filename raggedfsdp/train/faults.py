@@ -18,15 +18,18 @@ Kinds (each fires once, at the start of step N unless noted):
 - ``slowsave``: the checkpoint save at step N sleeps ``RAGGEDFSDP_FAULT_SLEEP_S`` seconds (default
   5) on this rank after writing its shard files, before the ``.metadata``, the manifest and the
   rename: a slow disk, so that a signal can arrive while the checkpoint is half written;
+- ``savehang``: the checkpoint save at step N sleeps forever on this rank after writing its shard files
+  (a rank frozen inside a save: the watchdog names it, ``phase: save``);
 - ``oom``: ``torch.OutOfMemoryError`` inside step N's forward on this rank, as an allocator raises it.
 - ``nangrad``: this rank's gradients of step N become NaN (a hook on the logits' gradient; the loss
   stays finite), before the reduce-scatter spreads them to every rank;
-- ``swapdata@step0``: this rank trains on another corpus of the same size (its train tokens reversed,
-  after the pre-launch check): a rank reading other data;
+- ``swapdata``: this rank trains on another corpus of the same size (its train tokens reversed):
+  ``@step0`` after its load, before the start's corpus agreement (``train/data_identity.py``);
+  ``@stepN``, N > 0, from step N on (the step's batch checksums find it);
 - ``nanparam``: after step N's optimizer step, one element of this rank's first non-empty parameter
   shard becomes NaN (a poisoned shard: found by step N+1's guard, or after the last step).
 
-The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to ``raise``/``exit``/``hang``.
+The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to ``raise``/``exit``/``hang``/``savehang``.
 Nothing here runs unless the variable (or those flags) is set.
 """
 
@@ -41,7 +44,7 @@ __all__ = ["ENV", "Fault", "FaultPlan", "parse_faults"]
 ENV = "RAGGEDFSDP_FAULT"
 KINDS = (
     "nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc", "eacces",
-    "slowsave", "oom", "nangrad", "nanparam", "swapdata",
+    "slowsave", "oom", "nangrad", "nanparam", "swapdata", "savehang",
 )  # fmt: skip
 SLEEP_ENV = "RAGGEDFSDP_FAULT_SLEEP_S"
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
@@ -98,8 +101,9 @@ class FaultPlan:
         return False
 
     def save_fault(self, step: int) -> str:
-        """The fault, if any, of the checkpoint save of ``step``: ``enospc``, ``eacces``, ``slowsave``, ``""``."""
-        return next((k for k in ("enospc", "eacces", "slowsave") if self.take(k, step)), "")
+        """The fault, if any, of the checkpoint save of ``step``: ``enospc``, ``eacces``, ``slowsave``,
+        ``savehang``, ``""``."""
+        return next((k for k in ("enospc", "eacces", "slowsave", "savehang") if self.take(k, step)), "")
 
     def save_writer_factory(self, step: int):
         """``folder -> StorageWriter`` for ``checkpoint.dcp.save_checkpoint(writer_factory=...)``
@@ -147,10 +151,11 @@ def fault_writer(path, inject: str):
 
     class _FaultWriter(FileSystemWriter):
         def write_data(self, plan, planner):
-            if inject == "slowsave":
+            if inject in ("slowsave", "savehang"):
                 fut = super().write_data(plan, planner)  # this rank's shard files are on disk
                 fut.wait()
-                deadline = time.monotonic() + float(os.environ.get(SLEEP_ENV) or 5.0)
+                sleep = float(os.environ.get(SLEEP_ENV) or 5.0) if inject == "slowsave" else float("inf")
+                deadline = time.monotonic() + sleep
                 logging.getLogger(__name__).warning("debug: slow save: sleeping in the middle of %s", path)
                 while time.monotonic() < deadline:  # short sleeps: a signal handler runs at once
                     time.sleep(0.05)

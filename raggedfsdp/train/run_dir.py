@@ -189,7 +189,12 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
     if not cfg.job.out:  # a fresh folder per run (validate refused --resume auto without --out)
         cfg.job.out = default_out()
     if check_data:
-        cfg.check_data()
+        try:
+            cfg.check_data()
+        except ValueError as e:  # a DataError (one line, recorded by a rank; issue 23 item 5)
+            from raggedfsdp.train.data import DataError
+
+            raise DataError(str(e)) from None
     c = cfg.checkpoint
     run = PreparedRun(Path(cfg.job.out), Path(c.resolved_folder(cfg.job.out)))
     if rank != 0 or not check_out:

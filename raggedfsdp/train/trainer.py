@@ -1,5 +1,9 @@
 """The training loop: build (data, model, FSDP, optimizer), ``train_step``, ``evaluate``, ``train``.
 
+Its helpers, one role each: ``train/build.py`` builds the sharded model (meshes, TP / EP, compile,
+FSDP), ``train/run_checkpoints.py`` holds the checkpoint hooks (which step to resume, load, save),
+``train/guard.py`` the step's checks, ``train/metrics.py`` the step line.
+
 One code path for any world size, including 1 (a single process still gets a gloo process group
 and a 1-rank mesh, so FSDP is applied the same way).
 
@@ -21,27 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.checkpoint.dcp import (
-    CheckpointError,
-    config_hash,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-)
-from raggedfsdp.models import (
-    apply_compile,
-    apply_ep,
-    apply_fsdp,
-    apply_tp,
-    aux_loss,
-    build_model,
-    build_model_config,
-    make_mp_policy,
-)
+from raggedfsdp.checkpoint.dcp import config_hash
+from raggedfsdp.models import aux_loss
 from raggedfsdp.train import run_dir
+from raggedfsdp.train.build import build_parallel_model
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.data import (
     BatchSampler,
@@ -54,6 +43,7 @@ from raggedfsdp.train.data import (
     load_corpus,
     windows,
 )
+from raggedfsdp.train.data_identity import check_same_corpus, fingerprint, reference_fingerprint
 from raggedfsdp.train.faults import FaultPlan
 from raggedfsdp.train.guard import (
     StepGuard,
@@ -66,7 +56,8 @@ from raggedfsdp.train.guard import (
 )
 from raggedfsdp.train.lr_schedule import lr_at
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
-from raggedfsdp.train.optimizers import apply_hparams, build_optimizer, shard_placement_fn_for
+from raggedfsdp.train.optimizers import build_optimizer
+from raggedfsdp.train.run_checkpoints import load_run_checkpoint, pick_resume, save_run_checkpoint
 from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
@@ -143,6 +134,8 @@ class Trainer:
         )
         if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
             self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
+        # every rank reads the corpus the pre-launch check saw (one all_gather; issue 23 item 1)
+        check_same_corpus(fingerprint(self.corpus), device, reference_fingerprint())
         self.sampler = BatchSampler(
             self.corpus.train,
             seq_len=t.seq_len,
@@ -153,58 +146,8 @@ class Trainer:
             seed=cfg.job.seed,
         )
 
-        # Model + FSDP.
-        self.model_cfg = build_model_config(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
-        ep = cfg.parallel.ep
-        tp_mesh = None
-        ep_kw: dict[str, Any] = {}
-        if ep > 1:  # (dp, ep): experts over "ep", their FSDP over "dp", everything else over both
-            world_mesh = init_device_mesh(
-                device.type, (self.world_size // ep, ep), mesh_dim_names=("dp", "ep")
-            )
-            mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
-            ep_kw["experts_mesh"] = world_mesh["dp"]
-        else:
-            mesh, tp_mesh = self._meshes(
-                device
-            )  # (dp_replicate, dp_shard, tp) with --parallel.tp/dp_replicate
-        mp_policy = make_mp_policy(
-            cfg.fsdp.backend, param_dtype=cfg.fsdp.param_dtype, reduce_dtype=cfg.fsdp.reduce_dtype
-        )
-        fsdp_kw = dict(
-            backend=cfg.fsdp.backend,
-            mp_policy=mp_policy,
-            reshard_after_forward=cfg.fsdp.reshard_after_forward,
-            shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
-            unit=cfg.fsdp.unit,
-            **ep_kw,
-        )
-        if cfg.model.init_device == "meta":
-            with torch.device("meta"):
-                model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
-            if tp_mesh is not None:
-                apply_tp(model, tp_mesh)
-            if t.compile:  # per block, before fully_shard (the FSDP hooks stay eager)
-                apply_compile(model)
-            apply_fsdp(model, mesh, **fsdp_kw)
-            model.to_empty(device=device)
-            model.init_weights(cfg.job.seed)
-        else:
-            model = build_model(cfg.model.name, cfg.model.flavor, **cfg.model_overrides())
-            model.init_weights(cfg.job.seed)
-            model.to(device)
-            if tp_mesh is not None:
-                apply_tp(model, tp_mesh)  # TP DTensors on "tp", then FSDP over the dp dims (Note [FSDP x TP])
-            if ep > 1:
-                apply_ep(model, world_mesh["ep"])
-            if t.compile:
-                apply_compile(model)
-            apply_fsdp(model, mesh, **fsdp_kw)
-        if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
-            from raggedfsdp.checkpoint.hf import load_hf_weights
-
-            load_hf_weights(model, cfg.model.init_from)
-            logger.info("loaded the initial weights from %s (Hugging Face safetensors)", cfg.model.init_from)
+        # Model + FSDP (the meshes of --parallel.*, TP / EP / compile, then fully_shard per unit).
+        model, self.model_cfg = build_parallel_model(cfg, device, self.world_size)
         self.model = model
         # per-rank non-finite flags of the gradients before each unit's reduce-scatter (raggedfsdp backend)
         self._grad_probe: list | None = None
@@ -264,118 +207,30 @@ class Trainer:
         return self._on_rank0(lambda: run_dir.start_run(self.cfg, self.run))
 
     def _resolve_resume(self) -> Path | None:
-        """Rank 0 picks the step folder (so that every rank loads the same one), others follow. An
-        explicit ``--resume PATH`` was resolved and verified once, by ``run_dir.prepare``."""
-
-        def pick():
-            if self.cfg.checkpoint.resume != "auto":
-                return self.run.resume_path
-            notes: list[str] = []
-            path = resolve_resume(
-                self.cfg.checkpoint.resume,
-                self.ckpt_folder,
-                run_id=self.run_id,
-                verify=self.cfg.checkpoint.verify,
-                notes=notes,
-            )
-            skipped = [n.split("skipping ", 1)[1] for n in notes if n.startswith("--resume auto: skipping ")]
-            if path is None and skipped and not self.cfg.job.overwrite:
-                # every checkpoint of this run is unreadable: starting over would overwrite
-                # metrics.jsonl and the old step folders, so refuse (issue 23 item 4)
-                raise CheckpointError(
-                    f"--resume auto: no readable checkpoint of run {self.run_id} under {self.ckpt_folder}: "
-                    f"{'; '.join(skipped)}; nothing was changed (resume one with --resume PATH after "
-                    "repairing it, or start again from step 0 with --job.overwrite true, which overwrites "
-                    "metrics.jsonl and same-numbered step folders)"
-                )
-            for note in notes:
-                logger.warning("%s", note)
-            return path
-
+        """Rank 0 picks the step folder (so that every rank loads the same one), others follow."""
         with self.watchdog.paused("verifying checkpoints"):
-            return self._on_rank0(pick)
-
-    def _config_diff(self, path: Path) -> list[str]:
-        try:
-            saved = json.loads((path / "meta.json").read_text()).get("config") or {}
-        except (OSError, ValueError):
-            return []
-        now = self.cfg.to_dict()
-        diff = []
-        for sec in ("model", "training", "optimizer", "fsdp", "data"):
-            for key, value in now.get(sec, {}).items():
-                if key in saved.get(sec, {}) and saved[sec][key] != value:
-                    diff.append(f"{sec}.{key}: {saved[sec][key]!r} -> {value!r}")
-        return diff
+            return self._on_rank0(lambda: pick_resume(self.cfg, self.run, self.ckpt_folder, self.run_id))
 
     def _load(self, path: Path) -> None:
-        start = time.perf_counter()
         with self.watchdog.paused("loading a checkpoint"):
-            state = load_checkpoint(
-                path,
-                model=self.model,
-                optimizer=self.optimizer,
-                allow_partial=self.cfg.checkpoint.allow_partial,
-                config_diff=self._config_diff(path),
-            )
-        # The config is the source of truth for hyperparameters (the LR is set every step).
-        apply_hparams(self.optimizer, self.cfg.optimizer)
-        self.start_step = int(state["step"])
+            self.start_step = load_run_checkpoint(
+                path, self.cfg, model=self.model, optimizer=self.optimizer,
+                config_hash=self.config_hash, world_size=self.world_size,
+            )  # fmt: skip
         self.resumed_from = path
-        if int(state["seed"]) != self.cfg.job.seed:
-            logger.warning(
-                "checkpoint %s was saved with seed %d, this run uses seed %d: the data order differs "
-                "from the original run",
-                path,
-                int(state["seed"]),
-                self.cfg.job.seed,
-            )
-        try:
-            saved_hash = json.loads((path / "meta.json").read_text()).get("config_hash")
-        except (OSError, ValueError):
-            saved_hash = None
-        if saved_hash is not None and saved_hash != self.config_hash:
-            logger.warning(
-                "checkpoint %s was saved with another config (hash %s, now %s; %s): resuming anyway",
-                path,
-                saved_hash,
-                self.config_hash,
-                ", ".join(self._config_diff(path)) or "fields not recorded",
-            )
-        logger.info(
-            "resumed from %s: step %d (saved lr %.3e), now at world size %d (%.2fs)",
-            path,
-            self.start_step,
-            state["lr"],
-            self.world_size,
-            time.perf_counter() - start,
-        )
 
     def save(self, step: int, lr: float) -> Path:
         """Collective. Refuses (``FaultError``) to write a checkpoint with non-finite state."""
         check_saveable(step, self.model, self.optimizer, self.device)
-        with self.watchdog.paused(f"saving step {step}"):
+        with self.watchdog.watching("save", f"saving step {step}"):  # a rank frozen in it is named
             return self._save(step, lr)
 
     def _save(self, step: int, lr: float) -> Path:
-        return save_checkpoint(
-            self.ckpt_folder,
-            step,
-            model=self.model,
-            optimizer=self.optimizer,
-            lr=lr,
-            seed=self.cfg.job.seed,
-            keep_latest=self.cfg.checkpoint.keep_latest,
-            meta={
-                "world_size": self.world_size,
-                "config_hash": self.config_hash,
-                "total_steps": self.cfg.training.steps,
-                "backend": self.cfg.fsdp.backend,
-                "config": self.cfg.to_dict(),
-            },
-            run_id=self.run_id,
+        return save_run_checkpoint(
+            self.ckpt_folder, step, lr, self.cfg, model=self.model, optimizer=self.optimizer,
+            config_hash=self.config_hash, world_size=self.world_size, run_id=self.run_id,
             writer_factory=self.faults.save_writer_factory(step),
-        )
+        )  # fmt: skip
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -393,19 +248,6 @@ class Trainer:
     def batch_ids(self, step: int, micro: int = 0) -> dict[int, str]:
         """``{rank: batch id}`` of a micro-step (a pure function of the step: no communication)."""
         return {r: batch_id(self.sampler, step, micro, r // self.tp) for r in range(self.world_size)}
-
-    def _meshes(self, device: torch.device):
-        """``(dp mesh, tp mesh or None)``: 1-D ``("dp",)`` without TP / HSDP, else the 3-D
-        ``(dp_replicate, dp_shard, tp)`` mesh's dp part (``(dp_replicate, dp_shard)`` for HSDP) and its tp dim."""
-        par = self.cfg.parallel
-        if par.tp == 1 and par.dp_replicate == 1:
-            return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",)), None
-        shard = par.dp_shard(self.world_size)
-        mesh = init_device_mesh(
-            device.type, (par.dp_replicate, shard, par.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
-        )
-        dp = mesh["dp_replicate", "dp_shard"] if par.dp_replicate > 1 else mesh["dp_shard"]
-        return dp, (mesh["tp"] if par.tp > 1 else None)
 
     def _batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
@@ -432,11 +274,13 @@ class Trainer:
         (``guard.StepGuard``) before the optimizer step; ``self.last_stats`` holds its result and
         ``self.last_applied`` whether the update was applied (False: skipped, policy ``skip``)."""
         t = self.cfg.training
-        self.watchdog.progress(f"step {step} start", step)
+        self.watchdog.progress(f"step {step} start", step, phase="train")
         if self._grad_probe is not None:
             self._grad_probe.clear()
         if self.faults:
             self.faults.inject_step(step, self.rank)
+            if self.faults.take("swapdata", step):  # other data from this step on (found by the step's check)
+                self.sampler.tokens = self.sampler.tokens.flip(0).contiguous()
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
@@ -506,7 +350,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, token count)
         for i in range(0, per_rank, b):  # same number of forwards on every rank (FSDP collectives)
-            self.watchdog.progress(f"evaluation batch {i // b}")
+            self.watchdog.progress(f"evaluation batch {i // b}", phase="eval")
             inputs, targets = windows(self.corpus.val, mine[i : i + b], t.seq_len)
             logits = self.model(inputs.to(self.device))  # (b, T, V)
             loss = F.cross_entropy(

@@ -17,7 +17,11 @@ and a parent that died before the ``prctl``). A rank whose launcher is gone exit
 its next step boundary, or after ``GRACE_S`` when it cannot get there: no orphans.
 
 **Hangs** (:class:`Watchdog`): the trainer marks progress (every micro-step, eval batch, checkpoint
-phase) once its step loop begins (start-up is not watched). A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
+save) with a step and a phase (``train``, ``eval``, ``save``) once its step loop begins (start-up and
+checkpoint loads are not watched). Saves are watched too (:meth:`Watchdog.watching`), with the longest
+limit that still names the hung rank before a waiting peer's collective times out (``0.6 x
+job.pg_timeout_s``), since a save makes no marks while DCP writes; DCP's file writing
+(``torch/distributed/checkpoint/filesystem.py``) is this rank's own work, not a collective. A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
 (``Watchdog.effective_timeout``: at most ``job.hang_timeout_s``, at most ``max(30 s, 20 x`` the slowest
 recent step``)`` once steps were seen, and always ``0.6 x job.pg_timeout_s`` or less, so that the hung
 rank fires before a waiting peer's collective times out) and this rank's main thread is *not* inside a collective (its innermost
@@ -52,6 +56,9 @@ GRACE_S = 2.0
 MIN_HANG_S = 30.0  # the adaptive hang timeout: max(MIN_HANG_S, STEP_FACTOR x the slowest recent step)
 STEP_FACTOR = 20.0
 PG_FRACTION = 0.6  # the hang timeout never exceeds this fraction of the process-group timeout
+_LOCAL_IO_PATHS = (
+    os.path.join("torch", "distributed", "checkpoint", "filesystem.py"),
+)  # not waiting on peers
 _COLLECTIVE_PATHS = (
     os.path.join("torch", "distributed") + os.sep,
     os.path.join("raggedfsdp", "fsdp") + os.sep,
@@ -75,8 +82,12 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
 
 
 def in_collective(frame) -> bool:
-    """True if the innermost Python frame is communication code (the thread waits on peers)."""
-    return frame is not None and any(p in frame.f_code.co_filename for p in _COLLECTIVE_PATHS)
+    """True if the innermost Python frame is communication code (the thread waits on peers); DCP's
+    file writes (``_LOCAL_IO_PATHS``) are not."""
+    if frame is None:
+        return False
+    path = frame.f_code.co_filename
+    return any(p in path for p in _COLLECTIVE_PATHS) and not any(p in path for p in _LOCAL_IO_PATHS)
 
 
 def _where(frame) -> str:
@@ -101,10 +112,13 @@ class NoWatchdog:
     def arm(self) -> None:
         pass
 
-    def progress(self, where: str, step: int | None = None) -> None:
+    def progress(self, where: str, step: int | None = None, phase: str | None = None) -> None:
         pass
 
     def paused(self, where: str):
+        return contextlib.nullcontext()
+
+    def watching(self, phase: str, where: str):
         return contextlib.nullcontext()
 
 
@@ -172,6 +186,7 @@ class Watchdog:
         self.store = store
         self.parent = os.getppid()
         self.where = "start-up"
+        self.phase = "start-up"
         self.step = 0
         self._last = time.monotonic()
         self._paused = 1  # start-up (corpus, model init, checkpoint load) is not watched: arm()
@@ -189,13 +204,16 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval_s + 1)
 
-    def progress(self, where: str, step: int | None = None) -> None:
-        """Called by the trainer's main thread whenever it gets on (cheap: two assignments)."""
+    def progress(self, where: str, step: int | None = None, phase: str | None = None) -> None:
+        """Called by the trainer's main thread whenever it gets on (cheap: a few assignments);
+        ``phase``: ``train``, ``eval``, ... (None: unchanged), named in a hang report."""
         now = time.monotonic()
-        if not self._paused:  # typical time between marks (how long "no progress" may be normal)
+        if not self._paused and self.phase != "save":  # typical time between marks
             self._gap = 0.8 * self._gap + 0.2 * (now - self._last)
         self._last = now
         self.where = where
+        if phase is not None:
+            self.phase = phase
         if step is not None:
             if step != self.step:  # a new step began: the previous one's duration (with eval, saves)
                 if self._step_start is not None:
@@ -211,6 +229,13 @@ class Watchdog:
         t, why = self.timeout_s, f"job.hang_timeout_s={self.timeout_s:g}"
         if t <= 0:
             return 0.0, "off"
+        if (
+            self.phase == "save" and self.pg_timeout_s > 0
+        ):  # no marks while DCP writes: the longest safe limit
+            return (
+                PG_FRACTION * self.pg_timeout_s,
+                f"in a save: {PG_FRACTION:g} x job.pg_timeout_s={self.pg_timeout_s:g}",
+            )
         if self._steps:
             adaptive = max(MIN_HANG_S, STEP_FACTOR * max(self._steps))
             if adaptive < t:
@@ -230,6 +255,17 @@ class Watchdog:
         """Start hang detection (the trainer calls it when its step loop begins)."""
         self.progress("training loop")
         self._paused = max(0, self._paused - 1)
+
+    @contextlib.contextmanager
+    def watching(self, phase: str, where: str):
+        """Hang detection inside a long phase without marks (a checkpoint save: ``phase="save"``),
+        with that phase's limit (:meth:`effective_timeout`); a pending signal never cuts it off."""
+        before = self.phase
+        self.progress(where, phase=phase)
+        try:
+            yield
+        finally:
+            self.progress(f"after {where}", phase=before)
 
     @contextlib.contextmanager
     def paused(self, where: str):
@@ -254,15 +290,22 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001 (the watchdog must never kill a healthy job)
                 print(f"{self.tag} watchdog: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
+    def launcher_gone(self) -> bool:
+        """True once this process's parent (torchrun's agent, which hosts the job's store) has died."""
+        return os.getppid() != self.parent
+
     def _tick(self) -> None:
         now = time.monotonic()
         frame = self._main_frame()
         waiting = in_collective(frame)
-        if os.getppid() != self.parent and self.interrupts is not None and self.interrupts.signum == 0:
-            self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
+        if self.launcher_gone():
+            self.store = None  # its store died with it: no heartbeat (a store call prints a C++ stack)
+            if self.interrupts is not None and self.interrupts.signum == 0:
+                self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
         ints = self.interrupts
         idle = now - self._last
         pending = ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S
+        pending = pending and self.phase != "save"  # a save is never cut off (see Interrupts)
         if pending and idle > max(GRACE_S, 3 * self._gap):  # not getting on to the step boundary
             name = signal.Signals(ints.signum).name
             state = "waiting in a collective (a peer is gone?)" if waiting else "stuck"
@@ -278,6 +321,7 @@ class Watchdog:
                 "t": time.time(),
                 "step": self.step,
                 "where": self.where,
+                "phase": self.phase,
                 "waiting": waiting,
                 "idle": idle,
             }
@@ -292,8 +336,8 @@ class Watchdog:
             self._fail(
                 self.rank,
                 f"rank {self.rank} made no progress for {idle:.1f}s (hang timeout {limit:g}s: {why}) "
-                f"at step {self.step} (last: {self.where}); its main thread is at {_where(frame)}, not in "
-                "a collective, so the other ranks are waiting for it",
+                f"at step {self.step}, phase: {self.phase} (last: {self.where}); its main thread is at "
+                f"{_where(frame)}, not in a collective, so the other ranks are waiting for it",
                 frame,
             )
         frozen = self._frozen_peer() if self.store is not None else None
@@ -302,8 +346,8 @@ class Watchdog:
             self._fail(
                 r,
                 f"rank {r} stopped responding: no heartbeat for {age:.1f}s (last at step {beat.get('step')}, "
-                f"{beat.get('where')}); rank {self.rank} has waited {idle:.1f}s in a collective at "
-                f"{_where(frame)}",
+                f"phase: {beat.get('phase', '?')}, {beat.get('where')}); rank {self.rank} has waited {idle:.1f}s "
+                f"in a collective at {_where(frame)}",
                 None,
             )
 
@@ -319,7 +363,7 @@ class Watchdog:
         return None
 
     def _fail(self, culprit: int, message: str, frame) -> None:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        from raggedfsdp.launch.failures import REPORTED_ENV, record_failure
 
         if frame is not None:
             stack = "".join(traceback.format_stack(frame)).rstrip("\n").splitlines()
@@ -328,9 +372,11 @@ class Watchdog:
                 file=sys.stderr,
             )
         err = HangError(message)
-        print(f"{self.tag} error: HangError: {message}", file=sys.stderr, flush=True)
+        if os.environ.get(REPORTED_ENV) != "1":  # else the launcher prints it, last
+            print(f"{self.tag} error: HangError: {message}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
         with contextlib.suppress(Exception):
-            get_error_handler().record_exception(err)
+            record_failure(err, (culprit,))
         os._exit(1)
 
 

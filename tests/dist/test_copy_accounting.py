@@ -17,7 +17,7 @@ import torch
 
 from _dist import run_distributed
 from _toy_models import ToyLM, batches, lm_loss, shard_model
-from raggedfsdp.fsdp.copy_accounting import CopyCounter
+from raggedfsdp.bench.copy_accounting import CopyCounter
 
 def _count(model, tok, tgt):
     lm_loss(model, tok, tgt).backward()  # warm-up: lazy init, first allocations

@@ -1,5 +1,6 @@
-"""The runnable snippets of docs/fsdp.md "Composing with TP and torch.compile", executed as written on 4
-gloo ranks (the ``torchrun --nproc-per-node 4`` the docs name): they must run and lower the loss."""
+"""The runnable snippets of docs/fsdp.md "Composing with TP, EP and torch.compile", executed as written on 4
+gloo ranks (the ``torchrun --nproc-per-node 4`` the docs name), TP and EP in one spawn: they must run, print
+the placements they claim and lower the loss."""
 
 from __future__ import annotations
 
@@ -20,15 +21,23 @@ def snippet(name: str) -> str:
     return m.group(1)
 
 
-def _run(rank, ws, code):
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        exec(compile(code, str(DOC), "exec"), {"__name__": "__main__"})
-    out = buf.getvalue()
-    assert "('dp', 'tp') (RaggedShard(" in out and "Shard(dim=1))" in out, out
-    losses = [float(x) for x in re.findall(r"loss (\S+)", out)]
-    assert len(losses) == 3 and losses[2] < losses[0], out
+def _run(rank, ws, snippets):
+    for code, placements in snippets:
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            exec(compile(code, str(DOC), "exec"), {"__name__": "__main__"})
+        out = buf.getvalue()
+        assert all(p in out for p in placements), out
+        losses = [float(x) for x in re.findall(r"loss (\S+)", out)]
+        assert len(losses) == 3 and losses[2] < losses[0], out
 
 
-def test_compose_tp_snippet_runs():
-    run_distributed(_run, 4, snippet("compose-tp"))
+def test_compose_tp_and_ep_snippets_run():
+    run_distributed(
+        _run,
+        4,
+        [
+            (snippet("compose-tp"), ("('dp', 'tp') (RaggedShard(", "Shard(dim=1))")),
+            (snippet("compose-ep"), ("('dp', 'ep') (RaggedShard(", "Shard(dim=0))")),
+        ],
+    )

@@ -1,6 +1,6 @@
 """Peak live memory of a training step: raggedfsdp's fully_shard vs torch's, and against a bound.
 
-Method: ``raggedfsdp.fsdp.memory.measure_train_step`` (CPU allocator events, docs/memory.md) on
+Method: ``raggedfsdp.bench.memory.measure_train_step`` (CPU allocator events, docs/memory.md) on
 torch's fake process group (single-threaded: collectives are no-ops, every FSDP buffer is allocated
 and freed exactly as on a real backend, minus backend scratch; deterministic). What our collectives
 report to raggedfsdp's early-free poll (Note [early free] in ``raggedfsdp/fsdp/_reduce.py``) is fixed
@@ -62,7 +62,9 @@ OPTIM_SLACK_FRACTION, OPTIM_SLACK_MIN = 0.005, 64 * 1024
 
 def _act_bytes(init, x, dtype) -> int:
     """Forward peak of the unsharded model in ``dtype`` on the local batch + 4 backward temporaries."""
-    from raggedfsdp.fsdp.memory import PeakMemory
+    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+
+    enable_cpu_allocator_accounting()  # before anything this process measures is allocated
 
     ref = MemNet()
     ref.load_state_dict(init)
@@ -81,12 +83,12 @@ def _layout_excess(mesh, init) -> int:
     splits evenly without a cut block (this model at ws 3); the root's ``Linear`` at ws 2 is 513 rows
     that cannot split evenly without cutting one (a bias row lands whole on rank 0): 7 KiB."""
     model, _ = builder("ragged", init, mesh)()
+    from raggedfsdp.fsdp import fsdp_units
+
     out = 0
-    for m in model.modules():
-        st = getattr(m, "_raggedfsdp_state", None)
-        if st is not None and st.group is not None:
-            lay = st.group.bufs.layout
-            out += 4 * (2 * lay.padding + 3 * (lay.shard_size - -(-lay.total_numel // lay.world_size)))
+    for unit in fsdp_units(model):
+        lay = unit.layout
+        out += 4 * (2 * lay.padding + 3 * (lay.shard_size - -(-lay.total_numel // lay.world_size)))
     return out
 
 
@@ -94,7 +96,8 @@ def _step_case(rank, ws):
     from _memory import comm_completion
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.fsdp.memory import measure_train_step
+    from raggedfsdp.bench.measure import state_bytes
+    from raggedfsdp.bench.memory import measure_train_step
 
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
@@ -126,13 +129,22 @@ def _step_case(rank, ws):
     # K = 2 reduce-scatter inputs in flight: exactly one more unsharded grad unit at the peak
     build = builder("ragged", init, mesh)
 
+    built, reported = [], []
+
     def build_k2():
         model, opt = build()
         model.set_reduce_scatter_max_input_buffers(2)
+        built[:] = [model, opt]
         return model, opt
 
+    def loss_k2(model):  # the runtime's own report of what it holds, at the start of every step
+        reported.append(state_bytes(*built))
+        return loss_fn(x)(model)
+
     with comm_completion("never"):
-        out["fp32 K=2"] = measure_train_step(build_k2, loss_fn(x))._asdict()
+        out["fp32 K=2"] = measure_train_step(build_k2, loss_k2)._asdict()
+    built.clear()
+    out["reported_state_bytes"] = reported[-1]  # the measured step's
     out["unit_grad_bytes"] = unit_numel * 4
     return out
 
@@ -142,7 +154,9 @@ def _frozen_case(rank, ws):
     from _memory import backends
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.fsdp.memory import PeakMemory, storage_bytes
+    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting, storage_bytes
+
+    enable_cpu_allocator_accounting()  # before anything this process measures is allocated
 
     mesh = init_device_mesh("cpu", (ws,))
     x = torch.randn(8, 2048, generator=torch.Generator().manual_seed(rank))
@@ -193,6 +207,11 @@ def test_step_peak_memory_bounded(step_results, ws):
         extra = k2["fwd_bwd_peak_bytes"] - res["fp32"]["ragged"]["fwd_bwd_peak_bytes"]
         rows.append(f"ws={ws} rank={rank} fp32 K=2: fwd+bwd peak {k2['fwd_bwd_peak_bytes'] / MiB:.2f} MiB "
                     f"(+{extra / MiB:.2f} MiB over K=1; one grad unit is {unit_grad / MiB:.2f} MiB)")
+        # what the allocator says is live at the step's start == params + grads + Adam state + the storages
+        # the runtime reports (fsdp_units -> UnitBuffers.storages): it reports every buffer it keeps
+        if k2["state_bytes"] != res["reported_state_bytes"]:
+            failures.append(f"ws={ws} rank={rank}: live at the step's start {k2['state_bytes']} B (allocator) != "
+                            f"{res['reported_state_bytes']} B (parameters, grads, Adam state, fsdp_units storages)")
         if not 0 < extra <= unit_grad + 4096:
             failures.append(f"ws={ws} rank={rank}: set_reduce_scatter_max_input_buffers(2) changed the peak by "
                             f"{extra / MiB:.2f} MiB, expected one unsharded grad unit ({unit_grad / MiB:.2f} MiB)")
@@ -284,7 +303,9 @@ def _late_grad_case(rank, ws):
     from _memory import backends
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.fsdp.memory import PeakMemory
+    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+
+    enable_cpu_allocator_accounting()  # before anything this process measures is allocated
 
     mesh = init_device_mesh("cpu", (ws,))
     x = torch.randn(256, 512, generator=torch.Generator().manual_seed(rank))
@@ -326,7 +347,9 @@ def _gloo_reduce_scatter_case(rank, ws):
     import torch.distributed as dist
 
     from raggedfsdp.buffer import DBuffer
-    from raggedfsdp.fsdp.memory import PeakMemory
+    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+
+    enable_cpu_allocator_accounting()  # before anything this process measures is allocated
     from raggedfsdp.planner import plan_layout
 
     layout = plan_layout([3 * 100_003, 7], [1, 1], ws)

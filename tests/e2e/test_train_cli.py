@@ -153,19 +153,22 @@ def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert elapsed < 60, f"took {elapsed:.0f}s"
-    assert "the 2-rank job failed" in output and "Root Cause" in output
+    # one error line, the last (the root cause's); torchrun's failure table and every traceback are in
+    # OUT/failure.log, its log lines in OUT/launcher.log (issue 23: one clear last line)
+    assert "Root Cause" not in output and "closing signal" not in output and "FAILED" not in output, output
+    assert len([ln for ln in proc.stderr.splitlines() if " error: " in ln]) == 1, proc.stderr
     last = proc.stderr.rstrip().splitlines()[-1]  # the one-line summary comes last, easy to find
+    assert last.endswith(f"(every rank's report: {tmp_path / 'failure.log'})"), last
+    report = (tmp_path / "failure.log").read_text()
+    assert "Root Cause" in report and last in report, report
     if mode == "raise":
-        assert "[rank 1/2] error: RuntimeError: injected failure on rank 1 at step 2" in output
-        assert "rank      : 1 (local_rank: 1)" in output
         assert last.startswith(
             "raggedfsdp train: [rank 1/2] error: RuntimeError: injected failure on rank 1 at step 2"
         ), last
-        assert "traceback above and in " in last and last.endswith("error.json)")
-        # the root cause's traceback is printed once (rank-tagged), not again per rank in the summary
+        # the root cause's traceback is printed once (rank-tagged); the report holds every rank's
         assert output.count("Traceback (most recent call last)") == 1, output
         assert "[rank 1/2]     raise RuntimeError(" in output
-        assert "  traceback : RuntimeError: injected failure on rank 1 at step 2" in output
+        assert "rank      : 1 (local_rank: 1)" in report and "    raise RuntimeError(" in report
     else:
         # the watchdog fires before the process-group timeout (0.6 x --job.pg_timeout_s) and blames
         # the hung rank, not rank 0 waiting for it in a collective (issue 23 item 2)
@@ -197,11 +200,12 @@ def test_failure_report_blames_the_root_cause(tmp_path):
 
     from raggedfsdp.launch.failures import failure_report
 
-    def failure(rank, exitcode, message=None):
-        path = tmp_path / f"error_{rank}.json"
+    def failure(rank, exitcode, message=None, culprits=None):
+        path = tmp_path / f"error_{rank}_{exitcode}_{culprits}.json"
         if message is not None:
             tb = "Traceback (most recent call last):\n  File x\n" + message + "\n"
-            data = {"message": {"message": message, "extraInfo": {"py_callstack": tb, "timestamp": "100"}}}
+            extra = {"py_callstack": tb, "timestamp": "100", **({"culprits": culprits} if culprits else {})}
+            data = {"message": {"message": message, "extraInfo": extra}}
             path.write_text(json.dumps(data))
         return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
@@ -224,6 +228,16 @@ def test_failure_report_blames_the_root_cause(tmp_path):
     _, last = failure_report(err, 2)
     assert last.startswith("raggedfsdp train: [rank 0/2] error: RuntimeError: Timed out waiting")
     assert last.endswith("another rank failed or hung first")
+    # a recorded error that blames rank 1 (launch.failures.record_failure): rank 1 is the root cause even
+    # when rank 0 recorded the same error first, or when rank 1 was stopped before it recorded
+    msg = "NonFiniteError: non-finite loss on rank 1 at step 3"
+    for one in (failure(1, 1, msg + ": tensor w", culprits=[1]), failure(1, -15)):
+        err = ChildFailedError("w", {0: failure(0, 1, msg, culprits=[1]), 1: one})
+        _, last = failure_report(err, 2, details="OUT/failure.log")
+        want = msg + (": tensor w" if one.exitcode == 1 else "")
+        assert last == f"raggedfsdp train: [rank 1/2] error: {want} (every rank's report: OUT/failure.log)", (
+            last
+        )
 
 
 def _clean_error(argv: list[str], capsys) -> str:

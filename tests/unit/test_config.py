@@ -156,6 +156,8 @@ def test_override_argv_round_trip(tmp_path):
         ({"model.n_kv_heads": "3"}, "n_kv_heads must divide n_heads"),
         ({"training.seq_len": "100000"}, "exceeds the model's max_seq_len"),
         ({"data.val_fraction": "1.5"}, "val_fraction"),
+        ({"model.name": "moe", "parallel.ep": "2", "parallel.tp": "2"}, "EP x TP is not supported"),
+        ({"model.name": "moe", "parallel.ep": "2", "parallel.dp_replicate": "2"}, "EP x HSDP"),
     ],
 )
 def test_validation_errors(overrides, match):

@@ -1,4 +1,4 @@
-"""The peak-memory method (raggedfsdp.fsdp.memory.PeakMemory) against known allocations and RSS.
+"""The peak-memory method (raggedfsdp.bench.memory.PeakMemory) against known allocations and RSS.
 
 Known allocations: fresh tensors, a storage freed and regrown with ``untyped_storage().resize_``
 (how DBuffer and FSDP2 free unsharded buffers), a kernel's internal temporary, windows split with
@@ -17,7 +17,19 @@ import textwrap
 import pytest
 import torch
 
-from raggedfsdp.fsdp.memory import PeakMemory, live_tensor_bytes, measure_train_step, storage_bytes
+from raggedfsdp.bench.memory import (
+    PeakMemory,
+    enable_cpu_allocator_accounting,
+    live_tensor_bytes,
+    measure_train_step,
+    storage_bytes,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _accounting():
+    enable_cpu_allocator_accounting()  # what a measuring process does first (docs/memory.md)
+
 
 F32 = 4
 
@@ -132,7 +144,8 @@ def test_gc_scan_sees_python_held_tensors():
 _RSS_SCRIPT = textwrap.dedent(
     """
     import torch
-    from raggedfsdp.fsdp.memory import PeakMemory
+    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+    enable_cpu_allocator_accounting()  # before `keep` is allocated: its resize_(0) free must be reported
     torch.set_num_threads(1)
 
     def rss_hwm():

@@ -10,7 +10,8 @@ import pytest
 from raggedfsdp.sizing.archs import load_config, model_units
 from raggedfsdp.sizing.memory_estimate import estimate_memory
 from raggedfsdp.sizing.modelplan import fsdp2_padding
-from raggedfsdp.sizing.steptime import CLUSTERS, Parallel, _coll, estimate_time, rank_configs
+from raggedfsdp.sizing.steptime import CLUSTERS, Parallel, _coll, estimate_time
+from raggedfsdp.sizing.steptime_search import rank_configs
 
 H100 = CLUSTERS["h100"]
 
@@ -140,3 +141,11 @@ def test_rank_configs_sorted_and_complete():
     dims = {(c["dp_shard"], c["dp_replicate"], c["tp"]) for c, _ in rows}
     assert (16, 1, 1) in dims and (4, 2, 2) in dims and (2, 1, 8) in dims
     assert all(c["dp_shard"] * c["dp_replicate"] * c["tp"] == 16 for c, _ in rows)
+
+
+def test_the_old_import_path_of_the_search_half_still_works():
+    from raggedfsdp.sizing import steptime, steptime_search
+
+    assert steptime.rank_configs is steptime_search.rank_configs
+    assert steptime.calibrate is steptime_search.calibrate
+    assert steptime.format_time_report is steptime_search.format_time_report

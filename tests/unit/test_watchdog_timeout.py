@@ -27,3 +27,22 @@ def test_effective_timeout_rule():
     capped = _wd(timeout_s=60.0, pg_timeout_s=20.0)
     assert capped.effective_timeout() == (PG_FRACTION * 20.0, "0.6 x job.pg_timeout_s=20")
     assert _wd(timeout_s=0.0, pg_timeout_s=20.0).effective_timeout() == (0.0, "off")
+    # a save makes no marks while DCP writes: watched with the longest limit below the pg timeout
+    # (issue 23 item 2), whatever the step times; back to the step rule after it
+    wd = _wd(timeout_s=10.0, pg_timeout_s=200.0)
+    wd.arm()
+    with wd.watching("save", "saving step 3"):
+        assert (wd.phase, wd.where) == ("save", "saving step 3") and not wd._paused
+        assert wd.effective_timeout() == (PG_FRACTION * 200.0, "in a save: 0.6 x job.pg_timeout_s=200")
+    assert wd.phase == "start-up" and wd.effective_timeout() == (10.0, "job.hang_timeout_s=10")
+
+
+def test_dcp_file_writes_are_not_a_collective():
+    from torch.distributed.checkpoint import filesystem
+
+    from raggedfsdp.train.watchdog import in_collective
+
+    class F:  # a stand-in for a frame inside DCP's FileSystemWriter (this rank's own I/O)
+        f_code = type("C", (), {"co_filename": filesystem.__file__})()
+
+    assert not in_collective(F())

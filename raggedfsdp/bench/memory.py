@@ -34,6 +34,13 @@ tracker cannot: a storage freed and regrown in place with ``untyped_storage().re
 is a ``-n`` then a ``+n`` event, and temporaries made inside a kernel count too. Sources:
 ``c10/core/CPUAllocator.cpp`` (``ProfiledCPUMemoryReporter``), ``torch/autograd/profiler_util.py``.
 
+**Switching the CPU accounting on.** Importing this module changes nothing. c10 reports the free of a
+block only if its process-wide accounting flag was set when the block was allocated
+(:func:`enable_cpu_allocator_accounting`, in ``placement/_patches.py``; the first CPU
+:class:`PeakMemory` sets it too). A process that builds what it measures before it enters a region
+calls ``enable_cpu_allocator_accounting()`` first; :func:`measure_train_step` builds inside its
+region, so it needs nothing.
+
 On CPU ``baseline_bytes`` of the first window is the total size of the distinct tensor storages
 reachable from Python objects at entry (a ``gc`` scan: parameters, gradients, optimizer state; a
 storage held only by C++, e.g. by a live autograd graph, is not seen, so it is a lower bound), and
@@ -73,6 +80,7 @@ from raggedfsdp.placement._patches import enable_cpu_allocator_accounting
 
 __all__ = [
     "MemoryWindow",
+    "enable_cpu_allocator_accounting",
     "PeakMemory",
     "StepMemory",
     "live_tensor_bytes",
@@ -81,8 +89,8 @@ __all__ = [
 ]
 
 _MARK = "raggedfsdp.PeakMemory.reset"
-# On import, so that the blocks allocated from now on are known when freed (module docstring).
-enable_cpu_allocator_accounting()
+# Not on import (importing changes nothing global): the first PeakMemory sets c10's flag, or the
+# measuring process calls enable_cpu_allocator_accounting() before it allocates what it measures.
 
 
 class MemoryWindow(NamedTuple):
