@@ -198,8 +198,9 @@ class FSDPParamGroup:
     def _warn_padding(self) -> None:
         """Warn once per unit (on global rank 0) when its layout pads ``PADDING_WARN_EXCESS`` of its
         elements more than torch's ``fully_shard`` would (its dim-0 padding): blocks never cut by a rank
-        boundary (default: whole rows) cost memory at large world sizes that element-wise optimizers do
-        not need. Local."""
+        boundary (a block policy: rows, tiles, Shampoo bands) cost memory at large world sizes. The
+        default (element granularity, no ``shard_placement_fn``) pads at most ``align`` elements per
+        rank and never warns. Local."""
         import warnings
 
         import torch.distributed as dist
@@ -218,9 +219,9 @@ class FSDPParamGroup:
             f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its {self.layout.total_numel} "
             f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank boundary "
             f"may cut a block; its largest blocks: {blocks}. Only structure-aware optimizers need blocks "
-            "(raggedfsdp.optim.Muon works on any layout; AdamW8bit needs its shard_placement_fn, 'tile:32x32'); "
-            "for AdamW / SGD pass shard_placement_fn=lambda p: 'element' to fully_shard, or shard over fewer "
-            "ranks (HSDP: a 2-D mesh)",
+            "(AdamW8bit, Shampoo: their shard_placement_fn). For AdamW, SGD and raggedfsdp.optim.Muon leave "
+            "shard_placement_fn unset (the default, element granularity, pads least); otherwise give blocks only "
+            "to the parameters that need them, or shard over fewer ranks (HSDP: a 2-D mesh)",
             stacklevel=4,
         )
 
