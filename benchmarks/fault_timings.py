@@ -86,7 +86,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-NOISE = ("FAILED", "Root Cause", "closing signal", "frame #", "Traceback")  # torchrun's table, C++ stacks
+NOISE = ("FAILED", "Root Cause", "closing signal", "frame #")  # torchrun's table and log lines, C++ stacks
 
 
 def _shape(text: str) -> str:

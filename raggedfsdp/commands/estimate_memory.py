@@ -73,7 +73,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="tensor-parallel size with --model (dense models): matrices split over N ranks, the TP-local "
         "shapes sharded over world/(replicate x N) (default: 1)",
     )
-    p.add_argument("--granularity", default="row", help="planner block for matrices (row, rows:K, ...)")
+    p.add_argument(
+        "--granularity",
+        default="element",
+        help="planner block for matrices (default element, as fully_shard's; row, rows:K, tile:RxC, ...)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (a list for several world sizes)"
     )

@@ -64,8 +64,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--granularity",
-        default="row",
-        help="block for matrices: element | row | rows:K | tile:RxC | slice | matrix (vectors: element)",
+        default="element",
+        help="block for matrices: element (default, as fully_shard's: least padding) | row | rows:K | tile:RxC | "
+        "slice | matrix (vectors: element)",
     )
     p.add_argument(
         "--unit",

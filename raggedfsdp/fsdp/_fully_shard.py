@@ -92,8 +92,12 @@ def fully_shard(
             backward all-gather runs within consecutive groups of ``k`` ranks (e.g. one node);
             ``k == m`` is ``True`` and ``k == 1`` is ``False``.
         shard_placement_fn: the per-parameter block policy (the paper's ``orig_param_policy``):
-            ``fn(param) -> None | Shard(0) | int | str | BlockSpec``. ``None`` / ``Shard(0)`` give row
-            blocks (``shape[-1]`` elements, 1 for vectors); an ``int`` is a block size in elements; a
+            ``fn(param) -> None | Shard(0) | int | str | BlockSpec``. ``None`` (and no
+            ``shard_placement_fn`` at all) gives element granularity, the least padding: element-wise
+            optimizers (AdamW, SGD) and ``raggedfsdp.optim.Muon`` need no blocks, and the optimizers
+            that do declare them (``AdamW8bit.shard_placement_fn``, ``Shampoo.shard_placement_fn``).
+            ``Shard(0)`` gives row blocks (``shape[-1]`` elements, 1 for vectors), as torch's
+            ``fully_shard`` keeps whole rows; an ``int`` is a block size in elements; a
             block spec ``"element"``, ``"row"``, ``"rows:K"``, ``"tile:RxC"`` (e.g. 32x32 quantization
             tiles) or ``"matrix"`` is resolved by ``raggedfsdp.planner.granularity_for``. No rank
             boundary ever cuts a block.

@@ -221,7 +221,10 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
 
 
 def _granularity_fn(shard_placement_fn):
-    """Map ``shard_placement_fn(param)`` to a block size in elements (``None``: default row blocks)."""
+    """Map ``shard_placement_fn(param)`` to a block size in elements. ``None`` (or no
+    ``shard_placement_fn``): ``planner.DEFAULT_BLOCK``, element granularity, the least padding (issue 22);
+    ``Shard(0)``: row blocks (what the user asked torch's fully_shard for); TP/EP DTensors: the same,
+    on the TP-local tensor."""
     from torch.distributed.tensor import Shard
 
     from raggedfsdp.planner.policy import BlockSpec, granularity_for, granularity_for_local
@@ -229,8 +232,8 @@ def _granularity_fn(shard_placement_fn):
     def fn(p: nn.Parameter, fqn: str = ""):
         r = shard_placement_fn(p) if shard_placement_fn is not None else None
         if isinstance(p, DTensor):  # TP/EP: blocks of the global shape, seen in the TP-local tensor
-            if isinstance(r, Shard) and r.dim == 0:
-                r = None
+            if isinstance(r, Shard) and r.dim == 0:  # FSDP2: Shard(0) of the TP-local tensor, one local row
+                return granularity_for(p._local_tensor.shape, "row", name=fqn)[0]
             if r is None or isinstance(r, (str, tuple, BlockSpec)):
                 return granularity_for_local(p.shape, p._local_tensor.shape, r, name=fqn)[0]
         if r is None:
@@ -246,7 +249,7 @@ def _granularity_fn(shard_placement_fn):
                     f"fully_shard: shard_placement_fn returned {r} for {fqn!r} of shape {tuple(p.shape)}; raggedfsdp "
                     "lays parameters out flat, so only Shard(0) (row blocks) or a block spec is supported"
                 )
-            return granularity_for(p.shape, None, name=fqn)[0]
+            return granularity_for(p.shape, "row", name=fqn)[0]
         if isinstance(r, int):
             return r
         return granularity_for(p.shape, r, name=fqn)[0]

@@ -22,6 +22,7 @@ Notes [grad fold] and [frozen parameters] are in ``_grads.py`` (the gradient sid
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
+from raggedfsdp.fsdp._common import register_on_owners, requires_grad_unchanged
 from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
@@ -196,8 +198,9 @@ class FSDPParamGroup:
     def _warn_padding(self) -> None:
         """Warn once per unit (on global rank 0) when its layout pads ``PADDING_WARN_EXCESS`` of its
         elements more than torch's ``fully_shard`` would (its dim-0 padding): blocks never cut by a rank
-        boundary (default: whole rows) cost memory at large world sizes that element-wise optimizers do
-        not need. Local."""
+        boundary (a block policy: rows, tiles, Shampoo bands) cost memory at large world sizes. The
+        default (element granularity, no ``shard_placement_fn``) pads at most ``align`` elements per
+        rank and never warns. Local."""
         import warnings
 
         import torch.distributed as dist
@@ -216,9 +219,9 @@ class FSDPParamGroup:
             f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its {self.layout.total_numel} "
             f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank boundary "
             f"may cut a block; its largest blocks: {blocks}. Only structure-aware optimizers need blocks "
-            "(raggedfsdp.optim.Muon works on any layout; AdamW8bit needs its shard_placement_fn, 'tile:32x32'); "
-            "for AdamW / SGD pass shard_placement_fn=lambda p: 'element' to fully_shard, or shard over fewer "
-            "ranks (HSDP: a 2-D mesh)",
+            "(AdamW8bit, Shampoo: their shard_placement_fn). For AdamW, SGD and raggedfsdp.optim.Muon leave "
+            "shard_placement_fn unset (the default, element granularity, pads least); otherwise give blocks only "
+            "to the parameters that need them, or shard over fewer ranks (HSDP: a 2-D mesh)",
             stacklevel=4,
         )
 
@@ -241,11 +244,13 @@ class FSDPParamGroup:
 
     @property
     def any_trainable(self) -> bool:
-        return any(fp.sharded.requires_grad for fp in self.fsdp_params)
+        return any([fp.sharded.requires_grad for fp in self.fsdp_params])
 
     def refresh_requires_grad(self) -> None:
         """Copy each sharded param's current ``requires_grad`` onto its unsharded param (as FSDP2 does at
         each unshard), so freezing or unfreezing after ``fully_shard`` is honoured. Local."""
+        if requires_grad_unchanged(self.fsdp_params):
+            return  # the per-step case: no per-parameter branches
         changed = False
         for fp in self.fsdp_params:
             rg = fp.sharded.requires_grad
@@ -326,7 +331,7 @@ class FSDPParamGroup:
     def _register_grad_hook(self, fp: FSDPParam) -> None:
         # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
         # param's gradient, so the unit's grad buffer is allocated at its first gradient
-        fp.unsharded.register_hook(lambda _g, fp=fp: self.grads.on_grad(fp))
+        fp.unsharded.register_hook(functools.partial(self.grads.on_grad, fp))  # C partial: 1 Python frame
         fp.hooked = True
 
     def reset_sharded_storage(self) -> None:
@@ -448,7 +453,7 @@ class FSDPParamGroup:
         return (
             self._master_changes
             + self.bufs.sharded.data._version
-            + sum(fp.sharded._version for fp in self.fsdp_params)
+            + sum([fp.sharded._version for fp in self.fsdp_params])
         )
 
     def _gather_is_current(self) -> bool:
@@ -502,8 +507,7 @@ class FSDPParamGroup:
             self._version_guard.__exit__(None, None, None)
             self._unshard, self._version_guard = None, None
         self.refresh_requires_grad()
-        for fp in self.fsdp_params:
-            fp.set_on_owners(fp.unsharded)
+        register_on_owners(self.fsdp_params, "unsharded")
         self.param_state = ParamState.UNSHARDED
 
     # ---- int reshard_after_forward: keep a 1/k slice, re-gather within k ranks ----------------
@@ -553,8 +557,7 @@ class FSDPParamGroup:
             self.wait_for_unshard()
         if self.param_state is ParamState.UNSHARDED:
             self.refresh_requires_grad()  # a change made on the registered unsharded params carries over
-            for fp in self.fsdp_params:
-                fp.set_on_owners(fp.sharded)
+            register_on_owners(self.fsdp_params, "sharded")
             self.param_state = ParamState.SHARDED
         if free and self.bufs.params.is_allocated:
             check(self._unshard is None, "free of the unsharded params while their all-gather is pending")

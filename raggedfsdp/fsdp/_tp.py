@@ -60,6 +60,11 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
         f"fully_shard: parameter {fqn!r} is a DTensor with placements {tuple(spec.placements)} on {tp_mesh}"
     )
     if _root(tp_mesh) is not _root(dp_mesh) and _root(tp_mesh) != _root(dp_mesh):
+        twin = _twin_submesh(dp_mesh, tp_mesh)
+        if twin is not None:  # torch handed out an equal mesh of another root (see _twin_submesh)
+            spec = DTensorSpec(twin, spec.placements, spec.tensor_meta)
+            tp_mesh = twin
+    if _root(tp_mesh) is not _root(dp_mesh) and _root(tp_mesh) != _root(dp_mesh):
         raise ValueError(
             f"{where}, which is not derived from the same root mesh as the FSDP mesh {dp_mesh}; build both "
             "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh=root['dp'] to fully_shard"
@@ -95,6 +100,22 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
     if not p._local_tensor.is_contiguous():
         raise ValueError(f"{where}: its local tensor is not contiguous; make the TP-local data .contiguous()")
     return spec
+
+
+def _twin_submesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The sub-mesh of ``dp_mesh``'s root with ``tp_mesh``'s dim names and ranks, or None. Local.
+
+    Two root meshes in one process whose 1-D ``tp`` sub-meshes hold the same ranks compare equal, and torch
+    (2.13, ``parallelize_module`` / ``distribute_tensor``) may give a parameter the first one it made: a TP
+    parameter of the second model then sits on the first root's ``tp`` mesh although it was parallelized over
+    the second's. Same ranks, same groups: the equal sub-mesh of the FSDP mesh's root stands in for it.
+    """
+    names = tuple(tp_mesh.mesh_dim_names or ())
+    root = _root(dp_mesh)
+    if not names or not set(names) <= set(root.mesh_dim_names or ()):
+        return None
+    twin = root[names] if len(names) > 1 else root[names[0]]
+    return twin if twin.mesh.tolist() == tp_mesh.mesh.tolist() else None
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:

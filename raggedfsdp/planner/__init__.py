@@ -15,6 +15,7 @@ from raggedfsdp.planner.grad_layout import GradLayout, plan_grad_layout
 from raggedfsdp.planner.layout import Layout, dim0_shard_padding, padding_vs_fsdp2, validate_layout
 from raggedfsdp.planner.planner import plan_layout
 from raggedfsdp.planner.policy import (
+    DEFAULT_BLOCK,
     BlockSpec,
     ParamBlock,
     Policy,
@@ -27,6 +28,7 @@ from raggedfsdp.planner.policy import (
 )
 
 __all__ = [
+    "DEFAULT_BLOCK",
     "BlockSpec",
     "GradLayout",
     "Layout",

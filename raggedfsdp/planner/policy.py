@@ -3,7 +3,11 @@
 This is the paper's per-parameter hook ``orig_param_policy`` (veScale-FSDP, sections 4 and 5.1),
 shaped like FSDP2's ``shard_placement_fn``: a callable ``fn(param_or_shape) -> BlockSpec | str | None``
 that says which block of the parameter must never be cut by a rank boundary. ``None`` means the
-default, ``"row"`` (which is ``"element"`` for vectors).
+default, :data:`DEFAULT_BLOCK` = ``"element"``: the least padding (issue 22), since a layout valid
+for any coarser block is valid for elements too. Only structure-aware optimizers need blocks, and
+they declare them: ``AdamW8bit.shard_placement_fn`` (32x32 tiles), ``Shampoo.shard_placement_fn``
+(whole bands); ``Muon`` needs none (owners gather whole matrices from any pieces). Element pieces
+are still contiguous ranges of one flat buffer, so the collectives stay copy-free.
 
 Block kinds (all sizes in **elements**; "rows" are rows of the trailing dim, i.e. the tensor viewed
 row-major as ``(numel // shape[-1], shape[-1])``; a vector's rows are its elements):
@@ -99,8 +103,11 @@ class BlockSpec:
         return self.kind
 
 
+DEFAULT_BLOCK = BlockSpec("element")
+"""The block of a parameter whose policy says nothing (``None``): element granularity, the least padding."""
+
 Policy = Callable[[Any], "BlockSpec | str | None"]
-"""``orig_param_policy``: ``fn(param_or_shape) -> BlockSpec | str | None`` (``None``: default ``row``)."""
+"""``orig_param_policy``: ``fn(param_or_shape) -> BlockSpec | str | None`` (``None``: :data:`DEFAULT_BLOCK`)."""
 
 
 def ragged_dims(shape: Sequence[int], granularity: int) -> tuple[int, ...]:
@@ -137,7 +144,8 @@ def granularity_for(
 
     Args:
         shape: the tensor shape (or a tensor; its ``.shape`` is used).
-        block: a :class:`BlockSpec`, its string form, a ``(R, C)`` tile, or ``None`` for ``"row"``.
+        block: a :class:`BlockSpec`, its string form, a ``(R, C)`` tile, or ``None`` for
+            :data:`DEFAULT_BLOCK` (``"element"``).
         strides: element strides of dims carrying a ``Shard(dim > 0)`` placement; the block becomes
             the LCM with each (paper section 1.3).
         name: tensor name for error messages.
@@ -153,7 +161,7 @@ def granularity_for(
     who = f"tensor {name!r}" if name else f"tensor of shape {shape}"
     if any(d < 0 for d in shape):
         raise ValueError(f"granularity_for: {who} has a negative dim in shape={shape}")
-    spec = BlockSpec("row") if block is None else BlockSpec.parse(block)
+    spec = DEFAULT_BLOCK if block is None else BlockSpec.parse(block)
     numel = math.prod(shape)
     if numel == 0:
         return 1, ragged_dims(shape, 1)
@@ -327,7 +335,7 @@ def resolve_blocks(
         local = p.to_local() if hasattr(p, "to_local") else p
         shape = _shape_of(local)
         spec = policy(p) if policy is not None else None
-        spec = BlockSpec("row") if spec is None else BlockSpec.parse(spec)
+        spec = DEFAULT_BLOCK if spec is None else BlockSpec.parse(spec)
         strides = tuple(_auto_strides(p)) + tuple((shard_strides or {}).get(name, ()))
         g, dims = granularity_for(shape, spec, strides=strides, name=name)
         out.append(ParamBlock(name, shape, math.prod(shape), g, dims, str(spec)))

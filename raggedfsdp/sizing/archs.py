@@ -66,6 +66,17 @@ BUILTIN: dict[str, dict] = {
     "llama3-70b": dict(
         _LLAMA3, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672
     ),
+    "qwen3-4b": dict(  # Qwen/Qwen3-4B config.json (tied embeddings, q/k norms)
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        tie_word_embeddings=True,
+    ),
     "gpt-oss-120b": dict(
         model_type="gpt_oss",
         vocab_size=201088,

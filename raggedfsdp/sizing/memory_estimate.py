@@ -43,7 +43,7 @@ from typing import Any
 from raggedfsdp.sizing.archs import Unit
 from raggedfsdp.sizing.modelplan import resolve_unit_blocks
 from raggedfsdp.planner.planner import plan_layout
-from raggedfsdp.planner.policy import make_policy
+from raggedfsdp.planner.policy import DEFAULT_BLOCK, make_policy
 
 __all__ = [
     "RECIPES",
@@ -235,13 +235,13 @@ def estimate_memory(
         num_params: parameter count (e.g. ``27e9``; must be a whole number). Give this or ``units``.
         units: FSDP units with shapes (:func:`raggedfsdp.sizing.archs.model_units`, or
             :func:`raggedfsdp.models.model_units` for the built-in models): sharded state is then the
-            planner's per-rank shard of each unit (``order="best"``, default ``row`` blocks), padding
+            planner's per-rank shard of each unit (``order="best"``, default ``element`` blocks), padding
             included, exactly what ``raggedfsdp.fully_shard`` allocates.
         world_size: data-parallel ranks (all of them, replicas included).
         recipe: a :data:`RECIPES` name or a :class:`Recipe`.
         replicate: HSDP replica groups; must divide ``world_size`` (1: plain FSDP/ZeRO).
         policy: block policy for the planner (a block spec such as ``"row"`` or ``"rows:32"``, or an
-            ``orig_param_policy``); default ``row`` for matrices, ``element`` for vectors.
+            ``orig_param_policy``); default ``element`` (fully_shard's default, ``DEFAULT_BLOCK``).
         align: shard-size multiple in elements; default 16 bytes at the narrowest of the recipe's
             param dtype and fp32, as ``fully_shard`` does (4 for fp32, 8 with bf16).
         ep: expert-parallel size (needs ``units``; :mod:`raggedfsdp.sizing.ep`): each rank keeps 1/ep of
@@ -315,7 +315,7 @@ def estimate_memory(
     if units is not None:
         if align is None:
             align = 8 if recipe.param_dtype == "bf16" else 4
-        pol = make_policy(policy or "row") if policy is None or isinstance(policy, str) else policy
+        pol = make_policy(policy or DEFAULT_BLOCK) if policy is None or isinstance(policy, str) else policy
         cache: dict = {}
         plans: dict[tuple, int] = {}
         gathered = []  # (elements all-gathered, unit row)

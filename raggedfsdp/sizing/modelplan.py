@@ -24,7 +24,14 @@ from typing import Any
 from raggedfsdp.sizing.archs import Unit
 from raggedfsdp.planner.layout import Layout
 from raggedfsdp.planner.planner import plan_layout, shard_size_lower_bound
-from raggedfsdp.planner.policy import BlockSpec, Policy, granularity_for, granularity_for_local, make_policy
+from raggedfsdp.planner.policy import (
+    DEFAULT_BLOCK,
+    BlockSpec,
+    Policy,
+    granularity_for,
+    granularity_for_local,
+    make_policy,
+)
 
 
 def fsdp2_padding(shapes: Sequence[Sequence[int]], world_size: int) -> int:
@@ -208,9 +215,10 @@ class ModelPlan:
 
 
 def as_policy(policy: Policy | BlockSpec | str | None) -> Policy:
-    """A policy callable: ``None`` means ``"row"``; a block spec applies to every matrix (vectors: element)."""
+    """A policy callable: ``None`` means ``DEFAULT_BLOCK`` (element, fully_shard's default); a block spec
+    applies to every matrix (vectors: element)."""
     if policy is None or isinstance(policy, (str, BlockSpec)):
-        return make_policy(policy or "row")
+        return make_policy(policy or DEFAULT_BLOCK)
     return policy
 
 
@@ -232,11 +240,11 @@ def resolve_unit_blocks(
         r = cache.get(key)
         if r is None:
             got = pol(gs)  # a block spec is defined on the global tensor (TP: Note [FSDP x TP])
-            blk = BlockSpec("row") if got is None else BlockSpec.parse(got)
+            blk = DEFAULT_BLOCK if got is None else BlockSpec.parse(got)
             try:
                 if gs == s:
                     g, d = granularity_for(s, blk, name=name)
-                elif blk.kind == "row":  # fully_shard's default under TP: one row of the TP-local tensor
+                elif blk.kind == "row":  # fully_shard's Shard(0) under TP: one row of the TP-local tensor
                     g, d = granularity_for(s, blk, name=name)
                 else:  # no TP boundary may cut the block either
                     g, d = granularity_for_local(gs, s, blk, name=name)

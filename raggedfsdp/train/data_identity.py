@@ -125,22 +125,30 @@ def reference_fingerprint() -> CorpusFingerprint | None:
 
 
 def _file_diff(mine, base, base_name: str, limit: int = 3) -> str:
-    """Which files of ``mine`` differ from ``base`` (both ``CorpusFingerprint.files``), for humans."""
+    """Which files of ``mine`` differ from ``base`` (both ``CorpusFingerprint.files``), for humans
+    (paths relative to the folder that holds them all, when there are several)."""
     ref = {p: (n, h) for p, n, h in base}
+    paths = [p for p, _, _ in (*mine, *base)]
+    root = os.path.commonpath(paths) if len(set(paths)) > 1 and all(os.path.isabs(p) for p in paths) else ""
+
+    def name(p: str) -> str:
+        return os.path.relpath(p, root) if root else p
+
     out = []
     for p, n, h in mine:
         if p not in ref:
-            out.append(f"{p} (not in {base_name})")
+            out.append(f"{name(p)} (not in {base_name})")
         elif ref[p][0] != n:
-            out.append(f"{p} ({n} tokens, {ref[p][0]} in {base_name})")
+            out.append(f"{name(p)} ({n} tokens, {ref[p][0]} in {base_name})")
         elif ref[p][1] != h:
-            out.append(f"{p} (same size, other content)")
+            out.append(f"{name(p)} (same size, other content)")
     have = {p for p, _, _ in mine}
-    out += [f"{p} (missing)" for p, _, _ in base if p not in have]
+    out += [f"{name(p)} (missing)" for p, _, _ in base if p not in have]
+    if not out:
+        return "same files"
     more = f" (+{len(out) - limit} more)" if len(out) > limit else ""
-    return (
-        f"{len(out)} of {len(base)} file(s) differ: {', '.join(out[:limit])}{more}" if out else "same files"
-    )
+    under = f" under {root}" if root else ""
+    return f"{len(out)} of {len(base)} file(s){under} differ: {', '.join(out[:limit])}{more}"
 
 
 def check_same_corpus(fp: CorpusFingerprint, device, reference: CorpusFingerprint | None = None) -> None:

@@ -1,6 +1,7 @@
 """DCP checkpoints of a fully_shard'ed model and its AdamW state: saved at 4 ranks (each rank writes
-only its own RaggedShard pieces), loaded at 3 ranks (another layout) and at 1 rank, and training
-resumes exactly as an uninterrupted single-process run."""
+only its own RaggedShard pieces) with row blocks (``Shard(0)``, the default layout before issue 22),
+loaded at 3 ranks and at 1 rank with today's default (element granularity: another layout), and
+training resumes exactly as an uninterrupted single-process run."""
 
 from __future__ import annotations
 
@@ -35,19 +36,26 @@ def _step(model, opt, tok, tgt, rank, ws):
     return loss.item()
 
 
-def _make(ws, rank):
+def _make(ws, rank, rows=False):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
 
     import raggedfsdp
 
     torch.manual_seed(0)
     model = ToyLM()
-    shard_model(model, raggedfsdp.fully_shard, init_device_mesh("cpu", (ws,)))
+    kw = {"shard_placement_fn": lambda p: Shard(0)} if rows else {}
+    shard_model(model, raggedfsdp.fully_shard, init_device_mesh("cpu", (ws,)), **kw)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _dims(model):
+    return {n: p.placements[-1].dims for n, p in model.named_parameters() if p.ndim == 2}
+
+
 def _save(rank, ws, path):
-    model, opt = _make(ws, rank)
+    model, opt = _make(ws, rank, rows=True)
+    assert set(_dims(model).values()) == {(0,)}, _dims(model)  # whole rows: the old default layout
     data = batches(STEPS_BEFORE, 12)
     for tok, tgt in data:
         _step(model, opt, tok, tgt, rank, ws)
@@ -60,6 +68,7 @@ def _save(rank, ws, path):
 
 def _load_and_resume(rank, ws, path, expected_losses, expected_params):
     model, opt = _make(ws, rank)  # a fresh init: everything must come from the checkpoint
+    assert set(_dims(model).values()) == {(0, 1)}, _dims(model)  # the default: element granularity
     # materialize optimizer state so that it can be loaded into
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=path)

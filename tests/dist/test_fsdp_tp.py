@@ -210,8 +210,9 @@ def test_block_cut_by_tp_raises():
         granularity_for_local((64, 8), (32, 8), "rows:64", name="w")
     with pytest.raises(ValueError, match="cut by"):
         granularity_for_local((8, 4, 6), (4, 4, 6), "matrix", name="experts")
-    # the default is one row of the TP-local tensor (FSDP2's Shard(0) of the local tensor)
-    assert granularity_for_local((32, 64), (32, 32), None) == (32, (0,))
+    # the default (issue 22) is element granularity of the TP-local tensor: never cut by a TP split
+    assert granularity_for_local((32, 64), (32, 32), None) == (1, (0, 1))
+    assert granularity_for_local((8, 4, 6), (4, 4, 6), None) == (1, (0, 1, 2))
 
 
 def _hsdp_tp_fake(rank, ws):

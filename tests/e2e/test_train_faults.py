@@ -303,7 +303,28 @@ def _nonfinite_cases(rank, world, tmp):
     from raggedfsdp.train.data import DataError
 
     tr = _trainer(_cfg(tmp / "swap"), "swapdata@step2:rank1")
-    tr.train_step(1)
+    calls = []  # the step's checks ride in its one fused all-reduce: no collective of their own
+    real = {
+        name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast")
+    }
+
+    def counted(name, fn):
+        def call(*a, **k):
+            where = sys._getframe(1).f_code.co_filename
+            if f"raggedfsdp{os.sep}train{os.sep}" in where:  # the trainer's own (not FSDP's) collectives
+                calls.append((name, os.path.basename(where)))
+            return fn(*a, **k)
+
+        return call
+
+    for name, fn in real.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        tr.train_step(1)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    assert calls == [("all_reduce", "guard.py")], calls
     e = _raises(DataError, r"ranks read different data at step 2: rank 0's batch step2:rows0-1 .* has checksum "
                 r"\d+ on rank 0 but \d+ as rank 1 reads it from .*disagreeing pairs: 0/1, 1/0\); every rank",
                 lambda: tr.train_step(2))  # fmt: skip
@@ -315,14 +336,14 @@ def _nonfinite_cases(rank, world, tmp):
     #     wrong (both blamed); with it (REFERENCE_ENV, as `raggedfsdp train` writes it), rank 1 alone.
     cfg = _cfg(tmp / "swap0")
     e = _raises(DataError, r"^ranks read different data at step 0 \(the start\): ranks 0, 1 read a corpus that "
-                r"differs from rank 1's corpus: rank 0's \d+ of \d+ file\(s\) differ: .*\.py \(same size, other "
+                r"differs from rank 1's corpus: rank 0's \d+ of \d+ file\(s\) under .* differ: .*\.py \(same size, other "
                 r"content\).*; every rank must read the same files", lambda: _trainer(cfg, "swapdata@step0:rank1"))  # fmt: skip
     assert e.culprits == (0, 1)
     cfg = _cfg(tmp / "swap0ref")
     ref = data_identity.write_reference(cfg, tmp / f"fingerprint{rank}.json")
     e = _raises(DataError, r"ranks read different data at step 0 \(the start\): rank 1 read a corpus that differs "
                 rf"from the corpus the pre-launch check saw \(python stdlib .*digest {ref.digest}\): rank 1's \d+ of "
-                r"\d+ file\(s\) differ: .*; rank\(s\) 0 read it; every rank", lambda: _trainer(cfg, "swapdata@step0:rank1"))  # fmt: skip
+                r"\d+ file\(s\) under .* differ: .*; rank\(s\) 0 read it; every rank", lambda: _trainer(cfg, "swapdata@step0:rank1"))  # fmt: skip
     assert e.culprits == (1,)
     #     a file truncated after the pre-launch check (every rank reads the truncated one): named, with sizes
     data = tmp / "corpus"
@@ -341,13 +362,42 @@ def _nonfinite_cases(rank, world, tmp):
         (data / "b.txt").write_bytes(cut)
     dist.barrier()
     e = _raises(DataError, r"ranks 0, 1 read a corpus that differs from the corpus the pre-launch check saw .*: "
-                rf"rank 0's 1 of 2 file\(s\) differ: {data / 'b.txt'} \({len(cut)} tokens, {len(whole)} in the pre-launch "
+                rf"rank 0's 1 of 2 file\(s\) under {data} differ: b.txt \({len(cut)} tokens, {len(whole)} in the pre-launch "
                 r"check\); "
                 r"every rank read the same changed data", lambda: _trainer(cfg))  # fmt: skip
     assert e.culprits == (0, 1)
     os.environ.pop(data_identity.REFERENCE_ENV)
     tr = _trainer(_cfg(tmp / "trunc2", data__path=str(data)))  # no reference: the ranks agree with each other
     tr.close()
+
+    _straggler_case(rank, world, tmp)  # 14. issue 23 item 7, in this spawn
+
+
+def _straggler_case(rank, world, tmp):
+    """Issue 23 item 7: a rank made slow before one FSDP unit's forward is named, with that unit, in
+    every log step's metrics.jsonl record and the console line; a slow step start is blamed on the
+    first unit reached (the root)."""
+    from raggedfsdp.train.straggler import describe
+
+    for unit, want in (("layers.1", "layers.1"), ("", "root")):
+        out = Path(tmp) / f"slow-{want}"
+        cfg = _cfg(out, training__steps=3, debug__slow_rank=1, debug__slow_s=0.25, debug__slow_unit=unit)
+        tr = _trainer(cfg)
+        tr.train()
+        tr.close()
+        if rank == 0:
+            recs = [
+                r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+            ]
+            assert len(recs) == 3 and all("straggler" in r for r in recs), recs
+            for r in recs:
+                st = r["straggler"]
+                seen = [x["straggler"] for x in recs]
+                assert (st["rank"], st["unit"]) == (1, want) and st["excess_pct"] > 100, seen
+                assert 0.2 < st["excess_s"] < 0.6, seen
+            assert describe(recs[-1]["straggler"]).startswith("slowest rank 1: +")
+    _raises(ValueError, r"debug.slow_unit='nope' is not an FSDP unit of this model; one of \['root', 'layers.0'",
+            lambda: _trainer(_cfg(Path(tmp) / "bad", debug__slow_rank=1, debug__slow_unit="nope")))  # fmt: skip
 
 
 def test_data_changed_after_the_prelaunch_check_is_a_recorded_data_error(tmp_path):

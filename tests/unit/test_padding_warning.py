@@ -38,9 +38,12 @@ def _case(rank, ws):
     import raggedfsdp
     from raggedfsdp.planner import dim0_shard_padding
 
+    from torch.distributed.tensor import Shard
+
     mesh = init_device_mesh("cpu", (ws,))
     out = {}
-    for name, kw in (("default", {}), ("element", {"shard_placement_fn": lambda p: "element"})):
+    # default: no shard_placement_fn (element granularity); row: FSDP2's Shard(0), whole rows kept
+    for name, kw in (("default", {}), ("row", {"shard_placement_fn": lambda p: Shard(0)})):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             for _ in range(3):  # three layers with the same relative names: one warning in all
@@ -48,6 +51,9 @@ def _case(rank, ws):
                     layer = _QwenLikeLayer()
                 raggedfsdp.fully_shard(layer, mesh=mesh, **kw)
         out[name] = [str(x.message) for x in w if "pads" in str(x.message)]
+        group = layer._raggedfsdp_state.group
+        out[name + "_granularities"] = [fp.granularity for fp in group.fsdp_params]
+        out[name + "_padding"] = (group.layout.padding, group.layout.total_numel, group.layout.align)
     with torch.device("meta"):
         ref = _QwenLikeLayer()
     shapes = [tuple(p.shape) for p in ref.parameters()]
@@ -61,15 +67,23 @@ def _case(rank, ws):
 
 
 def test_padding_warning_once_and_fsdp2_reference():
-    r = run_fake_rank(_case, 32, 0)
-    assert len(r["default"]) == 1, r["default"]  # warned once for the three identical units
-    msg = r["default"][0]
-    assert (
-        "'down.weight' (2560, 9728) (9728 elements)" in msg
-        and "shard_placement_fn=lambda p: 'element'" in msg
-    ), msg
+    ws = 32
+    r = run_fake_rank(_case, ws, 0)
+    # issue 22: the default layout is element-granular and pads no more than FSDP2 + 0.1 point: no warning
+    assert r["default"] == [], r["default"]
+    assert set(r["default_granularities"]) == {1}, r["default_granularities"]
+    pad, numel, align = r["default_padding"]
+    torch_ratio = r["torch_padding"] / (numel + r["torch_padding"])
+    assert pad <= align * ws and pad / (numel + pad) <= torch_ratio + 1e-3
+    # Shard(0) (whole rows, what FSDP2 keeps) pads 11 % here: warned once for the three identical units
+    assert r["row_granularities"] == [2560] * 3 + [4096, 2560, 2560, 9728] + [1] * 4, r["row_granularities"]
+    assert len(r["row"]) == 1, r["row"]
+    msg = r["row"][0]
+    assert "'down.weight' (2560, 9728) (9728 elements)" in msg and "leave shard_placement_fn unset" in msg, (
+        msg
+    )
     assert "(torch's fully_shard: 0.0%)" in msg, msg
-    assert r["element"] == [], r["element"]  # element blocks pad no more than FSDP2
+    assert r["row_padding"][0] > 0.03 * numel, r["row_padding"]
     # our FSDP2 padding formula equals torch's actual sharding, and brute force on odd shapes
     assert r["ours_fsdp2_padding"] == r["torch_padding"], r
     assert r["odd_shapes"] == 3 * 4 + 1 * 1 + 0 + 1 * 4, r

@@ -40,8 +40,9 @@ def _sig(lay):
 
 
 def test_tp_plan_matches_apply_tp_and_fully_shard(fake_world16):
-    """HSDP 2 x dp_shard 4 x tp 2 on a fake 16-rank group (one mesh per process: torch treats equal 1-D
-    meshes of two roots as one, so a second root mesh in the same process trips fully_shard's root check)."""
+    """HSDP 2 x dp_shard 4 x tp 2 on a fake 16-rank group; then a second root mesh (dp 8 x tp 2) in the same
+    process, whose ``tp`` sub-mesh equals the first's: torch gives the second model's TP parameters the first
+    root's mesh, and ``fully_shard`` must take its twin (``fsdp/_tp.py: _twin_submesh``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -78,6 +79,16 @@ def test_tp_plan_matches_apply_tp_and_fully_shard(fake_world16):
     assert est.num_params == sum(u.numel for u in units)
     held = sum(m * w[2] for w in want) * 2  # every TP rank's shards over one FSDP group
     assert est.padding_numel == held - sum(math.prod(s) for s in local.values()) * 2
+
+    other = init_device_mesh("cpu", (8, 2), mesh_dim_names=("dp", "tp"))
+    model2 = apply_fsdp(apply_tp(Llama(LlamaConfig.flavor("debug")), other["tp"]), other["dp"])
+    w = model2.layers[0].attention.wo.weight
+    assert w.device_mesh.mesh_dim_names == ("dp", "tp") and w.device_mesh.mesh.shape == (8, 2), w.device_mesh
+    want8 = sorted(_sig(u.layout) for u in plan_model_tp(units, 16, 2, align=4, order="best").units)
+    assert _units_of(model2) == want8
+    third = init_device_mesh("cpu", (8, 2), mesh_dim_names=("data", "model"))  # no twin in other's root
+    with pytest.raises(ValueError, match="not derived from the same root mesh"):
+        apply_fsdp(apply_tp(Llama(LlamaConfig.flavor("debug")), third["model"]), other["dp"])
 
 
 def test_llama3_70b_tp8_shapes_by_hand_and_fsdp2_brute_force():

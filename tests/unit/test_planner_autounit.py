@@ -79,7 +79,10 @@ def test_auto_superblocks_and_max_k():
 
 def test_cli_unit_auto(capsys):
     assert (
-        plan_main(["--model", "llama3-70b", "-m", "10240", "--unit", "auto", "--order", "best", "--json"])
+        plan_main(
+            ["--model", "llama3-70b", "-m", "10240", "--unit", "auto", "--order", "best"]
+            + ["--granularity", "row", "--json"]
+        )
         == 0
     )
     d = json.loads(capsys.readouterr().out)

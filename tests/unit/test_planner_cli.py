@@ -22,8 +22,9 @@ def _plan_json(capsys, *argv):
 
 
 def _row_granularity(shape, rows=1):
-    """Independent re-derivation: matrices get `rows` trailing-dim rows, vectors single elements."""
-    return rows * shape[-1] if len(shape) >= 2 else 1
+    """Independent re-derivation: matrices get `rows` trailing-dim rows (`rows=0`: single elements, the
+    default), vectors single elements."""
+    return rows * shape[-1] if len(shape) >= 2 and rows else 1
 
 
 def _revalidate(d, rows=1):
@@ -63,11 +64,11 @@ def _revalidate(d, rows=1):
 @pytest.mark.parametrize(
     "model, m, extra, rows",
     [
-        ("llama3-8b", 64, [], 1),
+        ("llama3-8b", 64, [], 0),  # the default: element granularity, as fully_shard's
         ("llama3-70b", 1000, ["--granularity", "rows:32", "--order", "best"], 32),
         ("deepseek-v3-671b", 24, ["--granularity", "rows:32"], 32),
-        ("gpt-oss-120b", 48, ["--order", "shape"], 1),
-        ("hybrid-27b", 96, ["--unit", "superblock", "--align", "16"], 1),
+        ("gpt-oss-120b", 48, ["--order", "shape", "--granularity", "row"], 1),
+        ("hybrid-27b", 96, ["--unit", "superblock", "--align", "16"], 0),
     ],
 )
 def test_json_output_revalidates(capsys, model, m, extra, rows):
@@ -78,6 +79,10 @@ def test_json_output_revalidates(capsys, model, m, extra, rows):
     _revalidate(d, rows)
     assert d["padding_ratio"] >= d["bound_padding_ratio"] - 1e-12
     assert d["padding_ratio"] >= d["fsdp1_padding_ratio"] - 1e-12
+    # issue 22: the default pads within 0.1 percentage point of FSDP2 (at most align * m per unit)
+    if rows == 0:
+        assert d["padding_ratio"] <= d["fsdp2_padding_ratio"] + 1e-3
+        assert all(u["padding"] <= d["align"] * m for u in d["units"])
 
 
 def test_units_and_baselines_match_direct_planning():
@@ -146,7 +151,7 @@ def test_hf_config_path(tmp_path, capsys):
     assert [u["name"] for u in d["units"]] == ["embed", "layers.0", "layers.1", "head"]
     assert len(d["units"][1]["tensors"]) == 4 + 1 + 4 * 3 + 2
     assert [t["name"] for t in d["units"][-1]["tensors"]] == ["model.norm.weight"]  # tied head
-    _revalidate(d)
+    _revalidate(d, rows=0)
 
 
 @pytest.mark.parametrize(

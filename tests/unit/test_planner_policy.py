@@ -25,7 +25,7 @@ from raggedfsdp.planner.policy import (
     [
         ((4096, 1024), "element", (1, (0, 1))),
         ((4096, 1024), "row", (1024, (0,))),
-        ((4096, 1024), None, (1024, (0,))),
+        ((4096, 1024), None, (1, (0, 1))),  # the default: element granularity (least padding)
         ((4096, 1024), "rows:32", (32 * 1024, (0,))),
         ((4096, 1000), "tile:32x32", (32 * 1000, (0,))),  # partial edge tiles stay on one rank
         ((4096, 1024), (128, 128), (128 * 1024, (0,))),
@@ -122,8 +122,16 @@ def test_plan_params_with_orig_param_policy(world_size):
                 assert lo % (32 * p.shape[1]) == 0 and (hi - lo) % (32 * p.shape[1]) == 0
 
 
-def test_policy_none_means_row_and_shape_inputs():
-    blocks = resolve_blocks([("a", (6, 5)), ("b", torch.empty(7))], lambda p: None)
+def test_policy_none_means_element_and_shape_inputs():
+    """``None`` (and no policy) is DEFAULT_BLOCK, element granularity; the explicit ``row`` stays rows."""
+    named = [("a", (6, 5)), ("b", torch.empty(7))]
+    for pol in (lambda p: None, None):
+        blocks = resolve_blocks(named, pol)
+        assert [(b.granularity, b.dims, b.block) for b in blocks] == [
+            (1, (0, 1), "element"),
+            (1, (0,), "element"),
+        ]
+    blocks = resolve_blocks(named, lambda p: "row")
     assert [(b.granularity, b.dims, b.block) for b in blocks] == [(5, (0,), "row"), (1, (0,), "row")]
 
 
@@ -153,3 +161,55 @@ def test_stacked_experts_units_match_ragged_shard(block):
             assert [rs.flat_range(b.shape, r) for r in range(world_size)] == [
                 lay.piece(i, r) for r in range(world_size)
             ]
+
+
+def _blocks_allowed(shape, need):
+    """Every block spec a tensor of ``shape`` may take under ``need`` (None: no need), found by brute
+    force over a fixed menu: coarser blocks are allowed only if each is a whole number of the needed block."""
+    menu = ["element", "row", "rows:2", "rows:3", "slice", "matrix"]
+    if need is not None:
+        menu.append(need)
+    out = []
+    for spec in menu:
+        try:
+            g = granularity_for(shape, spec)[0]
+        except ValueError:
+            continue  # the block does not tile this tensor
+        if need is None or g % granularity_for(shape, need)[0] == 0:
+            out.append(g)
+    return sorted(set(out))
+
+
+@pytest.mark.parametrize(
+    "shapes, needs, m, align",
+    [
+        ([(6, 5), (7,), (4, 3)], [None, None, None], 4, 2),
+        ([(6, 5), (7,), (4, 3)], [None, None, None], 5, 1),
+        ([(2, 3, 4), (9,), (6, 2)], [None, None, None], 3, 2),
+        ([(6, 5), (3,), (4, 3)], ["tile:2x5", None, None], 3, 1),  # one tensor declares tiles
+        ([(6, 4), (4, 6), (5,)], ["tile:3x4", "tile:2x3", None], 4, 2),
+    ],
+)
+def test_default_is_least_padding_over_allowed_granularities(shapes, needs, m, align):
+    """Issue 22 item 1: with no declared block (``None``) a parameter gets the granularity with least padding
+    its needs allow. Reference: the independent brute-force planner (``test_planner_reference``) over every
+    combination of allowed per-tensor blocks; the policy's layout (``None`` -> DEFAULT_BLOCK) must reach
+    that minimum."""
+    import itertools
+
+    from test_planner_reference import brute_min_shard_size
+
+    named = [(f"t{i}", s) for i, s in enumerate(shapes)]
+    need_of = dict(zip((n for n, _ in named), needs))
+    policy = lambda s: next(need_of[n] for n, sh in named if sh == s)  # noqa: E731
+    lay = plan_params(named, m, policy=lambda p: policy(tuple(p)), align=align)
+    numels = [math.prod(s) for s in shapes]
+    perm = list(range(len(shapes)))
+    allowed = [_blocks_allowed(s, nd) for s, nd in zip(shapes, needs)]
+    assert all(len(a) >= 2 for a in allowed)  # a real choice for every tensor
+    best = min(brute_min_shard_size(numels, list(g), perm, m, align) for g in itertools.product(*allowed))
+    assert lay.shard_size == best, (lay.shard_size, best, allowed)
+    # and the declared needs are kept: no rank boundary cuts a declared block
+    for i, (s, nd) in enumerate(zip(shapes, needs)):
+        g = granularity_for(s, nd)[0]
+        assert all(lo % g == 0 and hi % g == 0 for lo, hi in (lay.piece(i, r) for r in range(m))), (s, nd)
