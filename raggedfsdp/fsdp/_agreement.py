@@ -175,7 +175,7 @@ class Agreement:
                 # only trainable params need their flags read (frozen ones never get a .grad, and
                 # requires_grad must agree across ranks); a trainable one no local reduction carried
                 # (its unit's backward did not run here) still needs them
-                carried = all(local_or.get(id(fp), not fp.sharded.requires_grad) for fp in params)
+                carried = all([local_or.get(id(fp), not fp.sharded.requires_grad) for fp in params])
                 if carried and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
                     # every carried param got a grad, so their OR is all-true: only the agreement needs
                     # reading, and that can wait for the next check (no host sync in the step)

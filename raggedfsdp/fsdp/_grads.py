@@ -61,6 +61,7 @@ Note [sharded grad lifetime]
 
 from __future__ import annotations
 
+from operator import sub
 from typing import TYPE_CHECKING
 
 import torch
@@ -85,6 +86,7 @@ class UnitGrads:
         self.group = group
         self.grad_state = GradState.NONE
         self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
+        self._local_spans: tuple = (None, {})  # (grad layout, {id(fp): (offset, numel)}) for attach_sharded
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
@@ -356,13 +358,24 @@ class UnitGrads:
         where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
+        layout, spans = self._local_spans
+        if layout is not buf.layout:  # (offset, numel) of each param's local piece, once per grad layout
+            index, rank = self.group._index, buf.rank
+            spans = {
+                id(fp): (
+                    buf.layout.shard_offset(index[id(fp)], rank),
+                    -sub(*buf.layout.piece(index[id(fp)], rank)),
+                )
+                for fp in self.group.fsdp_params
+            }
+            self._local_spans = (buf.layout, spans)
         for fp, u in used:
             sharded = fp.sharded
             if not u and sharded.grad is None:
                 continue
             sg = fp.sharded_grad
             if sg is None or fp.sharded_grad_base is not base:  # built once per sharded grad buffer
-                view = buf.local_view(self.group._index[id(fp)])
+                view = base.narrow(0, *spans[id(fp)])  # buf.local_view, without per-param Python calls
                 if sg is None or sg._local_tensor.data_ptr() != view.data_ptr():
                     sg = fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
                 fp.sharded_grad_base = base
