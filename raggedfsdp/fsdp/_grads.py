@@ -61,7 +61,6 @@ Note [sharded grad lifetime]
 
 from __future__ import annotations
 
-from operator import sub
 from typing import TYPE_CHECKING
 
 import torch
@@ -358,16 +357,9 @@ class UnitGrads:
         where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
-        layout, spans = self._local_spans
-        if layout is not buf.layout:  # (offset, numel) of each param's local piece, once per grad layout
-            index, rank = self.group._index, buf.rank
-            spans = {
-                id(fp): (
-                    buf.layout.shard_offset(index[id(fp)], rank),
-                    -sub(*buf.layout.piece(index[id(fp)], rank)),
-                )
-                for fp in self.group.fsdp_params
-            }
+        layout, spans = self._local_spans  # {id(fp): (offset, numel)} of the local pieces, per grad layout
+        if layout is not buf.layout:
+            spans = {}
             self._local_spans = (buf.layout, spans)
         for fp, u in used:
             sharded = fp.sharded
@@ -375,7 +367,12 @@ class UnitGrads:
                 continue
             sg = fp.sharded_grad
             if sg is None or fp.sharded_grad_base is not base:  # built once per sharded grad buffer
-                view = base.narrow(0, *spans[id(fp)])  # buf.local_view, without per-param Python calls
+                span = spans.get(id(fp))
+                if span is None:  # once per param and grad layout: no per-param Python calls per step
+                    i = self.group._index[id(fp)]
+                    a, b = buf.layout.piece(i, buf.rank)
+                    span = spans[id(fp)] = (buf.layout.shard_offset(i, buf.rank), b - a)
+                view = base.narrow(0, *span)  # buf.local_view(i)
                 if sg is None or sg._local_tensor.data_ptr() != view.data_ptr():
                     sg = fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
                 fp.sharded_grad_base = base
