@@ -1,7 +1,8 @@
 """One spawn, many test cases: ``run_cases`` runs named sub-cases in ONE process group and records
 which ones passed, so several tests (each asserting on its own case) share one ~3-6 s/rank launch.
 
-``SharedSpawns(fn_by_name)`` is a per-module memo: ``spawns.check(ws, name)`` spawns world size
+``SharedSpawns(fn_by_name, plan)`` (``fn_by_name``: case name -> ``"module.function"``, resolved in
+the ranks, so several test modules can share one registry without import circles) is a memo: ``spawns.check(ws, name)`` spawns world size
 ``ws`` once with every case registered for it (``spawns.plan``), then fails the calling test unless
 ``name`` passed; a case that did not run because an earlier one failed reports that failure.
 Cases run in registration order on every rank; a failure stops the group (a half-run collective
@@ -10,6 +11,7 @@ would otherwise desynchronise the next case), so every case after it is reported
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 
@@ -20,7 +22,8 @@ from _dist import run_distributed
 
 def _run_cases(rank, ws, fns, cases, done_path):
     for name, args in cases:
-        fns[name](rank, ws, *args)
+        mod, _, attr = fns[name].rpartition(".")
+        getattr(importlib.import_module(mod), attr)(rank, ws, *args)
         dist.barrier()
         if rank == 0:
             with open(done_path, "a") as f:

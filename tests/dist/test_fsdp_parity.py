@@ -1,8 +1,9 @@
 """Training parity of raggedfsdp.fully_shard against (a) single-process unsharded training and
 (b) torch's own fully_shard with the same settings, at world sizes 1-5 and on HSDP meshes.
 
-One process group per world size runs every case of that size (``SPAWNS``, tests/_cases.py: spawning
-costs seconds per rank); each test asserts that its own case passed in it.
+One process group per world size runs every case of that size (``SPAWNS`` in tests/dist/_spawns.py,
+shared with test_optim_parity and test_fsdp_requires_grad_change: spawning costs seconds per rank);
+each test asserts that its own case passed in it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _cases import SharedSpawns
+from _spawns import SPAWNS
 from _toy_models import ToyLM, batches, full_params, lm_loss, shard_model
 
 STEPS = 4
@@ -297,15 +298,3 @@ def test_bf16_param_default_reduce_dtype_matches_torch_fsdp():
     """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on 2.15."""
     SPAWNS.check(3, "bf16_default")
 
-
-SPAWNS = SharedSpawns(
-    {"fp32": _fp32_parity, "bf16": _bf16_parity, "hsdp": _hsdp_parity, "accum": _accum_parity,
-     "hsdp_deferred": _hsdp_deferred_all_reduce, "bf16_default": _bf16_default_reduce},
-    {
-        1: [("fp32", ())],
-        2: [("fp32", ()), ("bf16", ()), ("hsdp", ((2, 1),)), ("hsdp", ((1, 2),)), ("accum", ())],
-        3: [("fp32", ()), ("bf16", ()), ("accum", ()), ("bf16_default", ())],
-        4: [("fp32", ()), ("hsdp", ((2, 2),)), ("hsdp_deferred", ())],
-        5: [("fp32", ()), ("bf16", ())],
-    },
-)  # fmt: skip
