@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.buffer.dbuffer import DBuffer
 from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
 from raggedfsdp.planner import GradLayout, Layout, plan_grad_layout
@@ -286,7 +287,9 @@ class UnitBuffers:
             else:
                 from raggedfsdp.buffer.dbuffer import _all_gather_single
 
+                base = use_count(source)
                 work = _all_gather_single(self.params.data, source, group=source_group, async_op=True)
+                hold_until_released(source, base)  # Note [gloo release]
         return CommHandle(work, [self.params], stream, "all-gather")
 
     def free_params(self) -> None:
