@@ -25,18 +25,50 @@ bounded by ``--timeout`` s. Prints one line per aborted/failed run and a summary
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+import atexit
+import ctypes
+
+_EXIT_HOLD: dict = {}  # --leak-work, rank 1: the store and the object freed at teardown
+_HOLD_US = ctypes.c_uint(0)  # --leak-work, rank 1: how long the last exit handler keeps the GIL (us)
+
+
+def _tell_rank0_at_exit() -> None:
+    """--leak-work, rank 1's second-to-last exit handler: rank 0 may now finish the leaked collective."""
+    if _EXIT_HOLD:
+        _EXIT_HOLD["store"].set("soak/rank1-exiting", "1")
+
+
+class _SleepAtTeardown:
+    """--leak-work: freed with the module globals, after the interpreter began finalizing; sleeping
+    releases the GIL, so the waiting gloo worker surely runs then (at high load it may otherwise not
+    get the CPU before the process has ended)."""
+
+    def __del__(self, _sleep=__import__("time").sleep) -> None:  # bound now: module globals are gone then
+        _sleep(0.5)
+
+
+# --leak-work positive control, registered before torch is imported so that these run last at exit:
+# rank 1 tells rank 0 to finish the leaked all-reduce, then sits in a C call that keeps the GIL
+# (usleep through ctypes.PyDLL, called by atexit itself: no bytecode runs after it, so the GIL is
+# not handed over before finalization begins). Its gloo worker, freeing the leaked work and the
+# tensor only that work holds, asks for the GIL meanwhile, and the finalizing interpreter ends the
+# thread inside the tensor's noexcept destructor -> std::terminate. At high load a descheduled
+# main thread or worker does the same by chance.
+atexit.register(ctypes.PyDLL(None).usleep, _HOLD_US)
+atexit.register(_tell_rank0_at_exit)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("bare", "harness", "fsdp", "train")
+CASES = ("bare", "harness", "fsdp", "train", "user")
 
 
 # -- what the ranks run ----------------------------------------------------------------------------
@@ -96,9 +128,58 @@ def _fsdp_step(rank: int, world: int) -> None:  # runs under tests/_dist.py: run
     opt.zero_grad()
 
 
+def _rank_user() -> None:
+    """Issue 23 item 6: a user's own script. raggedfsdp.fully_shard training (ToyLM, 2 blocks, a
+    zero-numel parameter, AdamW, ``SOAK_STEPS`` steps), a success line, then the usual ending
+    ``dist.barrier(); dist.destroy_process_group()`` -- not ``shutdown_process_group``.
+    ``SOAK_LEAK=1`` (positive control): afterwards rank 1 leaks a pending all-reduce on a fresh tensor
+    (its Python references dropped while the work runs: the tensor is left owned by gloo's work, what
+    Note [gloo release] in raggedfsdp/_release.py prevents for the library's own collectives) and rank 0
+    completes it only while rank 1 is exiting."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _toy_models import ToyLM, batches, lm_loss, shard_model
+
+    from raggedfsdp import fully_shard
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = ToyLM(n_layers=2)
+    model.layers[1].empty = torch.nn.Parameter(torch.zeros(0))
+    shard_model(model, fully_shard, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for tok, tgt in batches(int(os.environ.get("SOAK_STEPS", "2")), 2 * world):
+        loss = lm_loss(model, tok[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(f"rank {rank}: trained, loss {loss.item():.4f}", flush=True)
+    leak = os.environ.get("SOAK_LEAK") == "1"
+    store, pg = dist.distributed_c10d._get_default_store(), dist.group.WORLD
+    dist.barrier()
+    if leak and rank == 1:
+        t = torch.ones(4)
+        work = dist.all_reduce(t, async_op=True)
+        del work, t  # the pending work now holds the tensor's last reference
+        _EXIT_HOLD.update(store=store, sleeper=_SleepAtTeardown())
+        _HOLD_US.value = int(float(os.environ.get("SOAK_HOLD_S", "1")) * 1e6)
+    dist.destroy_process_group()
+    if leak and rank == 0:  # the matching all-reduce, once rank 1 is exiting (the group object lives on)
+        store.wait(["soak/rank1-exiting"])
+        time.sleep(0.2)
+        pg.allreduce([torch.ones(4)]).wait()
+
+
 def _child(case: str) -> None:
     if case in ("bare", "harness"):
         _rank_bare(case == "harness")
+    elif case == "user":
+        _rank_user()
     elif case == "fsdp":
         sys.path.insert(0, str(ROOT / "tests"))
         from _dist import run_distributed
@@ -196,6 +277,8 @@ def _forked_rank(case: str, out: str) -> None:
         if tb is not None:
             print(tb, file=sys.stderr, flush=True)
             sys.exit(1)
+    elif case == "user":
+        _rank_user()
     else:
         _rank_bare(case == "harness")
 
@@ -216,7 +299,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
     elif case == "fsdp":
         procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=_env(SOAK_NPROC=str(nproc)))]  # fmt: skip
-    elif case in ("bare", "harness") and launcher == "torchrun":
+    elif case in ("bare", "harness", "user") and launcher == "torchrun":
         cmd = [
             sys.executable,
             "-m",
@@ -289,9 +372,24 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=4, help="bare/harness: elements of the all_reduce")
     p.add_argument("--inject-abort", action="store_true",
                    help="positive control (not train): rank 1 calls std::terminate() at exit; every run must count")  # fmt: skip
+    p.add_argument("--leak-work", action="store_true",
+                   help="user: positive control of the root cause (rank 1 leaks a pending all-reduce whose "
+                        "tensor only the work holds; rank 0 completes it while rank 1 exits)")  # fmt: skip
+    p.add_argument(
+        "--hold-s",
+        type=float,
+        default=1.0,
+        help="--leak-work: seconds rank 1's last exit handler keeps the GIL",
+    )
+    p.add_argument("--steps", type=int, default=2, help="user: training steps")
+    p.add_argument("--burn", type=int, default=0, help="busy-loop processes running beside the soak (load)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ["SOAK_NUMEL"] = str(args.numel)
+    os.environ["SOAK_STEPS"] = str(args.steps)
+    os.environ["SOAK_HOLD_S"] = str(args.hold_s)
+    if args.leak_work:
+        os.environ["SOAK_LEAK"] = "1"
     if args.inject_abort:
         os.environ["SOAK_ABORT"] = "1"
     if args.child:
@@ -302,8 +400,11 @@ def main() -> None:
     launcher = "fresh" if args.case == "train" else args.launcher
     if args.inject_abort and args.case == "train":
         p.error("--inject-abort: bare, harness or fsdp")
-    if launcher == "torchrun" and args.case not in ("bare", "harness"):
-        p.error("--launcher torchrun: bare or harness only")
+    if launcher == "torchrun" and args.case not in ("bare", "harness", "user"):
+        p.error("--launcher torchrun: bare, harness or user only")
+    if args.leak_work and args.case != "user":
+        p.error("--leak-work: user only")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burn)]
     if launcher == "fork":  # import once here; each run forks new ranks (no torch op ran in this process)
         import gc
         import importlib
@@ -319,7 +420,7 @@ def main() -> None:
         torch.set_num_threads(1)
         gc.freeze()  # forked ranks would otherwise copy every page at exit (refcounts), seconds per run
     counts = {"ok": 0, "abort": 0, "fail": 0}
-    t0, parent = time.monotonic(), os.getpid()
+    t0, parent, loads = time.monotonic(), os.getpid(), []
     tmp = Path(tempfile.mkdtemp(prefix="teardown-soak-"))
     try:
         for i in range(args.runs):
@@ -328,6 +429,7 @@ def main() -> None:
                 args.runs = i
                 break
             status, detail = one_run(args.case, args.nproc, launcher, args.timeout, tmp)
+            loads.append(os.getloadavg()[0])
             counts[status] += 1
             if status != "ok":
                 print(f"run {i + 1}: {status}: {detail}", flush=True)
@@ -338,10 +440,14 @@ def main() -> None:
         if os.getpid() == parent:
             import shutil
 
+            for b in burners:
+                b.kill()
+                b.wait()
             shutil.rmtree(tmp, ignore_errors=True)
     args.runs = max(args.runs, 1)
-    print(f"| {args.case} | {launcher} | {args.nproc} | {args.runs} | {counts['abort']} | {counts['fail']} | "
-          f"{(time.monotonic() - t0) / args.runs:.2f} s |")  # fmt: skip
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
+    print(f"| {args.case}{' --leak-work' if args.leak_work else ''} | {launcher} | {args.nproc} | {args.runs} | "
+          f"{counts['abort']} | {counts['fail']} | {(time.monotonic() - t0) / args.runs:.2f} s | load {load} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,8 +25,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``PROG: error: MESSAGE; see PROG --help``
+    (argparse prints the whole usage first, ~100 lines for ``train``). Exits with code 2, as argparse.
+    Subparsers inherit the class (``add_subparsers`` uses ``type(self)``)."""
+
+    def error(self, message: str):
+        hint = f"see {self.prog} --help"
+        if hint not in message:
+            message = f"{message}; {hint}"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="raggedfsdp",
         description="raggedfsdp: FSDP on RaggedShard DTensors with a structure-aware planner and DBuffers",
     )
@@ -50,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> None:
-    """argparse's "unrecognized arguments" error, with the closest flags of the subcommand as a hint.
-    Exits with code 2 (argparse's)."""
+    """argparse's "unrecognized arguments" error, with the closest flags of the subcommand as a hint,
+    as one line (no usage block). Exits with code 2 (argparse's)."""
     import difflib
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
@@ -65,7 +77,7 @@ def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[s
     msg = "unrecognized arguments: " + " ".join(extras)
     if hints:
         msg += " (" + "; ".join(hints) + ")"
-    sub.error(msg + f"; see raggedfsdp {command} --help")
+    sub.error(msg)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ Method (collective: every rank runs :func:`compare_wraps`, rank 0 gets the resul
 4. padding: the bytes of padding in each wrap's flat sharded buffers (the planner's layouts).
 
 Recommendation: the faster wrap when the step-time gap is larger than the measured noise (the
-larger of the two inter-quartile ranges, and at least 2%); otherwise the one with the smaller peak.
+larger of the two inter-quartile ranges, and at least 2%); otherwise the one whose peak is more than
+2% smaller; otherwise "no clear winner" and the default unit (``layer``).
 Both wraps compute the same function: their final losses must agree (reported).
 
 Run it with ``raggedfsdp wrap-bench --nproc 2 --wrap layer,superblock`` (or, without the bench,
@@ -44,6 +45,7 @@ import torch.utils._python_dispatch
 __all__ = ["compare_wraps", "format_wrap_report", "recommend"]
 
 NOISE_FLOOR = 0.02  # relative step-time difference below which two wraps count as equally fast
+MEMORY_NOISE = 0.02  # relative peak-memory difference below which two wraps count as equally large
 
 
 def _sync(device: torch.device) -> None:
@@ -248,8 +250,10 @@ def _iqr(xs: list[float]) -> float:
     return q[2] - q[0]
 
 
-def recommend(results: dict[str, dict]) -> tuple[str, str]:
-    """``(wrap name, reason)``: the fastest, unless within noise of the runner-up; then the smaller peak."""
+def recommend(results: dict[str, dict], default: str = "layer") -> tuple[str, str]:
+    """``(wrap name, reason)``: the fastest, unless within noise of the runner-up; then the one whose
+    peak memory is more than ``MEMORY_NOISE`` smaller; if neither decides, no clear winner: ``default``
+    (the config's default unit) when it was measured, else the faster one."""
     ranked = sorted(results, key=lambda n: results[n]["step_seconds_median"])
     a, b = ranked[0], ranked[1]
     ta, tb = results[a]["step_seconds_median"], results[b]["step_seconds_median"]
@@ -261,10 +265,14 @@ def recommend(results: dict[str, dict]) -> tuple[str, str]:
         )
     small = min(ranked[:2], key=lambda n: results[n]["peak_memory_bytes"])
     other = b if small == a else a
-    ratio = results[other]["peak_memory_bytes"] / max(results[small]["peak_memory_bytes"], 1)
-    return small, (
-        f"step times within noise ({1e3 * ta:.1f} vs {1e3 * tb:.1f} ms); {small} has the smaller peak "
-        f"({ratio:.2f}x less than {other})"
+    ps, po = results[small]["peak_memory_bytes"], results[other]["peak_memory_bytes"]
+    times = f"step times within noise ({1e3 * ta:.1f} vs {1e3 * tb:.1f} ms, noise {1e3 * noise:.1f} ms)"
+    if po - ps > MEMORY_NOISE * po:
+        return small, f"{times}; {small}'s peak is {1 - ps / po:.0%} smaller ({_mib(ps)} vs {_mib(po)})"
+    pick = default if default in ranked[:2] else a
+    return pick, (
+        f"no clear winner: {times}, peaks within {MEMORY_NOISE:.0%} ({_mib(ps)} vs {_mib(po)}); "
+        + (f"{pick} is the default" if pick == default else f"{pick} was faster")
     )
 
 
@@ -290,6 +298,14 @@ def format_wrap_report(r: dict, title: str = "") -> str:
             + ", ".join(f"{k} {v}" for k, v in sorted(w.get("collectives", {}).items()))
         )
     lines.append(f"recommendation: --fsdp.unit {r['recommendation']} ({r['reason']})")
+    if r["device"].startswith("cpu") and any(
+        "allreduce" in w.get("collectives", {}) and not any("reduce_scatter" in k for k in w["collectives"])
+        for w in r["wraps"].values()
+    ):
+        lines.append(
+            "(collectives are counted at the c10d op: on gloo, raggedfsdp runs each unit's reduce-scatter "
+            "as an in-place all-reduce of its flat buffer, so it shows as allreduce; see buffer/dbuffer.py)"
+        )
     return "\n".join(lines)
 
 

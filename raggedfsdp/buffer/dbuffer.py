@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.buffer.streams import (
     BufferLifetimeError,
     current_stream,
@@ -193,7 +194,10 @@ class DBuffer:
             if inp.data_ptr() != self.data.data_ptr():
                 self.data.copy_(inp)
             return None
-        return _all_gather_single(self.data, inp, group=group, async_op=async_op)
+        base = use_count(inp)
+        work = _all_gather_single(self.data, inp, group=group, async_op=async_op)
+        hold_until_released(inp, base)  # a cast slice dies here (Note [gloo release])
+        return work
 
     def reduce_scatter_(
         self,
@@ -222,7 +226,10 @@ class DBuffer:
             return None
         if consume_input and _is_gloo(group, self.data.device):
             return _AllReduceScatterWork(self, out, op, group, async_op)
-        return _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
+        base = use_count(out)
+        work = _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
+        hold_until_released(out, base)  # Note [gloo release]
+        return work
 
 
 def _is_gloo(group, device: torch.device) -> bool:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.buffer.dbuffer import DBuffer
 from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
 from raggedfsdp.planner import GradLayout, Layout, plan_grad_layout
@@ -169,14 +170,16 @@ class UnitBuffers:
             if fresh:
                 into.zero_()
         else:
-            into, fresh = self.grads, self.begin_grads()
+            into, fresh = self.grads, self.grads.alloc()  # zero-filled below: only what the copy leaves
         dsts, srcs = [], []
+        compact = self.compact_grads
+        views = None if compact else self._flat_views(into)
         for i, g in grads:
             flat = (g if g.layout is torch.strided else g.to_dense()).reshape(
                 -1
             )  # sparse: nn.Embedding(sparse=True)
-            if not self.compact_grads:
-                dsts.append(into.data.narrow(0, self.layout.offsets[i], flat.numel()))
+            if views is not None:
+                dsts.append(views[i])
                 srcs.append(flat)
                 continue
             for a, b, off in self.grad_layout.segments(i):
@@ -184,9 +187,45 @@ class UnitBuffers:
                 srcs.append(flat[a:b])
         with torch.no_grad():
             if fresh:
+                if into is self.grads:  # a fresh unsharded grad buffer: zero what the copy does not write
+                    covered = not compact and len(grads) == len(self.layout.numels)
+                    if covered:  # every tensor: only the padding between them (Note [grad fold])
+                        gaps = self._gap_views(into)
+                        if gaps:
+                            torch._foreach_zero_(gaps)
+                    else:
+                        into.zero_()
                 torch._foreach_copy_(dsts, srcs)
             else:
                 torch._foreach_add_(dsts, srcs)
+
+    def _flat_views(self, buf: DBuffer) -> list[torch.Tensor]:
+        """Tensor ``i``'s flat ``(numel,)`` view of the unsharded ``buf`` (parameter layout), cached per
+        buffer: views of a freed storage stay valid when it is re-allocated (Note [DBuffer roles]), so the
+        per-parameter ``narrow`` runs once, not at every fold."""
+        cache = getattr(buf, "_flat_views", None)
+        if cache is None or cache[0] is not buf.data:
+            lay = self.layout
+            cache = (buf.data, [buf.data.narrow(0, o, n) for o, n in zip(lay.offsets, lay.numels)])
+            buf._flat_views = cache
+        return cache[1]
+
+    def _gap_views(self, buf: DBuffer) -> list[torch.Tensor]:
+        """Views of the unsharded ``buf`` (parameter layout) that no tensor covers: the padding between
+        tensors and at the end of each rank's range (zero in every buffer, Note [DBuffer roles]); cached
+        like :meth:`_flat_views`."""
+        cache = getattr(buf, "_gap_views", None)
+        if cache is None or cache[0] is not buf.data:
+            lay, gaps, pos = self.layout, [], 0
+            for o, n in sorted(zip(lay.offsets, lay.numels)):
+                if o > pos:
+                    gaps.append(buf.data.narrow(0, pos, o - pos))
+                pos = max(pos, o + n)
+            if lay.total_size > pos:
+                gaps.append(buf.data.narrow(0, pos, lay.total_size - pos))
+            cache = (buf.data, gaps)
+            buf._gap_views = cache
+        return cache[1]
 
     def sharded_output(self, dtype: torch.dtype, name: str = "reduce-scatter output") -> DBuffer:
         """A fresh ``(Sg,)`` buffer (the grad layout's shard) on the compute device (zero-filled padding is
@@ -201,8 +240,10 @@ class UnitBuffers:
             name=name,
         )
 
-    def sharded_grad_buffer(self) -> DBuffer:
-        """The persistent ``(Sg,)`` sharded grads (orig dtype, storage device), created zeroed on first use."""
+    def sharded_grad_buffer(self, zero: bool = True) -> DBuffer:
+        """The persistent ``(Sg,)`` sharded grads (orig dtype, storage device), created zeroed on first use;
+        ``zero=False``: a re-grown buffer is left unwritten (the caller overwrites all of it: a fresh
+        reduce-scatter output)."""
         if self.sharded_grads is None:
             self.sharded_grads = DBuffer(
                 self.grad_layout,
@@ -215,7 +256,7 @@ class UnitBuffers:
                 name="sharded grads",
             )
             self.sharded_grads.zero_()
-        elif self.sharded_grads.alloc():  # released by release_sharded_grads(): re-grown, zeroed
+        elif self.sharded_grads.alloc() and zero:  # released by release_sharded_grads(): re-grown, zeroed
             self.sharded_grads.zero_()
         return self.sharded_grads
 
@@ -246,7 +287,9 @@ class UnitBuffers:
             else:
                 from raggedfsdp.buffer.dbuffer import _all_gather_single
 
+                base = use_count(source)
                 work = _all_gather_single(self.params.data, source, group=source_group, async_op=True)
+                hold_until_released(source, base)  # Note [gloo release]
         return CommHandle(work, [self.params], stream, "all-gather")
 
     def free_params(self) -> None:

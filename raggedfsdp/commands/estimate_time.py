@@ -11,7 +11,9 @@ Examples::
 
 No GPU needed: the shapes come from the model (a planner table, a built-in model such as
 llama:small, or a Hugging Face config.json), the constants from a cluster preset (h100, h200,
-b200, cpu; sources in raggedfsdp/sizing/steptime.py) or a JSON file written by ``--calibrate``.
+b200, cpu; sources in raggedfsdp/sizing/clusters.py) or a JSON file written by ``--calibrate``.
+On a CPU host (the cpu cluster) the devices are its cores: ranks beyond them time-share, so the
+report's step is the elapsed time on an idle machine (the work x ranks / cores).
 Ours (the planner's layout, copy-free collectives) is printed next to FSDP2's layout (dim-0
 padding, copy-in / copy-out) on the same model and dims. ``--rank N`` lists the N fastest
 configurations (unit, granularity, dp_replicate, tp, ep) for the world size.
@@ -69,7 +71,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="time local gloo runs (built-in dense and MoE at 1 and 2 ranks) and fit the cluster",
+        help="time local gloo runs (built-in dense and MoE at 1 and 2 ranks, one launch; a rank's CPU "
+        "seconds) and fit the cpu cluster, this machine's cores as its devices",
     )
     p.add_argument("--save", default=None, metavar="FILE", help="with --calibrate: write the fitted cluster")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -109,32 +112,67 @@ def _load_cluster(text: str):
         raise ValueError(f"--cluster {text!r}: not a cluster JSON written by --calibrate ({e})") from None
 
 
-def calibrate_here(out=sys.stderr):
-    """Measure built-in dense and MoE steps at 1 and 2 gloo ranks and fit the ``cpu`` preset."""
-    from raggedfsdp.bench.steptime import measure_steps
-    from raggedfsdp.sizing.steptime import CLUSTERS, Parallel
+CALIBRATION_MODELS = ("llama:small", "moe:moe-small")
+"""The built-in dense and MoE models ``--calibrate`` measures (batch 2 x seq 128, fp32, AdamW)."""
+
+
+def samples_from_rows(rows: list[dict]) -> list[dict]:
+    """:func:`raggedfsdp.sizing.steptime_search.calibrate` samples from ``measure_steps`` rows: a rank's
+    CPU seconds in its fastest step (``cpu_min_s``) and in its fastest optimizer step. The fastest,
+    not the median: other jobs on the machine only ever add to a step (evicted caches, a shared core),
+    so the least disturbed step is the best estimate of the work (at a load average of ~18 on 2 cores
+    the median's predictions of 3-4 ranks were 8-18 % high, the fastest's within 5 %)."""
+    from raggedfsdp.sizing.steptime import Parallel
+
+    models = {}
+    out = []
+    for r in rows:
+        if r["model"] not in models:
+            models[r["model"]] = resolve_model(r["model"], "layer")
+        units, cfg = models[r["model"]]
+        out.append(
+            {
+                "units": units,
+                "cfg": cfg,
+                "parallel": Parallel(r["world_size"]),
+                "batch": r.get("batch", 2),
+                "seq_len": r.get("seq", 128),
+                "measured_s": r["cpu_min_s"],
+                "measured_opt_s": r.get("cpu_opt_min_s"),
+                "param_bytes": 4,
+                "reduce_bytes": 4,
+            }
+        )
+    return out
+
+
+def fit_rows(rows: list[dict]):
+    """The ``cpu`` preset with this machine's core count, fitted to ``measure_steps`` rows."""
+    import os
+    from dataclasses import replace
+
+    from raggedfsdp.sizing.steptime import CLUSTERS
     from raggedfsdp.sizing.steptime_search import calibrate
 
-    samples = []
-    for name in ("llama:small", "moe:moe-small"):
-        units, cfg = resolve_model(name, "layer")
-        fam, flavor = name.split(":")
-        for n in (1, 2):
-            t = measure_steps(fam, flavor, n, batch=2, seq=128)
-            print(f"measured {name} on {n} rank(s): {t * 1e3:.1f} ms/step", file=out, flush=True)
-            samples.append(
-                {
-                    "units": units,
-                    "cfg": cfg,
-                    "parallel": Parallel(n),
-                    "batch": 2,
-                    "seq_len": 128,
-                    "measured_s": t,
-                    "param_bytes": 4,
-                    "reduce_bytes": 4,
-                }
-            )
-    return calibrate(samples, CLUSTERS["cpu"]), samples
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return calibrate(samples_from_rows(rows), replace(CLUSTERS["cpu"], devices_per_node=cores))
+
+
+def calibrate_here(out=sys.stderr, world_sizes=(1, 2)):
+    """Measure the built-in dense and MoE steps at ``world_sizes`` gloo ranks (one torchrun launch,
+    ``bench/steptime.py``) and fit the ``cpu`` preset; returns ``(cluster, rows)``."""
+    from raggedfsdp.bench.steptime import measure_steps
+
+    rows = measure_steps(list(CALIBRATION_MODELS), list(world_sizes), batch=2, seq=128)
+    for r in rows:
+        print(
+            f"measured {r['model']} on {r['world_size']} rank(s): {r['cpu_min_s'] * 1e3:.1f} ms CPU per step "
+            f"(fastest of {len(r['cpu_steps'])}; {r['cpu_opt_min_s'] * 1e3:.1f} ms in the optimizer), "
+            f"{r['wall_s'] * 1e3:.1f} ms elapsed",
+            file=out,
+            flush=True,
+        )
+    return fit_rows(rows), rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,9 +189,10 @@ def run(args: argparse.Namespace) -> int:
         print(
             json.dumps(asdict(cluster), indent=1)
             if args.json
-            else f"fitted: {cluster.peak_flops / 1e9:.3g} GFLOP/s per rank, network {cluster.intra_bw / 1e9:.3g} GB/s, "
-            f"{cluster.intra_lat * 1e6:.0f} us per ring step, host {cluster.host_s_per_unit * 1e6:.0f} us per unit"
-            + (f"; written to {args.save}" if args.save else "")
+            else f"fitted: {cluster.peak_flops / 1e9:.3g} GFLOP/s per rank, optimizer {cluster.hbm_bw / 1e9:.3g} GB/s, "
+            f"network {cluster.intra_bw / 1e9:.3g} GB/s, {cluster.intra_lat * 1e6:.1f} us per ring step, host "
+            f"{cluster.host_s_per_unit * 1e6:.0f} us per unit + {cluster.host_s_per_tensor * 1e6:.0f} us per "
+            f"tensor, {cluster.devices_per_node} cores" + (f"; written to {args.save}" if args.save else "")
         )
         if not args.model:
             return 0

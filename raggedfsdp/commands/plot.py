@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -16,11 +17,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
+    """Exit 0: the image was written; 2: a bad input (a missing path, a folder or file without
+    metrics), as the other commands; 1: matplotlib is not installed."""
+    missing = [p for p in args.metrics if not os.path.exists(p)]
+    if missing:
+        print(
+            f"raggedfsdp plot: error: metrics file {missing[0]!r} does not exist (give a metrics.jsonl or "
+            "a run folder --out)",
+            file=sys.stderr,
+        )
+        return 2
     from raggedfsdp.train.plot import plot_metrics
 
     try:
         out = plot_metrics(args.metrics, args.output, title=args.title)
-    except (ImportError, ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raggedfsdp plot: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
         print(f"raggedfsdp plot: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from raggedfsdp._release import hold_until_released, use_count
+
 from raggedfsdp.buffer import CommHandle
 from raggedfsdp.fsdp._common import CollectiveMismatchError, RuntimeOptions
 
@@ -152,13 +154,20 @@ class Agreement:
                 )
                 if g.device.type == "cuda":
                     t = t.pin_memory().to(g.device, non_blocking=True)
-                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group, async_op=True)
-                if g.is_hsdp and g.replicate_world > 1:
-                    work.wait()
-                    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.replicate_group, async_op=True)
-                handle = CommHandle(work, (), None, "used-flag all-reduce")
-                handle.context = self.context(g)
-                handle.wait()
+                base = use_count(t)
+                groups = [g.shard_group] + (
+                    [g.replicate_group] if g.is_hsdp and g.replicate_world > 1 else []
+                )
+                for pg in groups:
+                    handle = CommHandle(
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
+                        (),
+                        None,
+                        "used-flag all-reduce",
+                    )
+                    hold_until_released(t, base)  # Note [gloo release]: `t` dies with this call
+                    handle.context = self.context(g)
+                    handle.wait()
                 mode = "immediate" if self.options.debug_on() else self.options.agreement_check
                 if all(local) and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
                     # every local param got a grad, so the OR is all-true: only the agreement needs reading,

@@ -155,6 +155,7 @@ class FSDPParam:
     unsharded: nn.Parameter | None = None  # view into the unsharded DBuffer
     grad_view: torch.Tensor | None = None  # view into the unsharded grad DBuffer
     sharded_grad: DTensor | None = None  # DTensor view into the sharded grad DBuffer
+    sharded_grad_base: torch.Tensor | None = None  # the buffer ``sharded_grad`` was checked against
     spec: DTensorSpec | None = None
     got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
     hooked: bool = False  # the unsharded param's gradient pre-hook is registered
@@ -200,3 +201,22 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def register_on_owners(fps: list[FSDPParam], which: str) -> None:
+    """Put each param's ``which`` (``"sharded"`` / ``"unsharded"``) tensor on every module that owns it:
+    ``FSDPParam.set_on_owners`` inlined in one loop, no per-parameter Python call (unshard / reshard hot
+    path). Local."""
+    for fp in fps:
+        value = getattr(fp, which)
+        for module, name in fp.owners:
+            module._parameters[name] = value
+
+
+def requires_grad_unchanged(fps: list[FSDPParam]) -> bool:
+    """True if no sharded or unsharded param's ``requires_grad`` differs from its recorded one (the
+    per-step case of ``FSDPParamGroup.refresh_requires_grad``: three list comprehensions). Local."""
+    rgs = [fp.requires_grad for fp in fps]
+    return rgs == [fp.sharded.requires_grad for fp in fps] and (
+        rgs == [fp.unsharded.requires_grad for fp in fps]
+    )

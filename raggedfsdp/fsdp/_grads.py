@@ -110,7 +110,7 @@ class UnitGrads:
         self.sg_pending = False
 
     # ---- backward ------------------------------------------------------------------------------
-    def on_grad(self, fp: FSDPParam) -> None:
+    def on_grad(self, fp: FSDPParam, _grad: torch.Tensor | None = None) -> None:
         """A gradient is about to be accumulated into ``fp`` (its tensor pre-hook): mark it used. While
         the unit's grad buffer is allocated (a no-sync window holds it, views pre-set by ``prepare``)
         point a ``.grad`` that is ``None`` at its view, so autograd adds into it in place; otherwise
@@ -118,12 +118,16 @@ class UnitGrads:
         fold]). Local."""
         g = self.group
         fp.got_grad = True
-        g.comm.reduces.poll()  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
+        reduces = g.comm.reduces
+        if reduces.inflight:  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
+            reduces.poll()
+        bufs = g.bufs
         if (
-            fp.unsharded.grad is None
+            bufs.grads.data.untyped_storage().nbytes()  # allocated (a no-sync window holds the buffer)
+            and fp.unsharded.grad is None
             and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
-            and not g.bufs.compact_grads
-            and g.bufs.grads.is_allocated
+            and bufs.grads.is_allocated
+            and not bufs.compact_grads
             and not torch.is_grad_enabled()
         ):
             fp.unsharded.grad = fp.grad_view
@@ -147,13 +151,18 @@ class UnitGrads:
         if self.grad_state is GradState.NONE:
             self.grad_state = GradState.ACCUMULATING
         views = not torch.is_grad_enabled()  # create_graph=True: autograd replaces .grad, never adds into it
-        for fp in self.group.trainable:
+        allocated = self.group.bufs.grads.is_allocated
+        trainable = self.group.trainable
+        if not (views and allocated) and not any([fp.unsharded.grad is not None for fp in trainable]):
+            return  # the per-step case: no .grad to fold or view to pre-set
+        for fp in trainable:
             g = fp.unsharded.grad
             if g is not None and g is not fp.grad_view:  # e.g. user set it; fold it in
+                allocated = True
                 self.group.bufs.begin_grads()
                 fp.grad_view.add_(g)
                 fp.unsharded.grad = fp.grad_view if views else None
-            elif g is None and views and self.group.bufs.grads.is_allocated:
+            elif g is None and views and allocated:
                 fp.unsharded.grad = fp.grad_view
 
     def _sync_members(self) -> None:
@@ -210,8 +219,10 @@ class UnitGrads:
                 self.grad_state = GradState.ACCUMULATING
 
             folded = []
+            index = self.group._index
             for fp in stray:
-                folded.append((self.group._index[id(fp)], fp.local_grad(fp.unsharded.grad)))
+                g = fp.unsharded.grad
+                folded.append((index[id(fp)], fp.local_grad(g) if isinstance(g, DTensor) else g))
                 fp.unsharded.grad = None
                 fp.got_grad = True
             with labelled(f"raggedfsdp::fold_grads ({self.group.unit_name})"):
@@ -276,7 +287,7 @@ class UnitGrads:
 
     def take_used_flags(self) -> tuple[bool, ...]:
         """This rank's used bits of the trainable params since the last reduce (and reset them)."""
-        flags = tuple(fp.got_grad for fp in self.grad_fps)
+        flags = tuple([fp.got_grad for fp in self.grad_fps])
         for fp in self.grad_fps:
             fp.got_grad = False
         if self.partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
@@ -290,7 +301,7 @@ class UnitGrads:
     def release_unused_sharded(self) -> None:
         """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
         iteration wrote it (called by the root before forward). Local."""
-        if self.sg_pending or any(fp.sharded.grad is not None for fp in self.group.fsdp_params):
+        if self.sg_pending or any([fp.sharded.grad is not None for fp in self.group.fsdp_params]):
             return
         self.group.bufs.release_sharded_grads()
 
@@ -334,15 +345,22 @@ class UnitGrads:
         (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); here at the end of backward,
         where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
         buf = self.group.bufs.sharded_grad_buffer()
+        base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
         for fp, u in used:
-            if not u and fp.sharded.grad is None:
+            sharded = fp.sharded
+            if not u and sharded.grad is None:
                 continue
-            view = buf.local_view(self.group._index[id(fp)])
-            if fp.sharded_grad is None or fp.sharded_grad._local_tensor.data_ptr() != view.data_ptr():
-                fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
-            fp.sharded.grad = fp.sharded_grad
-            for hook in (getattr(fp.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
-                hook(fp.sharded)
+            sg = fp.sharded_grad
+            if sg is None or fp.sharded_grad_base is not base:  # built once per sharded grad buffer
+                view = buf.local_view(self.group._index[id(fp)])
+                if sg is None or sg._local_tensor.data_ptr() != view.data_ptr():
+                    sg = fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
+                fp.sharded_grad_base = base
+            sharded.grad = sg
+            hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in hooks.values():
+                    hook(sharded)
 
     def reset(self) -> None:
         """reset_iter_state for this unit's gradients: drop unsharded grads, free their buffer, clear every

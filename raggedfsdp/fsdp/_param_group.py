@@ -22,6 +22,7 @@ Notes [grad fold] and [frozen parameters] are in ``_grads.py`` (the gradient sid
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
+from raggedfsdp.fsdp._common import register_on_owners, requires_grad_unchanged
 from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
@@ -242,11 +244,13 @@ class FSDPParamGroup:
 
     @property
     def any_trainable(self) -> bool:
-        return any(fp.sharded.requires_grad for fp in self.fsdp_params)
+        return any([fp.sharded.requires_grad for fp in self.fsdp_params])
 
     def refresh_requires_grad(self) -> None:
         """Copy each sharded param's current ``requires_grad`` onto its unsharded param (as FSDP2 does at
         each unshard), so freezing or unfreezing after ``fully_shard`` is honoured. Local."""
+        if requires_grad_unchanged(self.fsdp_params):
+            return  # the per-step case: no per-parameter branches
         changed = False
         for fp in self.fsdp_params:
             rg = fp.sharded.requires_grad
@@ -327,7 +331,7 @@ class FSDPParamGroup:
     def _register_grad_hook(self, fp: FSDPParam) -> None:
         # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
         # param's gradient, so the unit's grad buffer is allocated at its first gradient
-        fp.unsharded.register_hook(lambda _g, fp=fp: self.grads.on_grad(fp))
+        fp.unsharded.register_hook(functools.partial(self.grads.on_grad, fp))  # C partial: 1 Python frame
         fp.hooked = True
 
     def reset_sharded_storage(self) -> None:
@@ -449,7 +453,7 @@ class FSDPParamGroup:
         return (
             self._master_changes
             + self.bufs.sharded.data._version
-            + sum(fp.sharded._version for fp in self.fsdp_params)
+            + sum([fp.sharded._version for fp in self.fsdp_params])
         )
 
     def _gather_is_current(self) -> bool:
@@ -503,8 +507,7 @@ class FSDPParamGroup:
             self._version_guard.__exit__(None, None, None)
             self._unshard, self._version_guard = None, None
         self.refresh_requires_grad()
-        for fp in self.fsdp_params:
-            fp.set_on_owners(fp.unsharded)
+        register_on_owners(self.fsdp_params, "unsharded")
         self.param_state = ParamState.UNSHARDED
 
     # ---- int reshard_after_forward: keep a 1/k slice, re-gather within k ranks ----------------
@@ -554,8 +557,7 @@ class FSDPParamGroup:
             self.wait_for_unshard()
         if self.param_state is ParamState.UNSHARDED:
             self.refresh_requires_grad()  # a change made on the registered unsharded params carries over
-            for fp in self.fsdp_params:
-                fp.set_on_owners(fp.sharded)
+            register_on_owners(self.fsdp_params, "sharded")
             self.param_state = ParamState.SHARDED
         if free and self.bufs.params.is_allocated:
             check(self._unshard is None, "free of the unsharded params while their all-gather is pending")

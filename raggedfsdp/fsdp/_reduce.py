@@ -298,10 +298,15 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         if not direct and not (group.is_hsdp and group.replicate_world > 1):
             # installed from the reduce-scatter stream (complete_reduce_scatter): allocate the sharded
             # grads here, on the compute stream and before the collective's stream waits it
-            group.bufs.sharded_grad_buffer()
-        out = group.bufs.sharded_grad_buffer() if direct else group.bufs.sharded_output(group.reduce_dtype)
+            # (fresh: the install copies over all of it, so a re-grown buffer needs no zero-fill)
+            group.bufs.sharded_grad_buffer(zero=not fresh)
+        out = (
+            group.bufs.sharded_grad_buffer(zero=False)  # the reduce-scatter writes all of it
+            if direct
+            else group.bufs.sharded_output(group.reduce_dtype)
+        )
         for fp in group.fsdp_params:
-            if fp.unsharded is not None:
+            if fp.unsharded is not None and fp.unsharded.grad is not None:
                 fp.unsharded.grad = None
         params = tuple(grads.grad_fps)
         flags = grads.take_used_flags()

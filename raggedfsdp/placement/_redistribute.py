@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 try:  # torch >= 2.13 names; older aliases emit FutureWarnings
@@ -164,10 +165,20 @@ def gather_ragged(
         send = flat.new_zeros(m)
         send[: flat.numel()].copy_(flat)
     out = flat.new_empty(world * m)
-    _all_gather_single(out, send, group=_group(mesh, mesh_dim))
+    _held(_all_gather_single, out, send, group=_group(mesh, mesh_dim))
     if any(s != m for s in sizes):
         out = torch.cat([out[r * m : r * m + sizes[r]] for r in range(world)])
     return out.view(base_shape)
+
+
+def _held(collective, out: torch.Tensor, inp: torch.Tensor, *args, **kwargs):
+    """Run a (synchronous) collective on the temporaries ``out`` / ``inp`` and keep them until the
+    backend's worker has let go of them (Note [gloo release] in ``raggedfsdp/_release.py``)."""
+    bases = use_count(out), use_count(inp)
+    result = collective(out, inp, *args, **kwargs)
+    hold_until_released(out, bases[0])
+    hold_until_released(inp, bases[1])
+    return result
 
 
 _REDUCE_OPS = {
@@ -207,7 +218,7 @@ def reduce_scatter_ragged(
     for r, (a, b) in enumerate(ranges):
         buf[r, : b - a].copy_(flat[a:b])
     out = flat.new_empty(m)
-    _reduce_scatter_single(out, buf.view(-1), op=_REDUCE_OPS[reduce_op], group=_group(mesh, mesh_dim))
+    _held(_reduce_scatter_single, out, buf.view(-1), op=_REDUCE_OPS[reduce_op], group=_group(mesh, mesh_dim))
     if reduce_op == "avg":
         out.div_(world)
     return out[: sizes[rank]]
@@ -232,7 +243,7 @@ def alltoall_intervals(flat: torch.Tensor, src_ranges, dst_ranges, mesh, mesh_di
     if mesh.size(mesh_dim) == 1:
         out.copy_(flat)
         return out
-    dist.all_to_all_single(out, flat, out_splits, in_splits, group=_group(mesh, mesh_dim))
+    _held(dist.all_to_all_single, out, flat, out_splits, in_splits, group=_group(mesh, mesh_dim))
     return out
 
 

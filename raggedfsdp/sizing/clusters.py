@@ -37,6 +37,16 @@ class Cluster:
     """Achieved fraction of ``peak_flops`` on the model's matmuls (calibrated, or a typical value)."""
     host_s_per_unit: float = 60e-6
     """CPU time per FSDP unit per phase (hooks, launches), seconds."""
+    host_s_per_tensor: float = 0.0
+    """CPU time per parameter tensor per phase (forward, backward, optimizer step: per-tensor DTensor
+    dispatch, autograd nodes, foreach kernels' per-tensor work), seconds. 0 in the GPU presets (at
+    their sizes it hides under the device's work); fitted by calibrate() on a CPU host, where it is
+    what makes a many-small-tensor MoE slower than its FLOPs say."""
+    shared_host: bool = False
+    """One CPU host (the ``cpu`` preset): every rank runs on this one machine and its
+    ``devices_per_node`` *cores* are the devices (all groups use the intra-node constants). Ranks
+    beyond the cores time-share them: the elapsed step is the per-rank work (``StepTime.work_s``, what
+    a rank's CPU clock counts) x ranks / cores, and other jobs on the machine slow it further."""
     overlap: bool = True
     """Whether communication overlaps compute (False on CPU: gloo and compute share the cores)."""
     source: str = ""
@@ -91,9 +101,13 @@ CLUSTERS: dict[str, Cluster] = {
             devices_per_node=2,
             mfu=1.0,
             host_s_per_unit=200e-6,
+            host_s_per_tensor=50e-6,
             overlap=False,
-            source="placeholder for a CPU box with gloo, one core per rank, predicting a rank's CPU seconds "
-            "per step; fit it with calibrate() (raggedfsdp estimate-time --calibrate)",
+            shared_host=True,
+            source="placeholder for one CPU box with gloo, one thread per rank, devices_per_node = its cores "
+            "(set it to os.cpu_count(); --calibrate does), predicting a rank's CPU seconds per step (work_s) "
+            "and the elapsed step (x ranks / cores beyond the cores); fit it with calibrate() "
+            "(raggedfsdp estimate-time --calibrate)",
         ),
     )
 }

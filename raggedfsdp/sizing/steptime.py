@@ -24,8 +24,15 @@ schedule is torch FSDP2's, ``torch/distributed/fsdp/_fully_shard/_fsdp_param_gro
   read + write of the unit's gradient bytes on the compute stream). FSDP2 pads each parameter's dim 0
   to the group size and copies in (all-gather stream), copies out (compute stream) and copies the
   gradients into the reduce-scatter input (reduce-scatter stream), each a read + write at HBM speed.
-* **Host**: a fixed CPU cost per unit and phase (``Cluster.host_s_per_unit``), on the critical path
-  when the device is faster than the host.
+* **Host**: a fixed CPU cost per unit and phase (``Cluster.host_s_per_unit``) plus one per parameter
+  tensor and phase (``host_s_per_tensor``, the optimizer step included), on the critical path when the
+  device is faster than the host.
+* **A CPU host** (``Cluster.shared_host``, the ``cpu`` preset): the devices are the machine's cores,
+  nothing overlaps (gloo and compute share the cores), ``work_s`` is a rank's CPU seconds per step and
+  ranks beyond the cores time-share them (elapsed ``step_s = work_s x ranks / cores``). gloo's
+  collectives also copy their whole buffer once at memory speed (``_allgather_base`` gathers into a
+  temporary; our reduce-scatter is an in-place all-reduce and a slice copy): a cost that appears at 2
+  ranks and does not grow with the ring, unlike its ``(n - 1) / n`` part.
 * **Optimizer**: memory-bound AdamW (``OPT_BYTES_PER_ELEM`` bytes touched per shard element at HBM
   speed); Muon adds its Newton-Schulz FLOPs spread over all ranks.
 
@@ -98,6 +105,7 @@ class _UnitCost:
     shard: int = 0  # elements per rank
     padded: int = 0  # elements all-gathered per rank (group x shard)
     numel: int = 0  # elements of the unit on one TP / EP rank (no padding)
+    tensors: int = 0  # parameter tensors of the unit
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,9 @@ class StepTime:
     padding_ratio: float
     allgather_bytes: float
     """Largest unit's all-gather output per rank, bytes (the buffer FSDP must hold)."""
+    work_s: float = 0.0
+    """Busy seconds of one rank per step (a rank's CPU clock on a ``shared_host``); equal to
+    ``step_s`` unless ranks time-share the cores of a shared host."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -206,7 +217,7 @@ def builtin_cfg(name: str, flavor: str, **overrides) -> dict:
 
 def _group_bw(c: Cluster, size: int, stride: int) -> tuple[float, float]:
     """Bandwidth and latency of a group of ``size`` ranks ``stride`` apart in the rank order."""
-    if size <= 1 or size * stride <= c.devices_per_node:
+    if size <= 1 or size * stride <= c.devices_per_node or c.shared_host:
         return c.intra_bw, c.intra_lat
     return c.inter_bw, c.inter_lat
 
@@ -284,6 +295,9 @@ def _costs(
             padded_tot += m * S
             ag += _coll(m * S * param_bytes, m, bw, lat)
             rs += _coll(m * S * reduce_bytes, m, bw, lat)
+            if c.shared_host and m > 1:  # gloo: each collective also copies its whole buffer once
+                ag += m * S * param_bytes / c.hbm_bw  # _allgather_base gathers into a temporary
+                rs += m * S * reduce_bytes / c.hbm_bw  # ours: in-place all-reduce, then the slice out
             ar += 2 * _coll(S * reduce_bytes, R, bw_rep, lat_rep)
             if layout == "fsdp2":
                 copy_in += 2 * S * param_bytes / c.hbm_bw
@@ -309,6 +323,7 @@ def _costs(
                 shard_tot,
                 padded_tot,
                 numel_local,
+                len(u.params),
             )
         )
     return out
@@ -316,7 +331,7 @@ def _costs(
 
 def _simulate(costs: list[_UnitCost], c: Cluster, ac: bool) -> tuple[float, float, float]:
     """(end of backward incl. drained collectives, compute seconds, host seconds)."""
-    host = c.host_s_per_unit
+    hosts = [c.host_s_per_unit + c.host_s_per_tensor * u.tensors for u in costs]  # per unit and phase
     n = len(costs)
     comp = 0.0  # compute stream free at
     net = 0.0  # network free at
@@ -324,14 +339,14 @@ def _simulate(costs: list[_UnitCost], c: Cluster, ac: bool) -> tuple[float, floa
     compute_total = 0.0
     if not c.overlap:  # everything serial: the cores do both
         t = 0.0
-        for u in costs:
+        for u, host in zip(costs, hosts):
             t += host + u.copy_in + u.ag + u.copy_out + u.fwd + u.exposed_fwd
-        for u in reversed(costs):
+        for u, host in reversed(list(zip(costs, hosts))):
             bwd = 2 * u.fwd + (u.fwd if ac else 0.0)
             t += host + u.copy_in + u.ag + u.copy_out + bwd + 2 * u.exposed_fwd + u.grad_fold
             t += u.rs_copy + u.rs + u.ar
         compute_total = sum(3 * u.fwd + (u.fwd if ac else 0.0) for u in costs)
-        return t, compute_total, 2 * n * host
+        return t, compute_total, 2 * sum(hosts)
     # forward: all-gathers FIFO on the network, at most two unsharded units
     ag_done = [0.0] * n
     comp_end = [0.0] * n
@@ -341,6 +356,7 @@ def _simulate(costs: list[_UnitCost], c: Cluster, ac: bool) -> tuple[float, floa
         net = max(net, ready) + u.copy_in + u.ag
         ag_done[i] = net
         start = max(comp, ag_done[i])
+        host = hosts[i]
         comp = start + host + u.copy_out + u.fwd + u.exposed_fwd
         comp_end[i] = comp
         host_total += host
@@ -373,6 +389,7 @@ def _simulate(costs: list[_UnitCost], c: Cluster, ac: bool) -> tuple[float, floa
         got = run_until(f"ag{j}")
         start = max(comp, got)
         bwd = 2 * u.fwd + (u.fwd if ac else 0.0)
+        host = hosts[j]
         comp = start + host + (u.copy_out if k else 0.0) + bwd + 2 * u.exposed_fwd + u.grad_fold
         bend[j] = comp
         queue.append((comp, seq, u.rs_copy + u.rs + u.ar, f"rs{j}"))
@@ -447,7 +464,7 @@ def estimate_time(
     )
     end, compute, host = _simulate(costs, c, activation_checkpointing)
     shard = sum(u.shard for u in costs)
-    optim = shard * OPT_BYTES_PER_ELEM / c.hbm_bw
+    optim = shard * OPT_BYTES_PER_ELEM / c.hbm_bw + c.host_s_per_tensor * sum(u.tensors for u in costs)
     if optimizer == "muon":
         from raggedfsdp.optim._newton_schulz import ns_flops
 
@@ -458,7 +475,9 @@ def estimate_time(
             if len(s) >= 2
         )
         optim += ns / parallel.world / (c.peak_flops * c.mfu)
-    step = end + optim
+    work = end + optim
+    # a shared CPU host: ranks beyond its cores time-share them (the elapsed step stretches)
+    step = work * max(1.0, parallel.world / c.devices_per_node) if c.shared_host else work
     numel = sum(u.numel for u in costs)
     padded = sum(u.padded for u in costs)
     model_flops = sum(3 * tokens * _unit_flops(u.params, cfg, seq_len)[0] for u in units)
@@ -467,7 +486,7 @@ def estimate_time(
         layout=layout,
         step_s=step,
         compute_s=compute,
-        exposed_comm_s=max(step - compute - optim, 0.0),
+        exposed_comm_s=max(work - compute - optim, 0.0),
         ag_s=sum(u.ag for u in costs),
         rs_s=sum(u.rs for u in costs),
         ar_s=sum(u.ar for u in costs),
@@ -479,6 +498,7 @@ def estimate_time(
         mfu=model_flops / parallel.tp / (step * c.peak_flops) if step else 0.0,
         padding_ratio=1 - numel / padded if padded else 0.0,
         allgather_bytes=max((u.padded for u in costs), default=0) * param_bytes,
+        work_s=work,
     )
 
 

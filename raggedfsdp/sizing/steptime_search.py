@@ -10,6 +10,8 @@ Pure arithmetic, nothing allocated. Units: seconds, bytes, FLOP/s.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -75,41 +77,88 @@ def rank_configs(
     return rows
 
 
+FIT_CONSTANTS = ("peak_flops", "hbm_bw", "intra_bw", "intra_lat", "host_s_per_unit", "host_s_per_tensor")
+"""The :class:`Cluster` fields :func:`calibrate` fits (``mfu`` is set to 1: ``peak_flops`` is the speed)."""
+_INVERSE = ("peak_flops", "hbm_bw", "intra_bw")  # the step time is linear in 1 / these
+
+
 def calibrate(samples: Sequence[dict[str, Any]], base: Cluster) -> Cluster:
-    """Fit ``base``'s compute speed, collective bandwidth/latency and host cost to measured steps.
+    """Fit ``base``'s compute speed, optimizer memory speed, collective bandwidth / latency and host
+    costs (:data:`FIT_CONSTANTS`) to measured steps.
 
     ``samples``: dicts with ``units``, ``cfg``, ``parallel``, ``batch``, ``seq_len``, ``measured_s``
-    (seconds per step) and optionally ``layout``. A coarse-to-fine search over the four constants
-    (log-spaced, then refined) minimising the sum of squared relative errors; deterministic.
-    Returns the fitted cluster (``source`` says it was calibrated and on how many samples).
+    (one rank's busy seconds per step, compared with :attr:`StepTime.work_s`: on a ``shared_host``
+    its CPU seconds, which neither time-sharing nor other jobs inflate much), optionally
+    ``measured_opt_s`` (the optimizer step's share, compared with ``optim_s``: it pins ``hbm_bw``
+    apart from the collectives), ``layout``, ``param_bytes``, ``reduce_bytes``, ``optimizer``.
+    A coarse-to-fine search, one constant at a time (log-spaced factors, then refined; 5 rounds),
+    minimising the sum of squared relative errors; deterministic. Constants that the samples cannot
+    tell apart (compute vs host cost at one batch size) keep a split the search finds first; their
+    sum per sample is what is fitted. Returns the fitted cluster (``source`` says on how many samples).
+
+    Raises:
+        ValueError: no samples.
     """
     if not samples:
         raise ValueError("calibrate: need at least one measured sample")
 
-    def err(cl: Cluster) -> float:
-        e = 0.0
-        for s in samples:
-            p = estimate_time(
-                s["units"],
-                s["cfg"],
-                cluster=cl,
-                parallel=s["parallel"],
-                batch=s["batch"],
-                seq_len=s["seq_len"],
-                layout=s.get("layout", "ours"),
-                param_bytes=s.get("param_bytes", 4),
-                reduce_bytes=s.get("reduce_bytes", 4),
-                optimizer=s.get("optimizer", "adamw"),
-            ).step_s
-            e += ((p - s["measured_s"]) / s["measured_s"]) ** 2
-        return e
+    def predict(s, cl: Cluster) -> tuple[float, float]:
+        p = estimate_time(
+            s["units"],
+            s["cfg"],
+            cluster=replace(cl, inter_bw=cl.intra_bw, inter_lat=cl.intra_lat),
+            parallel=s["parallel"],
+            batch=s["batch"],
+            seq_len=s["seq_len"],
+            layout=s.get("layout", "ours"),
+            param_bytes=s.get("param_bytes", 4),
+            reduce_bytes=s.get("reduce_bytes", 4),
+            optimizer=s.get("optimizer", "adamw"),
+        )
+        return p.work_s, p.optim_s
 
-    names = ("peak_flops", "intra_bw", "intra_lat", "host_s_per_unit")
-    cur = replace(base, mfu=1.0, inter_bw=base.inter_bw, inter_lat=base.inter_lat)
+    if not base.overlap:
+        # nothing overlaps: work_s and optim_s are sums of terms each linear in one of 1/peak_flops,
+        # 1/hbm_bw, 1/intra_bw, intra_lat, host_s_per_unit, host_s_per_tensor: take each term's
+        # coefficient once (one estimate with that constant at 1, the others off), then every
+        # candidate of the search is a dot product (the same numbers as estimate_time, exactly)
+        off = replace(
+            base, mfu=1.0, peak_flops=math.inf, hbm_bw=math.inf, intra_bw=math.inf, intra_lat=0.0,
+            host_s_per_unit=0.0, host_s_per_tensor=0.0,
+        )  # fmt: skip
+        coefs = [[predict(s, replace(off, **{n: 1.0})) for n in FIT_CONSTANTS] for s in samples]
+
+        def theta(cl: Cluster) -> list[float]:
+            return [1 / v if n in _INVERSE else v for n, v in ((n, getattr(cl, n)) for n in FIT_CONSTANTS)]
+
+        def err(cl: Cluster) -> float:
+            th, e = theta(cl), 0.0
+            for s, cs in zip(samples, coefs):
+                work = sum(c[0] * t for c, t in zip(cs, th))
+                opt = sum(c[1] * t for c, t in zip(cs, th))
+                e += ((work - s["measured_s"]) / s["measured_s"]) ** 2
+                if s.get("measured_opt_s"):
+                    e += ((opt - s["measured_opt_s"]) / s["measured_opt_s"]) ** 2
+            return e
+
+    else:
+
+        def err(cl: Cluster) -> float:
+            e = 0.0
+            for s in samples:
+                work, opt = predict(s, cl)
+                e += ((work - s["measured_s"]) / s["measured_s"]) ** 2
+                if s.get("measured_opt_s"):
+                    e += ((opt - s["measured_opt_s"]) / s["measured_opt_s"]) ** 2
+            return e
+
+    cur = replace(base, mfu=1.0)
     span = 100.0
     for _ in range(5):
-        for name in names:
+        for name in FIT_CONSTANTS:
             v0 = getattr(cur, name)
+            if v0 <= 0:
+                raise ValueError(f"calibrate: base.{name}={v0!r} must be > 0 to be fitted (a start value)")
             best = (err(cur), v0)
             for f in [span ** (k / 6) for k in range(-6, 7)]:
                 cand = replace(cur, **{name: v0 * f})
@@ -144,6 +193,11 @@ def format_time_report(ours: StepTime, fsdp2: StepTime, *, label: str = "") -> s
     out.append(f"{'':26s}{'ours':>12s}{'fsdp2':>12s}")
     for text, key in rows:
         out.append(f"{text:26s}{getattr(ours, key) * 1e3:10.2f}ms{getattr(fsdp2, key) * 1e3:10.2f}ms")
+    if ours.work_s != ours.step_s:  # a shared CPU host with more ranks than cores
+        out.append(
+            f"{'work per rank (CPU)':26s}{ours.work_s * 1e3:10.2f}ms{fsdp2.work_s * 1e3:10.2f}ms"
+            "  (ranks time-share the cores)"
+        )
     out.append(f"{'tokens/s':26s}{ours.tokens_per_s:12.4g}{fsdp2.tokens_per_s:12.4g}")
     out.append(f"{'MFU':26s}{ours.mfu:12.1%}{fsdp2.mfu:12.1%}")
     out.append(

@@ -223,6 +223,13 @@ class DebugConfig:
         "raise", "raise (exception) | exit (os._exit(3)) | hang (sleep forever) | savehang (sleep forever inside "
         "the checkpoint save of fail_step)", hidden=True,
     )  # fmt: skip
+    slow_rank: int = _f(
+        -1, "make this rank a straggler: sleep debug.slow_s every step (tests the report)", hidden=True
+    )
+    slow_s: float = _f(0.2, "... seconds per step", hidden=True)
+    slow_unit: str = _f(
+        "", "... before this FSDP unit's forward (e.g. layers.1; empty: at the step's start)", hidden=True
+    )
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ from raggedfsdp.train.optimizers import apply_hparams
 
 logger = logging.getLogger("raggedfsdp.train.trainer")  # the trainer's logger: the same log lines as before
 
-__all__ = ["config_diff", "load_run_checkpoint", "pick_resume", "save_run_checkpoint"]
+__all__ = ["config_change_notice", "config_diff", "load_run_checkpoint", "pick_resume", "save_run_checkpoint"]
 
 
 def pick_resume(cfg: TrainConfig, run: run_dir.PreparedRun, ckpt_folder: Path, run_id: str) -> Path | None:
@@ -70,6 +70,23 @@ def config_diff(cfg: TrainConfig, path: Path) -> list[str]:
     return diff
 
 
+def config_change_notice(cfg: TrainConfig, path: Path, config_hash: str) -> str | None:
+    """The one line a resume prints when ``path`` was saved with another config (its recorded hash
+    differs from ``config_hash``), naming the fields that differ (:func:`config_diff`); ``None`` when
+    the config is the same or the checkpoint records no hash."""
+    try:
+        saved_hash = json.loads((path / "meta.json").read_text()).get("config_hash")
+    except (OSError, ValueError):
+        return None
+    if saved_hash is None or saved_hash == config_hash:
+        return None
+    fields = ", ".join(config_diff(cfg, path)) or "fields not recorded"
+    return (
+        f"checkpoint {path} was saved with another config ({fields}; hash {saved_hash}, now {config_hash}): "
+        "resuming anyway, the losses from here on differ from the original run's"
+    )
+
+
 def load_run_checkpoint(
     path: Path,
     cfg: TrainConfig,
@@ -93,7 +110,8 @@ def load_run_checkpoint(
     # The config is the source of truth for hyperparameters (the LR is set every step).
     apply_hparams(optimizer, cfg.optimizer)
     step = int(state["step"])
-    if int(state["seed"]) != cfg.job.seed:
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if int(state["seed"]) != cfg.job.seed and rank0:  # one line for the job, not one per rank
         logger.warning(
             "checkpoint %s was saved with seed %d, this run uses seed %d: the data order differs "
             "from the original run",
@@ -101,18 +119,9 @@ def load_run_checkpoint(
             int(state["seed"]),
             cfg.job.seed,
         )
-    try:
-        saved_hash = json.loads((path / "meta.json").read_text()).get("config_hash")
-    except (OSError, ValueError):
-        saved_hash = None
-    if saved_hash is not None and saved_hash != config_hash:
-        logger.warning(
-            "checkpoint %s was saved with another config (hash %s, now %s; %s): resuming anyway",
-            path,
-            saved_hash,
-            config_hash,
-            ", ".join(config_diff(cfg, path)) or "fields not recorded",
-        )
+    notice = config_change_notice(cfg, path, config_hash)
+    if notice and rank0:
+        logger.warning("%s", notice)
     logger.info(
         "resumed from %s: step %d (saved lr %.3e), now at world size %d (%.2fs)",
         path,

@@ -58,6 +58,7 @@ from raggedfsdp.train.lr_schedule import lr_at
 from raggedfsdp.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.train.optimizers import build_optimizer
 from raggedfsdp.train.run_checkpoints import load_run_checkpoint, pick_resume, save_run_checkpoint
+from raggedfsdp.train.straggler import REPORT_MIN_S, REPORT_PCT, StragglerProbe, describe, inject_slow_rank
 from raggedfsdp.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,10 @@ class Trainer:
         if hasattr(model, "set_nonfinite_grad_probe"):
             self._grad_probe = []
             model.set_nonfinite_grad_probe(self._grad_probe)
+
+        # Straggler attribution: per-rank arrival at each FSDP unit, reported at log steps.
+        self.straggler = StragglerProbe(model, self.world_size, self.rank)
+        self._slow_s = inject_slow_rank(model, cfg.debug, self.rank, self.straggler)
 
         # Optimizer (adamw | muon | adamw8bit): decay matrices and embeddings, not norm gains.
         self.optimizer = build_optimizer(cfg.optimizer, model)
@@ -281,6 +286,9 @@ class Trainer:
             self.faults.inject_step(step, self.rank)
             if self.faults.take("swapdata", step):  # other data from this step on (found by the step's check)
                 self.sampler.tokens = self.sampler.tokens.flip(0).contiguous()
+        self.straggler.start_step()
+        if self._slow_s:  # --debug.slow_rank without --debug.slow_unit: late from the step's start
+            time.sleep(self._slow_s)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
@@ -306,6 +314,7 @@ class Trainer:
             if aux is not None:
                 prev = self.aux_loss_sum if self.aux_loss_sum is not None else 0.0
                 self.aux_loss_sum = prev + aux.detach().float() / accum
+        self.straggler.stop()
         self.watchdog.progress(f"step {step} optimizer", step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         signum = self.interrupts.signum if self.interrupts is not None else 0
@@ -468,8 +477,18 @@ class Trainer:
                     aux_t = self.aux_loss_sum.detach().clone().to(self.device)
                     dist.all_reduce(aux_t)
                     extra = {"aux_loss": aux_t.item() / self.world_size}
-                peak = torch.tensor([float(peak_memory_bytes(self.device))], device=self.device)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest rank's peak (log steps only)
+                # the largest rank's peak and every rank's straggler row (log steps only, one all-reduce)
+                peak = torch.tensor(
+                    [float(peak_memory_bytes(self.device)), *self.straggler.row()],
+                    dtype=torch.float64,
+                    device=self.device,
+                )
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                slow = self.straggler.report(peak[1:].tolist())
+                if slow is not None:
+                    extra["straggler"] = slow
+                    if slow["excess_pct"] >= REPORT_PCT and slow["excess_s"] >= REPORT_MIN_S:
+                        logger.info("step %d: %s", step, describe(slow))
                 now = time.perf_counter()
                 n = step - mark_step
                 dt = (now - mark) / n
@@ -485,7 +504,7 @@ class Trainer:
                         "step_time_s": dt,
                         "tokens_seen": step * tokens_per_step,
                         "elapsed_s": now - start,
-                        "peak_memory_bytes": int(peak.item()),
+                        "peak_memory_bytes": int(peak[0].item()),
                         "peak_memory_source": "cuda" if self.device.type == "cuda" else "rss",
                         **({"skipped_steps": self.guard.skipped_steps} if self.guard.skipped_steps else {}),
                     }

@@ -22,3 +22,82 @@ def _abort_at_exit(rank, world):
 def test_harness_fails_a_rank_that_aborts_after_reporting_success():
     with pytest.raises(AssertionError, match=r"rank 1 reported success, then exited with signal SIGABRT"):
         run_distributed(_abort_at_exit, 2)
+
+
+def _no_tensor_left_owned_by_a_work(rank, world):
+    """Note [gloo release] (raggedfsdp/_release.py): a gloo worker thread may hold a finished work a
+    while after ``wait()`` returned. Simulate a worker that never lets go (every tensor handed to a
+    collective is also kept by a C++ reference: another tensor's ``.grad``) and check, after fully_shard training steps (a
+    zero-numel parameter, a cast all-gather, a DTensor redistribute), that Python still holds every one
+    of them: none is left owned by the work alone, whose thread would free it (and take the GIL) at
+    interpreter exit. Then, once the "worker" lets go, nothing stays held."""
+    import gc
+    import sys
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from _toy_models import ToyLM, batches, lm_loss, shard_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import raggedfsdp.buffer.dbuffer as dbuffer
+    import raggedfsdp.placement._redistribute as redistribute
+    from raggedfsdp import _release, fully_shard
+
+    held, seen = [], []  # the simulated worker's references; weakrefs of what it was given
+
+    def slow_worker(fn):
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            for a in args[:2]:
+                if isinstance(a, torch.Tensor):
+                    keeper = torch.empty_like(a)
+                    keeper.grad = a  # a C++ reference to the TensorImpl, as a pending gloo work holds
+                    held.append(keeper)
+                    seen.append((weakref.ref(a), fn.__name__))
+            return out
+
+        return run
+
+    patches = [(dist, "all_reduce"), (dist, "all_to_all_single"), (dbuffer, "_all_gather_single"),
+               (dbuffer, "_reduce_scatter_single"), (redistribute, "_all_gather_single")]  # fmt: skip
+    saved = [(m, n, getattr(m, n)) for m, n in patches]
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = ToyLM(n_layers=2)
+    model.layers[0].empty = torch.nn.Parameter(torch.zeros(0))  # the issue's zero-numel parameter
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_model(model, fully_shard, mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        for m, n, f in saved:
+            setattr(m, n, slow_worker(f))
+        for tok, tgt in batches(2, 2 * world):
+            sl = slice(2 * rank, 2 * rank + 2)
+            lm_loss(model, tok[sl], tgt[sl]).backward()
+            opt.step()
+            opt.zero_grad()
+        model.head.weight.full_tensor()  # a RaggedShard -> Replicate redistribute (placement's all-gather)
+    finally:
+        for m, n, f in saved:
+            setattr(m, n, f)
+    gc.collect()
+    names = {n for _, n in seen}
+    assert {"all_reduce", "all_gather_into_tensor"} <= names or {"all_reduce", "all_gather_single"} <= names, names
+    orphans = []
+    for wr, name in seen:
+        t = wr()
+        assert t is not None, "a tensor held by a work died"
+        # a tensor only the work (C++) keeps alive has no Python referrer but the ones made here
+        if not [r for r in gc.get_referrers(t) if r is not seen and r is not sys._getframe()]:
+            orphans.append(f"{name}: {tuple(t.shape)} {t.dtype}")
+        del t
+    assert not orphans, f"left owned by a pending work alone (Note [gloo release]): {orphans}"
+    assert _release.unreleased() > 0  # the simulated worker still holds them
+    held.clear()
+    assert _release.unreleased() == 0, "a tensor stayed held after every work let go of it"
+
+
+def test_no_tensor_is_left_owned_by_a_gloo_work_after_fully_shard_steps():
+    run_distributed(_no_tensor_left_owned_by_a_work, 2)

@@ -36,6 +36,9 @@ def _compare(rank, ws):
     assert r["recommendation"] in w
     text = format_wrap_report(r)
     assert "layer" in text and "superblock" in text and "recommendation: --fsdp.unit" in text
+    # gloo: our reduce-scatter is an in-place all-reduce; the report says so (trial finding 5)
+    assert not any("reduce_scatter" in k for k in w["layer"]["collectives"]), w["layer"]["collectives"]
+    assert "allreduce" in w["layer"]["collectives"] and "in-place all-reduce" in text, text
 
 
 @pytest.mark.slow
@@ -58,6 +61,16 @@ def test_recommend_rule():
     assert name == "layer" and "within noise" in why
     noisy = {"layer": res([1.0, 2.0, 1.5, 0.6], 200), "superblock": res([1.0, 1.1, 1.2, 1.3], 300)}
     assert recommend(noisy)[0] == "layer"
+    # a tie on time and peak (trial finding 5: "1.00x less" was given as the reason): no clear winner,
+    # the default unit, even when the other one was marginally faster or marginally smaller
+    even = {"layer": res([1.0, 1.0, 1.0], 1000), "superblock": res([0.995, 0.995, 0.995], 990)}
+    name, why = recommend(even)
+    assert name == "layer" and why.startswith("no clear winner") and "layer is the default" in why
+    assert "1.00x" not in why
+    assert recommend(even, default="superblock")[0] == "superblock"
+    big = {"layer": res([1.0, 1.0, 1.0], 1000), "superblock": res([0.995, 0.995, 0.995], 900)}
+    name, why = recommend(big)
+    assert name == "superblock" and "10% smaller" in why, why
 
 
 def _gathers(rank, ws):

@@ -370,6 +370,35 @@ def _nonfinite_cases(rank, world, tmp):
     tr = _trainer(_cfg(tmp / "trunc2", data__path=str(data)))  # no reference: the ranks agree with each other
     tr.close()
 
+    _straggler_case(rank, world, tmp)  # 14. issue 23 item 7, in this spawn
+
+
+def _straggler_case(rank, world, tmp):
+    """Issue 23 item 7: a rank made slow before one FSDP unit's forward is named, with that unit, in
+    every log step's metrics.jsonl record and the console line; a slow step start is blamed on the
+    first unit reached (the root)."""
+    from raggedfsdp.train.straggler import describe
+
+    for unit, want in (("layers.1", "layers.1"), ("", "root")):
+        out = Path(tmp) / f"slow-{want}"
+        cfg = _cfg(out, training__steps=3, debug__slow_rank=1, debug__slow_s=0.25, debug__slow_unit=unit)
+        tr = _trainer(cfg)
+        tr.train()
+        tr.close()
+        if rank == 0:
+            recs = [
+                r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+            ]
+            assert len(recs) == 3 and all("straggler" in r for r in recs), recs
+            for r in recs:
+                st = r["straggler"]
+                seen = [x["straggler"] for x in recs]
+                assert (st["rank"], st["unit"]) == (1, want) and st["excess_pct"] > 100, seen
+                assert 0.2 < st["excess_s"] < 0.6, seen
+            assert describe(recs[-1]["straggler"]).startswith("slowest rank 1: +")
+    _raises(ValueError, r"debug.slow_unit='nope' is not an FSDP unit of this model; one of \['root', 'layers.0'",
+            lambda: _trainer(_cfg(Path(tmp) / "bad", debug__slow_rank=1, debug__slow_unit="nope")))  # fmt: skip
+
 
 def test_data_changed_after_the_prelaunch_check_is_a_recorded_data_error(tmp_path):
     """Issue 23 item 5: a rank whose own check finds the data file truncated (here: empty) after the

@@ -72,3 +72,23 @@ def test_resolve_resume(tmp_path):
             "or not written by raggedfsdp train)"
         ),
     ]
+
+
+def test_resume_with_another_batch_names_the_changed_fields(tmp_path):
+    """A resume whose config differs from the checkpoint's (trial finding 4: a new global batch) gets
+    one notice naming each changed field with its saved and new value; the same config gets none."""
+    import json
+
+    from raggedfsdp.train.run_checkpoints import config_change_notice
+
+    saved = TrainConfig()
+    saved.training.global_batch_size, saved.training.steps = 4, 6
+    (tmp_path / "meta.json").write_text(
+        json.dumps({"config": saved.to_dict(), "config_hash": config_hash(saved.to_dict())})
+    )
+    now = TrainConfig()
+    now.training.global_batch_size, now.training.steps = 6, 9
+    notice = config_change_notice(now, tmp_path, config_hash(now.to_dict()))
+    assert "training.global_batch_size: 4 -> 6" in notice and "training.steps: 6 -> 9" in notice, notice
+    assert len(notice.splitlines()) == 1
+    assert config_change_notice(saved, tmp_path, config_hash(saved.to_dict())) is None

@@ -15,6 +15,7 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / "raggedfsdp"
 LAYER = {
     "placement": 0,
     "_compat": 0,
+    "_release": 0,
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,
