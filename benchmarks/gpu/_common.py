@@ -71,11 +71,15 @@ class Result:
 
 @contextlib.contextmanager
 def section(res: Result, key: str):
-    """Run a sub-measurement; an exception is recorded under ``key`` and the stage goes on."""
+    """Run a sub-measurement; an exception is recorded under ``key`` and the stage goes on. Its wall
+    seconds go to ``section_s[key]`` (where a stage's time goes, on the GPU and in the dry run)."""
+    t0 = time.monotonic()
     try:
         yield
     except Exception as e:  # noqa: BLE001 - recorded, the next sub-measurement still runs
         res.error(key, e)
+    finally:
+        res.data.setdefault("section_s", {})[key] = round(time.monotonic() - t0, 2)
 
 
 def device_for(dry_run: bool) -> torch.device:

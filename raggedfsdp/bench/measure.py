@@ -136,9 +136,10 @@ def padding_bytes(model: torch.nn.Module, backend: str, world_size: int) -> int:
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds between steps: sharded parameters, their ``.grad``, optimizer state and
-    the FSDP runtime's own persistent buffers (raggedfsdp: a unit's sharded gradient buffer, which
-    outlives ``zero_grad(set_to_none=True)`` until the next forward, and any unsharded buffer kept
-    allocated, e.g. ``reshard_after_backward=False``). Distinct storages, local pieces.
+    the FSDP runtime's own persistent buffers (raggedfsdp: a unit's pinned sharded gradient buffer
+    under offload -- otherwise the ``.grad`` views own that storage and ``zero_grad(set_to_none=True)``
+    frees it, Note [sharded grad lifetime] -- and any unsharded buffer kept allocated, e.g.
+    ``reshard_after_backward=False``). Distinct storages, local pieces.
 
     The bench's peak is this plus the step's peak above its start, so everything live at the step's
     start must be counted here, or a system that keeps a buffer across steps would be under-reported."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.buffer.dbuffer import DBuffer
-from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
+from raggedfsdp.buffer.streams import CommHandle, current_stream, debug_enabled, on_stream, wait_stream
 from raggedfsdp.planner import GradLayout, Layout, plan_grad_layout
 
 
@@ -259,6 +259,20 @@ class UnitBuffers:
         elif self.sharded_grads.alloc() and zero:  # released by release_sharded_grads(): re-grown, zeroed
             self.sharded_grads.zero_()
         return self.sharded_grads
+
+    def hand_off_sharded_grads(self) -> bool:
+        """Drop this unit's reference to the sharded grad storage once ``.grad`` views of it are set, so
+        that those views own it (as FSDP2's ``.grad`` tensors own theirs): ``optimizer.zero_grad(
+        set_to_none=True)`` then frees it at once. The next reduce allocates a fresh zeroed buffer (and
+        copies in any ``.grad`` still held, for accumulation). Pinned (offload) buffers are kept. Local.
+        Returns True if handed off."""
+        b = self.sharded_grads
+        if b is None or self.pin or b.data.device.type == "meta" or not b.is_allocated:
+            return False
+        if debug_enabled():
+            b.check_no_pending_use("hand off")
+        self.sharded_grads = None
+        return True
 
     def release_sharded_grads(self) -> bool:
         """Free the ``(S,)`` sharded grad storage while no ``.grad`` views it (after

@@ -113,12 +113,15 @@ class Agreement:
         self.clear_sequence()
 
     def check_pending(self) -> None:
-        """Read back deferred results and raise :class:`CollectiveMismatchError` if one shows a
-        mismatch. Local (waits their events)."""
+        """Read back the deferred results whose copy has finished and raise
+        :class:`CollectiveMismatchError` if one shows a mismatch. Never blocks: a result whose event has
+        not completed (``event.query()``) stays pending, with every newer one, for the next check (at
+        most a step or two later on a GPU that keeps up). Local."""
         pending, self.pending = self.pending, []
-        for d in pending:
-            if d.event is not None:
-                d.event.synchronize()
+        for k, d in enumerate(pending):
+            if d.event is not None and not d.event.query():
+                self.pending = pending[k:]  # keep the order: the oldest is read first
+                return
             hash_differs, differ = _mismatches(d.host.tolist(), d.units, d.counts)
             if hash_differs or differ:
                 raise _mismatch_error(differ, d.ran, late=True)
@@ -169,9 +172,13 @@ class Agreement:
                     handle.context = self.context(g)
                     handle.wait()
                 mode = "immediate" if self.options.debug_on() else self.options.agreement_check
-                if all(local) and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
-                    # every local param got a grad, so the OR is all-true: only the agreement needs reading,
-                    # and that can wait for the next check (no host sync in the step)
+                # only trainable params need their flags read (frozen ones never get a .grad, and
+                # requires_grad must agree across ranks); a trainable one no local reduction carried
+                # (its unit's backward did not run here) still needs them
+                carried = all([local_or.get(id(fp), not fp.sharded.requires_grad) for fp in params])
+                if carried and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
+                    # every carried param got a grad, so their OR is all-true: only the agreement needs
+                    # reading, and that can wait for the next check (no host sync in the step)
                     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
                     host.copy_(t, non_blocking=True)
                     event = None
@@ -215,6 +222,7 @@ def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, lis
 
 
 def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMismatchError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
     what = "; ".join(differ) if differ else "the same units, in a different order"
     when = (
         "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
@@ -226,7 +234,7 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
     )
     return CollectiveMismatchError(
         f"raggedfsdp: FSDP units ran differently across ranks since the last check ({when}): units whose "
-        f"collective counts differ: {what}. This rank (rank {dist.get_rank()}) issued: {ran}. Collectives pair up "
+        f"collective counts differ: {what}. This rank (rank {rank}) issued: {ran}. Collectives pair up "
         "by issue order, so same-sized collectives of different units paired up and these gradients are wrong. "
         "Every rank must run the same FSDP units in the same order: run a unit on every rank (with an empty "
         "input, as MoE experts inside one unit are) or merge data-dependent branches into a unit every rank "

@@ -20,6 +20,7 @@ class CommContext:
     * ``reduces``: the bounded FIFO of in-flight reductions (Note [bounded gradient memory]).
     * ``agreement``: what this rank issued since the last check, and the deferred checks (Note [unit
       agreement] in ``_agreement.py``); every all-gather, reduce-scatter and all-reduce notes itself.
+    * ``post_optim_event``: ``FSDPModule.set_post_optim_event``'s event, waited once by the root.
     * ``options``: the :class:`~raggedfsdp.fsdp._common.RuntimeOptions` of the root (shared with
       ``reduces`` and ``agreement``).
     * ``pre_forward_order`` / ``prev_pre_forward_order``: units in the order their forward started, this
@@ -34,6 +35,7 @@ class CommContext:
         self.reduces = ReduceQueue(agreement=self.agreement, options=self.options)
         self.pre_forward_order: list = []
         self.prev_pre_forward_order: list = []
+        self.post_optim_event = None  # FSDPModule.set_post_optim_event: waited at the next root pre-forward
         # CUDA streams; None on CPU, unless a test's stream model makes tokens (Note [fake streams])
         self.ag_stream = new_stream(device, priority=-1)
         self.reduces.rs_stream = new_stream(device, priority=-1)

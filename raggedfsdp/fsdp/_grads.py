@@ -47,6 +47,16 @@ Note [frozen parameters]
     Each sharded ``.grad`` stays a view with its param's own RaggedShard spec. A change of the member
     set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
     left the set keeps its ``.grad`` as its own tensor).
+
+Note [sharded grad lifetime]
+    Once backward has set a unit's sharded ``.grad`` views (``attach_sharded``), the unit drops its own
+    reference to that ``(Sg,)`` storage (``UnitBuffers.hand_off_sharded_grads``): the ``.grad`` views
+    alone own it, as FSDP2's ``.grad`` tensors own theirs, so ``optimizer.zero_grad(set_to_none=True)``
+    frees it at once -- between steps and in eval a unit holds no gradient memory. The next reduce
+    allocates a fresh zeroed buffer; ``.grad`` views still held then (accumulation across backwards
+    without ``zero_grad``) are copied into it (``_adopt_foreign_grad``). Pinned (offload) buffers stay
+    with the unit. Until 2026-12 the storage was kept until the next grad-enabled forward: +1 fp32
+    shard per parameter of state (issue 21 item 5).
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ class UnitGrads:
         self.group = group
         self.grad_state = GradState.NONE
         self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
+        self._local_spans: tuple = (None, {})  # (grad layout, {id(fp): (offset, numel)}) for attach_sharded
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
@@ -346,13 +357,22 @@ class UnitGrads:
         where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
+        layout, spans = self._local_spans  # {id(fp): (offset, numel)} of the local pieces, per grad layout
+        if layout is not buf.layout:
+            spans = {}
+            self._local_spans = (buf.layout, spans)
         for fp, u in used:
             sharded = fp.sharded
             if not u and sharded.grad is None:
                 continue
             sg = fp.sharded_grad
             if sg is None or fp.sharded_grad_base is not base:  # built once per sharded grad buffer
-                view = buf.local_view(self.group._index[id(fp)])
+                span = spans.get(id(fp))
+                if span is None:  # once per param and grad layout: no per-param Python calls per step
+                    i = self.group._index[id(fp)]
+                    a, b = buf.layout.piece(i, buf.rank)
+                    span = spans[id(fp)] = (buf.layout.shard_offset(i, buf.rank), b - a)
+                view = base.narrow(0, *span)  # buf.local_view(i)
                 if sg is None or sg._local_tensor.data_ptr() != view.data_ptr():
                     sg = fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
                 fp.sharded_grad_base = base
@@ -361,6 +381,11 @@ class UnitGrads:
             if hooks:
                 for hook in hooks.values():
                     hook(sharded)
+        # Note [sharded grad lifetime]: the .grad views own the storage from here on
+        if self.group.bufs.hand_off_sharded_grads():
+            for fp in self.group.fsdp_params:
+                fp.sharded_grad = None
+                fp.sharded_grad_base = None
 
     def reset(self) -> None:
         """reset_iter_state for this unit's gradients: drop unsharded grads, free their buffer, clear every

@@ -164,8 +164,23 @@ class FSDPModule(torch_fsdp.FSDPModule):
         self._fsdp_state().unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event) -> None:
-        """Accepted for API parity; collectives are ordered by ``Work.wait()`` on the current stream."""
-        self._fsdp_state()._post_optim_event = event
+        """``event`` (a ``torch.cuda.Event`` / ``torch.Event`` recorded after an optimizer step that ran on
+        another stream) is waited once, by the current stream, at the root's next pre-forward, before any
+        all-gather reads the parameters (each all-gather's stream waits the current stream); FSDP2 waits
+        it in ``_root_pre_forward`` (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``). Set it on
+        the root (any unit of the root after its first forward). Local; no host sync."""
+        self._fsdp_state().comm.post_optim_event = event
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; with ``set_to_none`` it also frees the sharded gradient storage of
+        every unit under this module that no ``.grad`` views any more, at once rather than at the next
+        root forward (``optimizer.zero_grad`` cannot be seen: that storage is then freed at the next
+        root forward, in any grad mode). Local."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        if set_to_none:
+            for st in self._fsdp_states(True):
+                if st.group is not None:
+                    st.group.grads.release_unused_sharded()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-iteration (e.g. in backward). Call it on the root.

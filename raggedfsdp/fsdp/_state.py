@@ -76,7 +76,6 @@ class FSDPState:
         self.unshard_in_backward = True
         self.training_state = TrainingState.IDLE
         self._final_callback_queued = False  # root only: this backward's final callback is queued
-        self._post_optim_event = None  # set_post_optim_event (FSDPModule)
         self._is_last_backward = True  # set_is_last_backward (accepted for API parity)
 
     # ---- root / lazy init -----------------------------------------------------------------
@@ -105,6 +104,7 @@ class FSDPState:
         # one shared context (streams, reduce queue, order) for the whole tree
         devices = [st.group.device for st in seen if st.group is not None]
         comm = CommContext(devices[0] if devices else None, options=self.comm.options)
+        comm.post_optim_event = self.comm.post_optim_event
         comm.reduces.max_inflight = max(st.comm.reduces.max_inflight for st in seen)
         names = {}
         for module in self.modules:
@@ -174,9 +174,13 @@ class FSDPState:
         return args, kwargs
 
     def _begin_iteration(self) -> None:
-        """Root pre-forward (outside backward): finish a backward that did not reach its final callback,
-        read the last deferred agreement check, start the forward order, and put every state back to
-        ``IDLE``. Collective only when a backward must be finished."""
+        """Root pre-forward (outside backward): wait the post-optimizer event, finish a backward that did
+        not reach its final callback, read the deferred agreement checks that are ready, start the
+        forward order, put every state back to ``IDLE`` and release unused sharded grads. Collective only
+        when a backward must be finished."""
+        event, self.comm.post_optim_event = self.comm.post_optim_event, None
+        if event is not None:  # set_post_optim_event: the step ran on another stream (no host sync)
+            event.wait()
         if self.comm.reduces.busy:
             self.comm.reduces.finish_backward()  # a backward that did not reach the final callback
         self.comm.agreement.check_pending()  # the last backward's unit agreement, if it was deferred (CUDA)
@@ -186,8 +190,10 @@ class FSDPState:
             st.training_state = TrainingState.IDLE
             st._group_fwd_left = set()
             st._group_bwd_left, st._group_bwd_uncounted = 0, False
-            if st.group is not None and torch.is_grad_enabled():
-                st.group.grads.release_unused_sharded()  # after zero_grad(set_to_none=True)
+            if (
+                st.group is not None
+            ):  # after optimizer.zero_grad(set_to_none=True), in any grad mode (eval too)
+                st.group.grads.release_unused_sharded()
 
     def _forward_prefetch(self) -> None:
         nxt = self.comm.next_to_prefetch(self)  # records the order even when the explicit list is set
@@ -236,7 +242,7 @@ class FSDPState:
             and self.group is not None
             and self.group.is_unsharded
         ):
-            return grad
+            return grad  # already ran for this unit in this backward (another output's hook)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.comm.reduces.poll()  # free finished reduce-scatter inputs first (Note [early free])

@@ -1,7 +1,9 @@
 """Training parity of raggedfsdp.fully_shard against (a) single-process unsharded training and
 (b) torch's own fully_shard with the same settings, at world sizes 1-5 and on HSDP meshes.
 
-Each spawned process group runs several sub-cases (spawning costs seconds on this machine).
+One process group per world size runs every case of that size (``SPAWNS`` in tests/dist/_spawns.py,
+shared with test_optim_parity and test_fsdp_requires_grad_change: spawning costs seconds per rank);
+each test asserts that its own case passed in it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from _spawns import SPAWNS
 from _toy_models import ToyLM, batches, full_params, lm_loss, shard_model
 
 STEPS = 4
@@ -100,7 +102,7 @@ def _fp32_parity(rank, ws):
 def test_fp32_parity_with_single_process_and_torch_fsdp(ws):
     """fp32: per-step losses (rel 1e-5) and gathered params equal single-process AdamW (foreach and
     for-loop) and torch's fully_shard; ws>=3 has empty pieces and non-divisible sizes."""
-    run_distributed(_fp32_parity, ws)
+    SPAWNS.check(ws, "fp32")
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:
@@ -168,7 +170,7 @@ def _bf16_parity(rank, ws):
 def test_bf16_param_fp32_reduce_matches_torch_fsdp(ws):
     """param_dtype=bf16, reduce_dtype=fp32: gradients after one backward match the single-process bf16
     model (and torch's fully_shard) to bf16 round-off, and 4 plain-SGD steps match torch's fully_shard."""
-    run_distributed(_bf16_parity, ws)
+    SPAWNS.check(ws, "bf16")
 
 
 def _hsdp_parity(rank, ws, shape):
@@ -195,7 +197,7 @@ def _hsdp_parity(rank, ws, shape):
 @pytest.mark.parametrize("shape", [(2, 2), (2, 1), (1, 2)])
 def test_hsdp_parity(shape):
     """HSDP (replicate, shard) meshes: reduce-scatter on shard dim + all-reduce on replicate dim."""
-    run_distributed(_hsdp_parity, shape[0] * shape[1], shape)
+    SPAWNS.check(shape[0] * shape[1], "hsdp", shape)
 
 
 def _accum_parity(rank, ws):
@@ -222,7 +224,7 @@ def _accum_parity(rank, ws):
 @pytest.mark.parametrize("ws", [2, 3])
 def test_grad_accumulation_no_sync_equals_big_batch(ws):
     """4 microbatches with gradient sync off for the first 3 equal one big batch."""
-    run_distributed(_accum_parity, ws)
+    SPAWNS.check(ws, "accum")
 
 
 def _hsdp_deferred_all_reduce(rank, ws):
@@ -258,7 +260,7 @@ def _hsdp_deferred_all_reduce(rank, ws):
 
 def test_hsdp_set_requires_all_reduce_false_defers_the_all_reduce():
     """HSDP microbatches reduce-scatter only; the last one all-reduces the sum over replicas."""
-    run_distributed(_hsdp_deferred_all_reduce, 4)
+    SPAWNS.check(4, "hsdp_deferred")
 
 
 def _bf16_default_reduce(rank, ws):
@@ -294,4 +296,5 @@ def _bf16_default_reduce(rank, ws):
 
 def test_bf16_param_default_reduce_dtype_matches_torch_fsdp():
     """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on 2.15."""
-    run_distributed(_bf16_default_reduce, 3)
+    SPAWNS.check(3, "bf16_default")
+

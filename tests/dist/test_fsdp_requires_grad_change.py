@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from torch import nn
 
 
@@ -147,12 +147,12 @@ def _cases(rank, ws):
 
 
 def test_requires_grad_change_ws2():
-    run_distributed(_cases, 2)
+    SPAWNS.check(2, "requires_grad_change")
 
 
 def test_requires_grad_change_ws3():
-    run_distributed(_cases, 3)
+    SPAWNS.check(3, "requires_grad_change")
 
 
 def test_requires_grad_change_ws5():
-    run_distributed(_cases, 5)
+    SPAWNS.check(5, "requires_grad_change")

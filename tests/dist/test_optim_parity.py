@@ -22,6 +22,7 @@ that cuts a band raises.
 import pytest
 import torch
 from _dist import run_distributed
+from _spawns import SPAWNS  # ws 1-5 cases share the parity spawns (tests/dist/_spawns.py)
 
 SHAPES = [(64, 48), (18, 40), (40, 18), (3, 16, 24), (7, 5), (33, 1)]
 KINDS = ["row", "element", "whole", "row", "element", "row"]
@@ -265,7 +266,7 @@ def _check_grad_accumulation(rank, ws, k=3):
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 5])
 def test_optimizers_match_references_at_world_sizes(ws):
-    run_distributed(_muon_1d, ws)
+    SPAWNS.check(ws, "muon_1d")
 
 
 def _muon_hsdp(rank, ws):
@@ -314,7 +315,7 @@ def _check_world_balance(rank, ws, mesh):
 
 
 def test_optimizers_hsdp_2x2():
-    run_distributed(_muon_hsdp, 4)
+    SPAWNS.check(4, "muon_hsdp")
 
 
 def _muon_tiny_on_8(rank, ws):

@@ -1,0 +1,56 @@
+"""One spawn, many test cases: ``run_cases`` runs named sub-cases in ONE process group and records
+which ones passed, so several tests (each asserting on its own case) share one ~3-6 s/rank launch.
+
+``SharedSpawns(fn_by_name, plan)`` (``fn_by_name``: case name -> ``"module.function"``, resolved in
+the ranks, so several test modules can share one registry without import circles) is a memo: ``spawns.check(ws, name)`` spawns world size
+``ws`` once with every case registered for it (``spawns.plan``), then fails the calling test unless
+``name`` passed; a case that did not run because an earlier one failed reports that failure.
+Cases run in registration order on every rank; a failure stops the group (a half-run collective
+would otherwise desynchronise the next case), so every case after it is reported as not run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+
+import torch.distributed as dist
+
+from _dist import run_distributed
+
+
+def _run_cases(rank, ws, fns, cases, done_path):
+    for name, args in cases:
+        mod, _, attr = fns[name].rpartition(".")
+        getattr(importlib.import_module(mod), attr)(rank, ws, *args)
+        dist.barrier()
+        if rank == 0:
+            with open(done_path, "a") as f:
+                f.write(repr((name, args)) + "\n")
+
+
+class SharedSpawns:
+    def __init__(self, fns: dict, plan: dict[int, list[tuple[str, tuple]]], timeout: float = 300.0):
+        self.fns, self.plan, self.timeout = fns, plan, timeout
+        self._results: dict[int, tuple[set, str | None]] = {}
+
+    def _spawn(self, ws: int) -> tuple[set, str | None]:
+        if ws not in self._results:
+            with tempfile.TemporaryDirectory() as tmp:
+                done_path = os.path.join(tmp, "done")
+                err = None
+                try:
+                    run_distributed(_run_cases, ws, self.fns, self.plan[ws], done_path, timeout=self.timeout)
+                except BaseException as e:  # noqa: BLE001 - reported by every test of this spawn
+                    err = f"{type(e).__name__}: {e}"
+                done = set(open(done_path).read().splitlines()) if os.path.exists(done_path) else set()
+            self._results[ws] = (done, err)
+        return self._results[ws]
+
+    def check(self, ws: int, name: str, *args) -> None:
+        """Fail unless case ``(name, args)`` passed in the shared world-size-``ws`` spawn."""
+        assert (name, tuple(args)) in [(n, tuple(a)) for n, a in self.plan[ws]], (ws, name, args)
+        done, err = self._spawn(ws)
+        if repr((name, tuple(args))) not in done:
+            raise AssertionError(f"case {name}{tuple(args)} at world size {ws} failed or did not run:\n{err}")
