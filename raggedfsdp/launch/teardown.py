@@ -7,6 +7,10 @@ narrows that window but does not close it: a rank returns from the barrier as so
 it needs. So after the barrier every rank also checks in on the rendezvous store (a key-value
 store, no gloo sockets) and waits until all have, i.e. until every rank has *returned* from its last
 collective; only then does any rank destroy the group.
+
+A plain ``dist.barrier(); dist.destroy_process_group()`` after raggedfsdp code is safe too (issue 23
+item 6): the abort seen there came from a gloo worker freeing a tensor only its finished work still
+held, at interpreter exit; the library no longer leaves one (Note [gloo release], ``raggedfsdp/_release.py``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The shared per-world-size process groups of the core parity tests (tests/_cases.py SharedSpawns).
 
-One spawn per world size 1-5 runs every case below in order; test_fsdp_parity, test_optim_parity and
-test_fsdp_requires_grad_change each assert on their own case. This replaced 25 spawns (70 ranks,
-~3-6 s of imports each on a 2-core CI box) with 5 (15 ranks).
+One spawn per world size 1-5 runs every case below in order; test_fsdp_parity, test_optim_parity,
+test_fsdp_requires_grad_change and test_fsdp_features each assert on their own case. This replaced
+30 spawns (84 ranks, ~3-6 s of imports each on a 2-core CI box) with 5 (15 ranks). Cases that end in
+an expected error stay in their own spawn (a half-run collective would desynchronise the next case).
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ SPAWNS = SharedSpawns(
         "muon_1d": "test_optim_parity._muon_1d",
         "muon_hsdp": "test_optim_parity._muon_hsdp",
         "requires_grad_change": "test_fsdp_requires_grad_change._cases",
+        "features": "test_fsdp_features._features",
+        "meta_init": "test_fsdp_features._meta_init",
+        "divide_factor": "test_fsdp_features._divide_factor",
+        "bad_input": "test_fsdp_features._bad_input",
+        "int_reshard": "test_fsdp_features._int_reshard",
     },
     {
         1: [("fp32", ()), ("muon_1d", ())],
         2: [("fp32", ()), ("bf16", ()), ("hsdp", ((2, 1),)), ("hsdp", ((1, 2),)), ("accum", ()),
-            ("muon_1d", ()), ("requires_grad_change", ())],
+            ("muon_1d", ()), ("requires_grad_change", ()),
+            ("meta_init", ()), ("bad_input", ())],
         3: [("fp32", ()), ("bf16", ()), ("accum", ()), ("bf16_default", ()), ("muon_1d", ()),
-            ("requires_grad_change", ())],
-        4: [("fp32", ()), ("hsdp", ((2, 2),)), ("hsdp_deferred", ()), ("muon_hsdp", ())],
+            ("requires_grad_change", ()), ("features", ()), ("divide_factor", ())],
+        4: [("fp32", ()), ("hsdp", ((2, 2),)), ("hsdp_deferred", ()), ("muon_hsdp", ()), ("int_reshard", ())],
         5: [("fp32", ()), ("bf16", ()), ("muon_1d", ()), ("requires_grad_change", ())],
     },
     timeout=600,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import DIM, VOCAB, Block, batches, full_params
 
 
@@ -153,7 +153,7 @@ def _features(rank, ws):
 
 @pytest.mark.parametrize("ws", [3])
 def test_features_match_single_process(ws):
-    run_distributed(_features, ws)
+    SPAWNS.check(ws, "features")
 
 
 def _meta_init(rank, ws):
@@ -187,7 +187,7 @@ def _meta_init(rank, ws):
 
 def test_meta_device_init_then_model_init():
     """Meta-device build -> fully_shard -> to_empty -> model's own init, then train with parity."""
-    run_distributed(_meta_init, 2)
+    SPAWNS.check(2, "meta_init")
 
 
 def _divide_factor(rank, ws):
@@ -211,7 +211,7 @@ def _divide_factor(rank, ws):
 
 
 def test_gradient_divide_factor():
-    run_distributed(_divide_factor, 3)
+    SPAWNS.check(3, "divide_factor")
 
 
 def _bad_input(rank, ws):
@@ -283,7 +283,7 @@ def _bad_input(rank, ws):
 
 
 def test_bad_input_raises_clear_errors():
-    run_distributed(_bad_input, 2)
+    SPAWNS.check(2, "bad_input")
 
 
 def _int_reshard(rank, ws):
@@ -300,4 +300,4 @@ def _int_reshard(rank, ws):
 
 def test_int_reshard_after_forward():
     """int reshard_after_forward=k: keep a 1/k slice after forward, re-gather within groups of k ranks."""
-    run_distributed(_int_reshard, 4)
+    SPAWNS.check(4, "int_reshard")
