@@ -56,21 +56,40 @@ def _case(rank, ws):
                 for t in _tensors(list(args) + list(kwargs.values())):
                     ref = on_device.get(id(t))
                     if ref is None or ref() is not t:
-                        raise RuntimeError(f"No backend type associated with device type cpu ({fn.__name__} "
-                                           f"from {caller.rsplit('/', 1)[-1]})")
+                        raise RuntimeError(
+                            f"No backend type associated with device type cpu ({fn.__name__} "
+                            f"from {caller.rsplit('/', 1)[-1]})"
+                        )
             return fn(*args, **kwargs)
+
         return wrapped
 
     for name in _WRAPPED:
         setattr(dist, name, nccl_like(getattr(dist, name)))
-    argv = ["--model", "dense", "--flavor", "debug", "--steps", "1", "--warmup", "1", "--batch", "1", "--seq", "16",
-            "--quiet"]
+    argv = [
+        "--model",
+        "dense",
+        "--flavor",
+        "debug",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--quiet",
+    ]
     args = build_arg_parser(argparse.ArgumentParser()).parse_args(argv)
     out = worker.run(args)
     assert calls["bench"] >= 5, calls  # timings, CPU times, final losses, memory, replay timer
     if rank == 0:
         assert abs(out["raggedfsdp"]["final_loss"] - out["torch"]["final_loss"]) < 1e-4, out
-        assert out["raggedfsdp"]["comm_only_seconds"] > 0 and len(out["raggedfsdp"]["state_bytes_per_rank"]) == ws
+        assert (
+            out["raggedfsdp"]["comm_only_seconds"] > 0
+            and len(out["raggedfsdp"]["state_bytes_per_rank"]) == ws
+        )
 
 
 def test_bench_collectives_use_the_process_group_device():

@@ -75,8 +75,13 @@ def _check_torch_clip(params, ref, label):
                     torch.testing.assert_close(_full(p.grad), r.grad, rtol=1e-5, atol=1e-7, msg=where)
                 if fn == "torch":
                     tn = torch.nn.utils.get_total_norm([p.grad for p in params], nt, foreach=foreach)
-                    torch.testing.assert_close(tn.to_local(), torch.nn.utils.get_total_norm(
-                        [r.grad for r in ref], nt), rtol=1e-5, atol=0, msg=where)
+                    torch.testing.assert_close(
+                        tn.to_local(),
+                        torch.nn.utils.get_total_norm([r.grad for r in ref], nt),
+                        rtol=1e-5,
+                        atol=0,
+                        msg=where,
+                    )
     for t, g in zip(params + ref, grads0 + rgrads0):
         t.grad = g
 
@@ -104,8 +109,12 @@ def _explicit_case(mesh, rank, ws):
 
     g = torch.Generator().manual_seed(5)
     units = tuple([2, 0] * ws)[:ws]
-    specs = [((2 * sum(units), 3), RaggedShard((0,), units)), ((7,), RaggedShard((0,), (1,) + (0,) * (ws - 1))),
-             ((ws, 2, 2), RaggedShard((0, 1, 2), tuple(range(ws)))), ((3, 13, 4), RaggedShard((0, 1), (0,) * (ws - 1) + (3,)))]
+    specs = [
+        ((2 * sum(units), 3), RaggedShard((0,), units)),
+        ((7,), RaggedShard((0,), (1,) + (0,) * (ws - 1))),
+        ((ws, 2, 2), RaggedShard((0, 1, 2), tuple(range(ws)))),
+        ((3, 13, 4), RaggedShard((0, 1), (0,) * (ws - 1) + (3,))),
+    ]
     params, ref = [], []
     for shape, pl in specs:
         full, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -122,7 +131,9 @@ def _explicit_case(mesh, rank, ws):
         want = torch.nn.utils.get_total_norm([r.grad for r in ref] + [plain], nt)
         for foreach in (None, True, False):
             got = torch.nn.utils.get_total_norm([p.grad for p in params] + [plain], nt, foreach=foreach)
-            torch.testing.assert_close(got.to_local(), want, rtol=1e-5, atol=0, msg=f"mixed {nt} {foreach} {got} {want}")
+            torch.testing.assert_close(
+                got.to_local(), want, rtol=1e-5, atol=0, msg=f"mixed {nt} {foreach} {got} {want}"
+            )
 
 
 def _cases(rank, ws):
@@ -163,8 +174,11 @@ def _mixed_mesh_case(rank, ws):
         r.grad = grad.clone()
         params.append(p)
         ref.append(r)
-    for shape, sub, pls in (((6, 5), "tp", [Shard(0)]), ((8, 4), None, [RaggedShard((0,), (3, 1)), Shard(1)]),
-                            ((3, 2), "dp", [Shard(1)])):
+    for shape, sub, pls in (
+        ((6, 5), "tp", [Shard(0)]),
+        ((8, 4), None, [RaggedShard((0,), (3, 1)), Shard(1)]),
+        ((3, 2), "dp", [Shard(1)]),
+    ):
         full, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
         m = mesh if sub is None else mesh[sub]
         p = nn.Parameter(distribute_tensor(full, m, pls))

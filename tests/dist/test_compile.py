@@ -64,7 +64,7 @@ def _train(impl, mode, backend, rank, ws, mesh, steps=STEPS):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, per_step = [], []
     for tok, tgt in batches(steps, 2 * ws):
-        tok, tgt = tok[2 * rank: 2 * rank + 2], tgt[2 * rank: 2 * rank + 2]
+        tok, tgt = tok[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2]
         loss = F.cross_entropy(run(tok).flatten(0, 1), tgt.flatten())
         loss.backward()
         opt.step()
@@ -74,7 +74,15 @@ def _train(impl, mode, backend, rank, ws, mesh, steps=STEPS):
     return losses, graphs, per_step
 
 
-FSDP_OPS = ("all_gather", "reduce_scatter", "resize", "wait_tensor", "record_stream", "set_", "untyped_storage")
+FSDP_OPS = (
+    "all_gather",
+    "reduce_scatter",
+    "resize",
+    "wait_tensor",
+    "record_stream",
+    "set_",
+    "untyped_storage",
+)
 
 
 def _cases(rank, ws):
@@ -94,7 +102,11 @@ def _cases(rank, ws):
         blocks = [g for g in ours_graphs if "layer_norm" in g and "gelu" in g]
         assert len(blocks) >= 1 and all(g.count("linear") >= 2 for g in blocks), (mode, ours_graphs)
         # the same graphs as torch's fully_shard (whole model: one per block body, plus embedding and head)
-        assert sorted(map(tuple, ours_graphs)) == sorted(map(tuple, ref_graphs)), (mode, ours_graphs, ref_graphs)
+        assert sorted(map(tuple, ours_graphs)) == sorted(map(tuple, ref_graphs)), (
+            mode,
+            ours_graphs,
+            ref_graphs,
+        )
         if mode != "whole":  # fullgraph blocks: only block bodies are compiled (the two blocks share a graph)
             assert ours_graphs == blocks, (mode, ours_graphs)
     # AOTAutograd (functionalization of the unsharded views) on the whole model
@@ -129,7 +141,9 @@ def _snippet(rank, ws):
     from contextlib import redirect_stdout
 
     doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md"
-    m = re.search(r"<!-- snippet: compose-compile\b[^>]*-->\s*```python\n(.*?)```", doc.read_text(), re.DOTALL)
+    m = re.search(
+        r"<!-- snippet: compose-compile\b[^>]*-->\s*```python\n(.*?)```", doc.read_text(), re.DOTALL
+    )
     assert m, "snippet compose-compile not found in docs/fsdp.md"
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -19,6 +19,7 @@ from _dist import run_distributed
 from _toy_models import ToyLM, batches, lm_loss, shard_model
 from raggedfsdp.bench.copy_accounting import CopyCounter
 
+
 def _count(model, tok, tgt):
     lm_loss(model, tok, tgt).backward()  # warm-up: lazy init, first allocations
     for p in model.parameters():
@@ -50,22 +51,36 @@ def _accounting(rank, ws):
     for name, fs, kw in (
         ("ragged fp32", raggedfsdp.fully_shard, {}),
         ("torch fp32", torch_fully_shard, {}),
-        ("ragged bf16", raggedfsdp.fully_shard,
-         dict(mp_policy=raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
-        ("torch bf16", torch_fully_shard,
-         dict(mp_policy=TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
+        (
+            "ragged bf16",
+            raggedfsdp.fully_shard,
+            dict(
+                mp_policy=raggedfsdp.MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                )
+            ),
+        ),
+        (
+            "torch bf16",
+            torch_fully_shard,
+            dict(mp_policy=TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        ),
     ):
         results[name] = _count(build(fs, **kw), tok, tgt)
     if rank == 0:
         for name, c in results.items():
-            print(f"{name:12s} copied bytes {sum(c.bytes.values()):8d} (baseline {base}; gloo-internal "
-                  f"{c.backend_bytes}) {dict(c.calls)}")
+            print(
+                f"{name:12s} copied bytes {sum(c.bytes.values()):8d} (baseline {base}; gloo-internal "
+                f"{c.backend_bytes}) {dict(c.calls)}"
+            )
     numels = [p.numel() for p in build().parameters()]
     n_units, n_nonroot = 4, 3
     # fp32: each gradient copied once (the fold: one multi-tensor copy per unit) and nothing else; FSDP2
     # copies out after each all-gather too
     assert sum(results["ragged fp32"].bytes.values()) - base == 4 * sum(numels), results["ragged fp32"].bytes
-    assert dict(results["ragged fp32"].calls) == {"aten._foreach_copy_": n_units}, dict(results["ragged fp32"].calls)
+    assert dict(results["ragged fp32"].calls) == {"aten._foreach_copy_": n_units}, dict(
+        results["ragged fp32"].calls
+    )
     assert sum(results["torch fp32"].bytes.values()) - base > 4 * sum(numels)
     # bf16: per unit, one cast of the fp32 shard into the bf16 all-gather buffer (forward unshard and
     # backward re-unshard for non-root units), and per gradient one cast-copy into the fp32
@@ -73,7 +88,11 @@ def _accounting(rank, ws):
     rag = results["ragged bf16"]
     assert rag.calls["aten.copy_"] == n_units + n_nonroot, dict(rag.calls)
     assert rag.calls["aten._foreach_copy_"] == n_units, dict(rag.calls)
-    assert set(rag.calls) <= {"aten.copy_", "aten._foreach_copy_", "aten._to_copy"}  # (_to_copy: logits.float())
+    assert set(rag.calls) <= {
+        "aten.copy_",
+        "aten._foreach_copy_",
+        "aten._to_copy",
+    }  # (_to_copy: logits.float())
     assert sum(results["torch bf16"].calls.values()) > sum(rag.calls.values())
     assert sum(results["torch bf16"].bytes.values()) > sum(rag.bytes.values())
 

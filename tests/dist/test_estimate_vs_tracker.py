@@ -23,7 +23,9 @@ import pytest
 from raggedfsdp.sizing.registry import model_units
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("estimate_vs_tracker", ROOT / "benchmarks" / "estimate_vs_tracker.py")
+_spec = importlib.util.spec_from_file_location(
+    "estimate_vs_tracker", ROOT / "benchmarks" / "estimate_vs_tracker.py"
+)
 evt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(evt)
 

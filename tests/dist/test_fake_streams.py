@@ -30,7 +30,7 @@ WS = 4
 
 def _slice(tok, tgt, rank, ws):
     per = tok.shape[0] // ws
-    return tok[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]
+    return tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
 
 
 def _train(model, ref, steps, rank, ws):
@@ -57,8 +57,13 @@ def _accumulate(model, ref, rank, ws):
         lm_loss(ref, tok, tgt).backward()
     for n, p in model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(g.to(torch.float32), dict(ref.named_parameters())[n].grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=n: f"accumulated {n}: {m}")
+        torch.testing.assert_close(
+            g.to(torch.float32),
+            dict(ref.named_parameters())[n].grad,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, n=n: f"accumulated {n}: {m}",
+        )
 
 
 class BoomLM(ToyLM):
@@ -90,8 +95,12 @@ def _cases(rank, ws):
         _accumulate(shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh), ref, rank, ws)
         torch.manual_seed(0)
         ref = ToyLM(3)
-        off = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh,
-                          offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=False))
+        off = shard_model(
+            copy.deepcopy(ref),
+            raggedfsdp.fully_shard,
+            mesh,
+            offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=False),
+        )
         _accumulate(off, ref, rank, ws)
         torch.manual_seed(0)
         ref = ToyLM(3)
@@ -111,7 +120,9 @@ def _cases(rank, ws):
         seen = dict(fs.issued_kinds)
         counts = dict(fs.counts)
         assert not fs.violations, fs.violations
-        assert len({s for s in fs.by_key.values()}) >= 4, "expected compute + all-gather/reduce-scatter/all-reduce tokens"
+        assert len({s for s in fs.by_key.values()}) >= 4, (
+            "expected compute + all-gather/reduce-scatter/all-reduce tokens"
+        )
     # the model saw every kind of collective and checked frees
     for what in ("all-gather", "reduce-scatter", "all-reduce"):
         assert seen.get(what, 0) > 0, (what, seen)

@@ -86,8 +86,12 @@ def _meta_load(rank, ws, fs, flow):
 
 def _conversions(ws, fs):
     out = {}
-    for name, conv in [("to64", lambda m: m.to(torch.float64)), ("double", lambda m: m.double()),
-                       ("half", lambda m: m.half()), ("to_cpu", lambda m: m.to("cpu"))]:
+    for name, conv in [
+        ("to64", lambda m: m.to(torch.float64)),
+        ("double", lambda m: m.double()),
+        ("half", lambda m: m.half()),
+        ("to_cpu", lambda m: m.to("cpu")),
+    ]:
         m = conv(_shard(_model(), fs))
         for p in m.parameters():
             assert p.dtype == p.to_local().dtype, (name, p.dtype, p.to_local().dtype)
@@ -150,7 +154,9 @@ def _misuse(fs, ws):
 
     cases = {
         "2d_mesh_no_names": lambda: fs(_model(), mesh=DeviceMesh("cpu", torch.arange(ws).view(1, ws))),
-        "3d_mesh": lambda: fs(_model(), mesh=init_device_mesh("cpu", (1, 1, ws), mesh_dim_names=("a", "b", "c"))),
+        "3d_mesh": lambda: fs(
+            _model(), mesh=init_device_mesh("cpu", (1, 1, ws), mesh_dim_names=("a", "b", "c"))
+        ),
         "twice": twice,
         "raf_str": lambda: fs(_model(), reshard_after_forward="yes"),
         "raf_non_divisor": lambda: fs(_model(), reshard_after_forward=ws + 1),
@@ -207,8 +213,13 @@ def _case(rank, ws):
     assert type(m[0:1]) is nn.Sequential  # indexing builds the original class, as torch's __new__
     assert raggedfsdp.fully_shard.state(m) is m._get_fsdp_state() is m._raggedfsdp_state
     assert raggedfsdp.fully_shard.state(nn.Linear(2, 2)) is None
-    missing = [n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("__")
-               and callable(getattr(torch_fsdp.FSDPModule, n)) and n not in FSDPModule.__dict__]
+    missing = [
+        n
+        for n in dir(torch_fsdp.FSDPModule)
+        if not n.startswith("__")
+        and callable(getattr(torch_fsdp.FSDPModule, n))
+        and n not in FSDPModule.__dict__
+    ]
     assert not missing, f"torch's FSDPModule methods that would run torch's code on our modules: {missing}"
     calls = []
     m[0].extra = lambda x: calls.append(type(m[0].in_proj.weight).__name__) or m[0].in_proj(x)
@@ -220,8 +231,11 @@ def _case(rank, ws):
     m.set_reduce_scatter_divide_factor(2.0)
     m._set_unshard_async_op(False)
     m.set_allocate_memory_from_process_group_for_comm(False)
-    for call in (lambda: m.set_custom_all_gather(None), lambda: m.set_symm_mem_for_comm(),
-                 lambda: m.set_allocate_memory_from_process_group_for_comm(True)):
+    for call in (
+        lambda: m.set_custom_all_gather(None),
+        lambda: m.set_symm_mem_for_comm(),
+        lambda: m.set_allocate_memory_from_process_group_for_comm(True),
+    ):
         with pytest.raises(NotImplementedError, match="raggedfsdp"):
             call()
 

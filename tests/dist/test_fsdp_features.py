@@ -201,13 +201,17 @@ def _divide_factor(rank, ws):
     tok, tgt = batches(1, 2 * ws)[0]
     per = 2
     _loss(model, tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per], 0).backward()
-    ref_total = sum(_loss(ref, tok[r * per : (r + 1) * per], tgt[r * per : (r + 1) * per], 0) for r in range(ws))
+    ref_total = sum(
+        _loss(ref, tok[r * per : (r + 1) * per], tgt[r * per : (r + 1) * per], 0) for r in range(ws)
+    )
     ref_total.backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is None:  # unused param: no grad on any rank, as in single-process training
             assert p.grad is None, n
             continue
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}"
+        )
 
 
 def test_gradient_divide_factor():
@@ -232,6 +236,7 @@ def _bad_input(rank, ws):
     fully_shard(t.layers[1], mesh=mesh)
     with pytest.raises(ValueError, match="up.weight"):
         fully_shard(t, mesh=mesh)
+
     # a module shared by two parents, each its own unit: the error names both FQNs and the owner unit
     class ParentA(nn.Module):
         def __init__(self, s):
@@ -247,8 +252,11 @@ def _bad_input(rank, ws):
     root = nn.Module()
     root.a, root.b = ParentA(shared), ParentB(shared)
     fully_shard(root.a, mesh=mesh)
-    with pytest.raises(ValueError, match=r"'lin.weight' of ParentB is the same parameter as 'proj.weight' of the "
-                                         r"fully_shard unit ParentA"):
+    with pytest.raises(
+        ValueError,
+        match=r"'lin.weight' of ParentB is the same parameter as 'proj.weight' of the "
+        r"fully_shard unit ParentA",
+    ):
         fully_shard(root.b, mesh=mesh)
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     with pytest.raises(ValueError, match="one dtype"):

@@ -74,8 +74,10 @@ def _loss(logits, tgt):
 
 def _data(steps, n, seq=5, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (n, seq), generator=g), torch.randint(0, VOCAB, (n, seq), generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randint(0, VOCAB, (n, seq), generator=g), torch.randint(0, VOCAB, (n, seq), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def _shard(model, mesh, fs, extra_in_block=False, **kw):
@@ -116,8 +118,17 @@ def _oracle(ref, rank, ws):
     """The grads ``ref`` got from this rank's data, averaged over all ranks; None where unused everywhere
     (one all-reduce of every grad and a used flag each)."""
     params = list(ref.named_parameters())
-    flat = torch.cat([torch.cat([(p.grad.detach().to_dense() if p.grad is not None else torch.zeros_like(p)).reshape(-1),
-                                 torch.tensor([float(p.grad is not None)])]) for _, p in params])
+    flat = torch.cat(
+        [
+            torch.cat(
+                [
+                    (p.grad.detach().to_dense() if p.grad is not None else torch.zeros_like(p)).reshape(-1),
+                    torch.tensor([float(p.grad is not None)]),
+                ]
+            )
+            for _, p in params
+        ]
+    )
     dist.all_reduce(flat)
     out, off = {}, 0
     for n, p in params:
@@ -144,8 +155,25 @@ def _compare(case, got, exp, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(g, e, rtol=rtol, atol=atol, msg=lambda m: f"{case} {n}: {m}")
 
 
-def _scenario(case, rank, ws, mesh, build, run, *, steps=2, shard_kw=None, k=(1,), modes=("off", "random"),
-              oracle=True, step_opt=True, rtol=1e-5, atol=1e-6, shard_fn=None, post_shard=None):
+def _scenario(
+    case,
+    rank,
+    ws,
+    mesh,
+    build,
+    run,
+    *,
+    steps=2,
+    shard_kw=None,
+    k=(1,),
+    modes=("off", "random"),
+    oracle=True,
+    step_opt=True,
+    rtol=1e-5,
+    atol=1e-6,
+    shard_fn=None,
+    post_shard=None,
+):
     """build() -> unsharded model; run(model, step, sync, rank) does the step's forward/backward(s).
     Compares with the DDP oracle after every step (optimizer steps in between), and every mode bitwise."""
     import raggedfsdp
@@ -158,7 +186,9 @@ def _scenario(case, rank, ws, mesh, build, run, *, steps=2, shard_kw=None, k=(1,
             _set_mode(mode, rank, seed=kk)
             try:
                 ref = copy.deepcopy(base)
-                model = (shard_fn or _shard)(copy.deepcopy(base), mesh, raggedfsdp.fully_shard, **(shard_kw or {}))
+                model = (shard_fn or _shard)(
+                    copy.deepcopy(base), mesh, raggedfsdp.fully_shard, **(shard_kw or {})
+                )
                 _early_free(model)
                 if post_shard is not None:
                     post_shard(model)
@@ -192,10 +222,13 @@ def _scenario(case, rank, ws, mesh, build, run, *, steps=2, shard_kw=None, k=(1,
                     assert a[n] is None and b[n] is None, f"{case} {key} step {step} {n}: presence differs"
                     continue
                 if key[0] == first[0]:
-                    assert torch.equal(a[n], b[n]), f"{case} {key} step {step} {n}: not bitwise equal to {first}"
+                    assert torch.equal(a[n], b[n]), (
+                        f"{case} {key} step {step} {n}: not bitwise equal to {first}"
+                    )
 
 
 # ---- scenarios -------------------------------------------------------------------------------
+
 
 def _local(step, rank, ws, n=2, micro=1, seed=1):
     tok, tgt = _data(step + 1, n * ws * micro, seed=seed)[step]
@@ -300,15 +333,26 @@ def _cases_accum(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     _scenario("no-sync", rank, ws, mesh, Net, _accum_run())
     _scenario("no-sync-freeze-mid-window", rank, ws, mesh, Net, _accum_run(freeze_at=1))
-    _scenario("no-sync-unused-on-one-rank", rank, ws, mesh, Net, _accum_run(skip_rank=(0, 1)), k=(2,), modes=MODES)
+    _scenario(
+        "no-sync-unused-on-one-rank", rank, ws, mesh, Net, _accum_run(skip_rank=(0, 1)), k=(2,), modes=MODES
+    )
     skipped_last = ((False, True), (False, False), (True, True))
     # the unit skipped in the synced micro-batch is not prefetched: its held grads were never reduced
     # (missing from .grad, then added into the next step's); a prefetched one was reduced by chance
-    _scenario("no-sync-unit-skipped-in-synced-micro, no prefetch", rank, ws, mesh, Net,
-              _accum_run(skip_plan=skipped_last), post_shard=_no_prefetch)
+    _scenario(
+        "no-sync-unit-skipped-in-synced-micro, no prefetch",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(skip_plan=skipped_last),
+        post_shard=_no_prefetch,
+    )
 
 
-def _vs_torch(case, rank, ws, mesh, build, run, mp, *, steps=2, modes=("off", "random"), rtol=1e-4, atol=1e-6):
+def _vs_torch(
+    case, rank, ws, mesh, build, run, mp, *, steps=2, modes=("off", "random"), rtol=1e-4, atol=1e-6
+):
     """Mixed precision: the same steps under torch's fully_shard with the same policy are the reference."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -344,7 +388,9 @@ def _vs_torch(case, rank, ws, mesh, build, run, mp, *, steps=2, modes=("off", "r
             if first is not None:
                 for n in g:
                     assert (g[n] is None) == (first[step][n] is None)
-                    assert g[n] is None or torch.equal(g[n], first[step][n]), f"{case} mode={mode} {n}: not bitwise"
+                    assert g[n] is None or torch.equal(g[n], first[step][n]), (
+                        f"{case} mode={mode} {n}: not bitwise"
+                    )
         first = first or got
 
 
@@ -354,17 +400,43 @@ def _cases_mp(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     bf = torch.bfloat16
     plan = ((False, True), (False, False), (False, True))  # torch's fully_shard fails on a unit not run
-    _vs_torch("bf16/fp32 no-sync", rank, ws, mesh, Net, _accum_run(skip_plan=plan, skip_rank=(1, 0)),
-              (bf, torch.float32))
-    _vs_torch("bf16/bf16 no-sync", rank, ws, mesh, Net, _accum_run(skip_plan=plan, skip_rank=(1, 0)), (bf, bf),
-              rtol=2e-2, atol=1e-3, modes=("off",))
+    _vs_torch(
+        "bf16/fp32 no-sync",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(skip_plan=plan, skip_rank=(1, 0)),
+        (bf, torch.float32),
+    )
+    _vs_torch(
+        "bf16/bf16 no-sync",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(skip_plan=plan, skip_rank=(1, 0)),
+        (bf, bf),
+        rtol=2e-2,
+        atol=1e-3,
+        modes=("off",),
+    )
     import raggedfsdp
 
     for red in (torch.float32, bf):  # units skipped in micro-batches (synced one included): fp32 oracle
-        _scenario(f"bf16/{red} no-sync, unit skipped in synced micro", rank, ws, mesh, Net,
-                  _accum_run(skip_plan=((True, True), (False, False), (True, True))), modes=("off",),
-                  shard_kw=dict(mp_policy=raggedfsdp.MixedPrecisionPolicy(bf, red)), rtol=5e-2, atol=2e-3,
-                  post_shard=_no_prefetch)
+        _scenario(
+            f"bf16/{red} no-sync, unit skipped in synced micro",
+            rank,
+            ws,
+            mesh,
+            Net,
+            _accum_run(skip_plan=((True, True), (False, False), (True, True))),
+            modes=("off",),
+            shard_kw=dict(mp_policy=raggedfsdp.MixedPrecisionPolicy(bf, red)),
+            rtol=5e-2,
+            atol=2e-3,
+            post_shard=_no_prefetch,
+        )
 
 
 def _boom_body(m, tok):
@@ -455,18 +527,51 @@ def _cases_misc(rank, ws):
     import raggedfsdp
 
     mesh = init_device_mesh("cpu", (ws,))
-    _scenario("create_graph in a no-sync window", rank, ws, mesh, Net, _create_graph_run, k=(1,), steps=1,
-              modes=("off", "random"))
+    _scenario(
+        "create_graph in a no-sync window",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _create_graph_run,
+        k=(1,),
+        steps=1,
+        modes=("off", "random"),
+    )
     _scenario("sparse embedding grads", rank, ws, mesh, _sparse_build, _accum_run(), modes=("off",))
     _scenario("reset-after-exception", rank, ws, mesh, Net, _reset_run, k=(1,))
     _scenario("user-set-grad", rank, ws, mesh, Net, _user_grad_run, k=(1,))
     _scenario("frozen-and-toggled", rank, ws, mesh, _frozen_build, _frozen_run, steps=3, modes=MODES)
-    _scenario("cpu-offload no-sync", rank, ws, mesh, Net, _accum_run(skip_rank=(2, 1)), k=(2,),
-              shard_kw=dict(offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=False)))
-    _scenario("reshard_after_backward=False no-sync", rank, ws, mesh, Net, _accum_run(), k=(2,),
-              post_shard=lambda m: m.set_reshard_after_backward(False))
-    _scenario("multi-module unit", rank, ws, mesh, Net, _accum_run(skip_plan=((False, True), (False, False),
-              (False, True))), k=(1,), shard_fn=_multi_module_shard)
+    _scenario(
+        "cpu-offload no-sync",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(skip_rank=(2, 1)),
+        k=(2,),
+        shard_kw=dict(offload_policy=raggedfsdp.CPUOffloadPolicy(pin_memory=False)),
+    )
+    _scenario(
+        "reshard_after_backward=False no-sync",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(),
+        k=(2,),
+        post_shard=lambda m: m.set_reshard_after_backward(False),
+    )
+    _scenario(
+        "multi-module unit",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(skip_plan=((False, True), (False, False), (False, True))),
+        k=(1,),
+        shard_fn=_multi_module_shard,
+    )
 
 
 def _hsdp_run(model, step, sync, rank):
@@ -508,7 +613,9 @@ def _hsdp_unfreeze_run(model, step, sync, rank):
         if hasattr(model, "set_requires_all_reduce"):
             model.set_requires_gradient_sync(i != 0)
             model.set_requires_all_reduce(i == 3)
-        (_loss(model(tok[2 * i : 2 * i + 2], _accum_body(False, True)), tgt[2 * i : 2 * i + 2]) / 4).backward()
+        (
+            _loss(model(tok[2 * i : 2 * i + 2], _accum_body(False, True)), tgt[2 * i : 2 * i + 2]) / 4
+        ).backward()
 
 
 def _cases_hsdp(rank, ws):
@@ -520,10 +627,25 @@ def _cases_hsdp(rank, ws):
     _scenario("hsdp unfreeze mid-window", rank, ws, mesh, _frozen_build, _hsdp_unfreeze_run, steps=1)
     # a unit whose all-reduce was deferred does not run in the synced micro-batch: its partial sum was
     # never all-reduced (missing from .grad, then added into the next step's)
-    _scenario("hsdp deferred, unit skipped in synced micro", rank, ws, mesh, Net, _hsdp_skip_run,
-              post_shard=_no_prefetch)
-    _scenario("hsdp deferred, unit skipped in synced micro, prefetch", rank, ws, mesh, Net, _hsdp_skip_run,
-              k=(1,), modes=("off",))
+    _scenario(
+        "hsdp deferred, unit skipped in synced micro",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _hsdp_skip_run,
+        post_shard=_no_prefetch,
+    )
+    _scenario(
+        "hsdp deferred, unit skipped in synced micro, prefetch",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _hsdp_skip_run,
+        k=(1,),
+        modes=("off",),
+    )
 
 
 def test_grad_fold_hsdp_2x2():
@@ -542,7 +664,9 @@ def _accum_body(skip_unit2, use_extra):
     return body
 
 
-def _accum_run(micro=3, skip_plan=((True, True), (False, False), (False, True)), freeze_at=None, skip_rank=None):
+def _accum_run(
+    micro=3, skip_plan=((True, True), (False, False), (False, True)), freeze_at=None, skip_rank=None
+):
     """``micro`` micro-batches, gradient sync on the last only; ``skip_plan[i]`` = (skip unit 2 entirely,
     use ``extra``) in micro-batch i; ``freeze_at``: micro-batch from which blocks[0].up.weight is frozen
     (unfrozen again at the next step); ``skip_rank``: (micro, rank) where blocks[2].skip is set."""

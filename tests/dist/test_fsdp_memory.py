@@ -120,12 +120,18 @@ def _step_case(rank, ws):
             "adamw_tmp": int(1.01 * 2 * n_params * 4 / ws),
         }
         with comm_completion("never"):  # the worst case (torch's FSDP2 does not poll: unaffected)
-            res = {b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x), breakdown=8)
-                   for b in ("ragged", "torch")}
+            res = {
+                b: measure_train_step(builder(b, init, mesh, param_dtype), loss_fn(x), breakdown=8)
+                for b in ("ragged", "torch")
+            }
         with comm_completion("done"):  # Note [early free]: communication that keeps up
             done = measure_train_step(builder("ragged", init, mesh, param_dtype), loss_fn(x))
-        out[dt_name] = {"bound": bound, **{b: r._asdict() for b, r in res.items()}, "ragged_done": done._asdict(),
-                        "rs_input_bytes": unit_numel * rsize}
+        out[dt_name] = {
+            "bound": bound,
+            **{b: r._asdict() for b, r in res.items()},
+            "ragged_done": done._asdict(),
+            "rs_input_bytes": unit_numel * rsize,
+        }
     # K = 2 reduce-scatter inputs in flight: exactly one more unsharded grad unit at the peak
     build = builder("ragged", init, mesh)
 
@@ -179,8 +185,11 @@ def _frozen_case(rank, ws):
                 loss.backward()
             opt.step()
         fwd, bwd = mem.windows
-        out[name] = {"bwd_peak": bwd.peak_bytes, "grad_storage": storage_bytes(p.grad for p in model.parameters()),
-                     "fwd_peak": fwd.peak_bytes}
+        out[name] = {
+            "bwd_peak": bwd.peak_bytes,
+            "grad_storage": storage_bytes(p.grad for p in model.parameters()),
+            "fwd_peak": fwd.peak_bytes,
+        }
         del model, opt, loss
     return out
 
@@ -205,31 +214,45 @@ def test_step_peak_memory_bounded(step_results, ws):
     for rank, res in enumerate(step_results[ws]):
         k2, unit_grad = res["fp32 K=2"], res["unit_grad_bytes"]
         extra = k2["fwd_bwd_peak_bytes"] - res["fp32"]["ragged"]["fwd_bwd_peak_bytes"]
-        rows.append(f"ws={ws} rank={rank} fp32 K=2: fwd+bwd peak {k2['fwd_bwd_peak_bytes'] / MiB:.2f} MiB "
-                    f"(+{extra / MiB:.2f} MiB over K=1; one grad unit is {unit_grad / MiB:.2f} MiB)")
+        rows.append(
+            f"ws={ws} rank={rank} fp32 K=2: fwd+bwd peak {k2['fwd_bwd_peak_bytes'] / MiB:.2f} MiB "
+            f"(+{extra / MiB:.2f} MiB over K=1; one grad unit is {unit_grad / MiB:.2f} MiB)"
+        )
         # what the allocator says is live at the step's start == params + grads + Adam state + the storages
         # the runtime reports (fsdp_units -> UnitBuffers.storages): it reports every buffer it keeps
         if k2["state_bytes"] != res["reported_state_bytes"]:
-            failures.append(f"ws={ws} rank={rank}: live at the step's start {k2['state_bytes']} B (allocator) != "
-                            f"{res['reported_state_bytes']} B (parameters, grads, Adam state, fsdp_units storages)")
+            failures.append(
+                f"ws={ws} rank={rank}: live at the step's start {k2['state_bytes']} B (allocator) != "
+                f"{res['reported_state_bytes']} B (parameters, grads, Adam state, fsdp_units storages)"
+            )
         if not 0 < extra <= unit_grad + 4096:
-            failures.append(f"ws={ws} rank={rank}: set_reduce_scatter_max_input_buffers(2) changed the peak by "
-                            f"{extra / MiB:.2f} MiB, expected one unsharded grad unit ({unit_grad / MiB:.2f} MiB)")
+            failures.append(
+                f"ws={ws} rank={rank}: set_reduce_scatter_max_input_buffers(2) changed the peak by "
+                f"{extra / MiB:.2f} MiB, expected one unsharded grad unit ({unit_grad / MiB:.2f} MiB)"
+            )
         for dt in ("fp32", "bf16"):
             b, rag = res[dt]["bound"], res[dt]["ragged"]
             fb_bound = b["state"] + b["act"] + b["params"] + b["grads"]
             opt_bound = b["state"] + b["adamw_tmp"] + b["grads"]
-            rows.append(f"ws={ws} rank={rank} {dt}: fwd+bwd {rag['fwd_bwd_peak_bytes'] / MiB:.2f} MiB (bound "
-                        f"{fb_bound / MiB:.2f}), optim {rag['optim_peak_bytes'] / MiB:.2f} MiB (bound {opt_bound / MiB:.2f})")
+            rows.append(
+                f"ws={ws} rank={rank} {dt}: fwd+bwd {rag['fwd_bwd_peak_bytes'] / MiB:.2f} MiB (bound "
+                f"{fb_bound / MiB:.2f}), optim {rag['optim_peak_bytes'] / MiB:.2f} MiB (bound {opt_bound / MiB:.2f})"
+            )
             if rag["fwd_bwd_peak_bytes"] > fb_bound:
                 owners = "; ".join(f"{n / MiB:.2f} MiB by {op}" for n, op in rag["fwd_bwd_peak_owners"])
-                failures.append(f"ws={ws} rank={rank} {dt}: fwd+bwd peak {rag['fwd_bwd_peak_bytes'] / MiB:.2f} MiB > "
-                                f"bound {fb_bound / MiB:.2f} MiB ({ {k: round(v / MiB, 2) for k, v in b.items()} }); "
-                                f"allocated in the step and live at the peak: {owners}")
+                failures.append(
+                    f"ws={ws} rank={rank} {dt}: fwd+bwd peak {rag['fwd_bwd_peak_bytes'] / MiB:.2f} MiB > "
+                    f"bound {fb_bound / MiB:.2f} MiB ({ {k: round(v / MiB, 2) for k, v in b.items()} }); "
+                    f"allocated in the step and live at the peak: {owners}"
+                )
             if rag["optim_peak_bytes"] > opt_bound:
-                failures.append(f"ws={ws} rank={rank} {dt}: optimizer-step peak {rag['optim_peak_bytes'] / MiB:.2f} "
-                                f"MiB > bound {opt_bound / MiB:.2f} MiB")
-    _report("peak live bytes of one training step vs the bound (relative to before the model was built)", rows)
+                failures.append(
+                    f"ws={ws} rank={rank} {dt}: optimizer-step peak {rag['optim_peak_bytes'] / MiB:.2f} "
+                    f"MiB > bound {opt_bound / MiB:.2f} MiB"
+                )
+    _report(
+        "peak live bytes of one training step vs the bound (relative to before the model was built)", rows
+    )
     assert not failures, "\n".join(failures + ["measured:"] + rows)
 
 
@@ -246,20 +269,27 @@ def test_step_peak_memory_at_most_fsdp2(step_results, ws):
     results = step_results[ws]
     failures, rows = [], []
     for dt in ("fp32", "bf16"):
+
         def peak(key, what="fwd_bwd_peak_bytes", dt=dt):
             return max(r[dt][key][what] for r in results)
 
         tor, worst, done = peak("torch"), peak("ragged"), peak("ragged_done")
         excess, rs_in = max(r["layout_excess"] for r in results), results[0][dt]["rs_input_bytes"]
-        rows.append(f"ws={ws} {dt} (max over ranks): torch {tor / MiB:.3f} MiB; ours, comm keeps up "
-                    f"{done / MiB:.3f} MiB (ratio {done / tor:.3f}), worst case {worst / MiB:.3f} MiB (ratio "
-                    f"{worst / tor:.4f}, {worst - tor:+d} B; layout excess allowed {excess} B)")
+        rows.append(
+            f"ws={ws} {dt} (max over ranks): torch {tor / MiB:.3f} MiB; ours, comm keeps up "
+            f"{done / MiB:.3f} MiB (ratio {done / tor:.3f}), worst case {worst / MiB:.3f} MiB (ratio "
+            f"{worst / tor:.4f}, {worst - tor:+d} B; layout excess allowed {excess} B)"
+        )
         if done > tor - rs_in // 4:
-            failures.append(f"ws={ws} {dt}: with communication that keeps up the peak is {done / tor:.3f}x torch's, "
-                            f"expected at least {rs_in / 4 / MiB:.2f} MiB below it (early free of the reduce-scatter input)")
+            failures.append(
+                f"ws={ws} {dt}: with communication that keeps up the peak is {done / tor:.3f}x torch's, "
+                f"expected at least {rs_in / 4 / MiB:.2f} MiB below it (early free of the reduce-scatter input)"
+            )
         if worst > tor + excess:
-            failures.append(f"ws={ws} {dt}: worst-case peak {worst - tor:+d} B over torch's (allowed: layout excess "
-                            f"{excess} B)")
+            failures.append(
+                f"ws={ws} {dt}: worst-case peak {worst - tor:+d} B over torch's (allowed: layout excess "
+                f"{excess} B)"
+            )
         o_tor, o_rag = peak("torch", "optim_peak_bytes"), peak("ragged", "optim_peak_bytes")
         if o_rag > o_tor + max(OPTIM_SLACK_MIN, OPTIM_SLACK_FRACTION * o_tor):
             failures.append(f"ws={ws} {dt}: optimizer-step peak {o_rag / o_tor:.4f}x torch's")
@@ -271,9 +301,14 @@ def test_frozen_base_holds_no_gradient_memory():
     for rank in (0, 1):  # rank 1 holds every trainable piece, rank 0 none
         r = run_fake_rank(_frozen_case, 2, rank)
         rag, tor = r["ragged"], r["torch"]
-        _report(f"frozen Linear(2048,2048) + trainable Linear(2048,4), ws=2 rank {rank}",
-                [f"{b}: backward peak {v['bwd_peak']} B, grad storage {v['grad_storage']} B, "
-                 f"forward peak {v['fwd_peak'] / MiB:.3f} MiB" for b, v in r.items()])
+        _report(
+            f"frozen Linear(2048,2048) + trainable Linear(2048,4), ws=2 rank {rank}",
+            [
+                f"{b}: backward peak {v['bwd_peak']} B, grad storage {v['grad_storage']} B, "
+                f"forward peak {v['fwd_peak'] / MiB:.3f} MiB"
+                for b, v in r.items()
+            ],
+        )
         assert tor["grad_storage"] < MiB and tor["bwd_peak"] < MiB, tor  # the reference behaves as described
         # every rank's grad shard is Sg = the largest rank's trainable pieces (even reduce-scatter): 2x torch's here
         assert rag["grad_storage"] <= max(tor["grad_storage"], 64 * 1024), (rank, rag, tor)
@@ -317,7 +352,7 @@ def _late_grad_case(rank, ws):
             fs(b, mesh=mesh)
         fs(model, mesh=mesh)
         seen = []  # .grad of the first block's weight when its backward starts: no gradient has arrived
-        model[0].fc.register_full_backward_pre_hook(lambda mod, _g: seen.append(mod.weight.grad))
+        model[0].fc.register_full_backward_pre_hook(lambda mod, _g, s=seen: s.append(mod.weight.grad))
         for _ in range(2):  # warm-up, then the measured backward
             with PeakMemory() as m:
                 loss = model(x).square().mean()
@@ -335,8 +370,10 @@ def test_grad_buffer_allocated_at_first_gradient():
     """No gradient memory before a unit's first gradient arrives (a flat buffer allocated at pre-backward
     would put the backward peak here one grad unit, 1 MiB, above FSDP2's); Note [grad fold]."""
     r = run_fake_rank(_late_grad_case, 2, 0)
-    _report("4 x (Linear(512,512) + 4 x x*sigmoid(x)), batch 256, ws=2 rank 0: backward peak above forward's end",
-            [f"{b}: {v / MiB:.4f} MiB" if isinstance(v, int) else f"{b}: {v}" for b, v in r.items()])
+    _report(
+        "4 x (Linear(512,512) + 4 x x*sigmoid(x)), batch 256, ws=2 rank 0: backward peak above forward's end",
+        [f"{b}: {v / MiB:.4f} MiB" if isinstance(v, int) else f"{b}: {v}" for b, v in r.items()],
+    )
     assert r["ragged"] <= r["torch"] + LATE_GRAD_SLACK, r
     # and until a unit's first gradient its params' .grad is None, as in FSDP2 (not a view of freed storage)
     assert r["torch grad before first gradient"] == [True, True], r
@@ -356,8 +393,14 @@ def _gloo_reduce_scatter_case(rank, ws):
     S = layout.shard_size
     gen = torch.Generator().manual_seed(rank)
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        buf = DBuffer(layout, sharded=False, rank=rank, dtype=torch.float32, device=torch.device("cpu"),
-                      shapes=[(3 * 100_003,), (7,)])
+        buf = DBuffer(
+            layout,
+            sharded=False,
+            rank=rank,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            shapes=[(3 * 100_003,), (7,)],
+        )
         buf.data.copy_(torch.randn(buf.data.shape, generator=gen) * 1e3)
         ref_out = torch.empty(S)
         dist.reduce_scatter_tensor(ref_out, buf.data.clone(), op=op)  # gloo's own reduce-scatter

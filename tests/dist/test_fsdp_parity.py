@@ -108,8 +108,10 @@ def test_fp32_parity_with_single_process_and_torch_fsdp(ws):
 def _full_grads(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
+        for n, p in model.named_parameters()
+    }
 
 
 def _grad_rel_errors(got: dict, ref: dict) -> dict[str, float]:
@@ -139,8 +141,11 @@ def _bf16_parity(rank, ws):
     tok_l, tgt_l = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
     results, grad_errs = [], {}
     for name, fs, mp in (
-        ("ragged", raggedfsdp.fully_shard,
-         raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        (
+            "ragged",
+            raggedfsdp.fully_shard,
+            raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        ),
         ("torch", torch_fully_shard, TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
     ):
         model = ToyLM()
@@ -151,7 +156,9 @@ def _bf16_parity(rank, ws):
         assert all(g.dtype == torch.float32 for g in grads.values())
         grad_errs[name] = _grad_rel_errors(grads, ref_grads)
         model.zero_grad(set_to_none=True)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)  # plain SGD: a gradient scale error shows in the losses
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.5
+        )  # plain SGD: a gradient scale error shows in the losses
         losses = _train(model, opt, data, rank, ws)
         results.append((losses, full_params(model)))
     # bf16 round-off of the same computation is ~1e-2 at most here; a 2x gradient error would be 1.0
@@ -213,8 +220,15 @@ def _accum_parity(rank, ws):
     model.load_state_dict(init)
     shard_model(model, raggedfsdp.fully_shard, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = _train(model, opt, data, rank, ws, microbatches=micro,
-                    sync_fn=lambda last: model.set_requires_gradient_sync(last))
+    losses = _train(
+        model,
+        opt,
+        data,
+        rank,
+        ws,
+        microbatches=micro,
+        sync_fn=lambda last: model.set_requires_gradient_sync(last),
+    )
     _assert_close_losses(losses, ref_losses, 1e-5, "accumulation over 4 microbatches vs one big batch")
     got = full_params(model)
     for n, p in ref_params.items():
@@ -278,15 +292,23 @@ def _bf16_default_reduce(rank, ws):
     per = tok.shape[0] // ws
     tok_l, tgt_l = tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
     # torch 2.15 (peers-2026-12 2.15-b): reduce_dtype=None reduces in the params' dtype (fp32), before in bf16
-    want = torch.float32 if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 15) else torch.bfloat16
+    want = (
+        torch.float32
+        if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 15)
+        else torch.bfloat16
+    )
     grads = {}
-    for name, fs, mp in (("ragged", raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-                         ("torch", torch_fully_shard, TorchMP(param_dtype=torch.bfloat16))):
+    for name, fs, mp in (
+        ("ragged", raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+        ("torch", torch_fully_shard, TorchMP(param_dtype=torch.bfloat16)),
+    ):
         model = ToyLM()
         model.load_state_dict(init)
         shard_model(model, fs, mesh, mp_policy=mp)
         if name == "ragged":
-            groups = [m._raggedfsdp_state.group for m in model.modules() if getattr(m, "_raggedfsdp_state", None)]
+            groups = [
+                m._raggedfsdp_state.group for m in model.modules() if getattr(m, "_raggedfsdp_state", None)
+            ]
             assert groups and all(g.reduce_dtype == want for g in groups if g is not None)
         lm_loss(model, tok_l, tgt_l).backward()
         grads[name] = _full_grads(model)
@@ -297,4 +319,3 @@ def _bf16_default_reduce(rank, ws):
 def test_bf16_param_default_reduce_dtype_matches_torch_fsdp():
     """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on 2.15."""
     SPAWNS.check(3, "bf16_default")
-

@@ -41,7 +41,7 @@ def _case(rank, ws):
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for tok, tgt in data:
-            lm_loss(model, tok[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]).backward()
+            lm_loss(model, tok[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]).backward()
             if not in_backward:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -55,7 +55,9 @@ def _case(rank, ws):
     assert all(p.grad is None for p in model.parameters())
     for k in ours_ref:
         torch.testing.assert_close(ours[k], ours_ref[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
-        torch.testing.assert_close(ours[k], torch_hooks[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            ours[k], torch_hooks[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 def test_post_accumulate_grad_hooks_optimizer_in_backward():

@@ -56,7 +56,9 @@ def _assert_grads(model, expected, what, rtol=1e-5, atol=1e-6):
             assert p.grad is None, f"{what}: {n} should have no grad (unused on every rank)"
             continue
         assert p.grad is not None, f"{what}: {n} has no grad"
-        torch.testing.assert_close(p.grad.full_tensor(), exp, rtol=rtol, atol=atol, msg=lambda m: f"{what} {n}: {m}")
+        torch.testing.assert_close(
+            p.grad.full_tensor(), exp, rtol=rtol, atol=atol, msg=lambda m: f"{what} {n}: {m}"
+        )
 
 
 class _LiveGradBuffers:
@@ -108,7 +110,9 @@ def _bounded_memory(rank, ws, mesh):
         ref = ToyLM(n_layers)
         model = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh)
         model.set_reduce_scatter_max_input_buffers(k)
-        set_runtime_options(model, early_free=False)  # the bound under slow communication (early free lowers it)
+        set_runtime_options(
+            model, early_free=False
+        )  # the bound under slow communication (early free lowers it)
         for tok, tgt in data:
             tok_l, tgt_l = _slice(tok, tgt, rank, ws)
             counter = _LiveGradBuffers(model._raggedfsdp_state.group)
@@ -121,7 +125,9 @@ def _bounded_memory(rank, ws, mesh):
             # the root's included (its fold runs in the final callback, after room is made)
             assert counter.peak <= k, f"K={k}: {counter.peak} grad buffers alive"
             assert counter.peak_non_root >= min(k, n_layers), "counter saw no overlap: test is vacuous"
-            assert not counter.live, f"grad buffers left alive after backward: {[b.name for b in counter.live]}"
+            assert not counter.live, (
+                f"grad buffers left alive after backward: {[b.name for b in counter.live]}"
+            )
             assert model._raggedfsdp_state.comm.reduces.peak_inflight <= k
             expected = _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws)
             _assert_grads(model, expected, f"K={k}")
@@ -150,7 +156,9 @@ def _bounded_memory(rank, ws, mesh):
     finally:
         counter.close()
         _reduce.ReduceQueue.poll = orig_poll
-    assert counter.peak_non_root == 1, f"early free: {counter.peak_non_root} block reduce-scatter inputs alive at once"
+    assert counter.peak_non_root == 1, (
+        f"early free: {counter.peak_non_root} block reduce-scatter inputs alive at once"
+    )
     _assert_grads(model, _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws), "early free")
     with pytest.raises(ValueError, match="max_input_buffers=0"):
         model.set_reduce_scatter_max_input_buffers(0)
@@ -185,7 +193,9 @@ def _forward_prefetch(rank, ws, mesh):
                 if step == 0:  # no recorded order yet: gathered on demand
                     assert issued > ended, log
                 else:
-                    assert issued < ended, f"step {step}: all-gather of unit {i + 1} after unit {i}'s compute: {log}"
+                    assert issued < ended, (
+                        f"step {step}: all-gather of unit {i + 1} after unit {i}'s compute: {log}"
+                    )
     finally:
         dbuffer._all_gather_single = orig
     # an explicit empty list switches it off for that unit
@@ -290,8 +300,14 @@ def _debug_invariant(rank, ws, mesh):
         for tok, tgt in batches(2, 2 * ws):
             lm_loss(model, *_slice(tok, tgt, rank, ws)).backward()
         layout = plan_layout([8 * ws], [1], ws)
-        buf = DBuffer(layout, sharded=False, rank=rank, dtype=torch.float32, device=torch.device("cpu"),
-                      shapes=[(8 * ws,)])
+        buf = DBuffer(
+            layout,
+            sharded=False,
+            rank=rank,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            shapes=[(8 * ws,)],
+        )
         handle = CommHandle(dist.all_reduce(buf.data, async_op=True), [buf], None, "all-reduce")
         with pytest.raises(BufferLifetimeError, match="not waited"):
             buf.free()  # a collective still uses it
@@ -311,8 +327,13 @@ def _runtime_cases(rank, ws, only=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ws,))
-    for case in (_bounded_memory, _forward_prefetch, _used_flags_and_zero1, _reset_after_exception,
-                 _debug_invariant):
+    for case in (
+        _bounded_memory,
+        _forward_prefetch,
+        _used_flags_and_zero1,
+        _reset_after_exception,
+        _debug_invariant,
+    ):
         if only is None or case.__name__ == only:
             case(rank, ws, mesh)
 
@@ -345,12 +366,16 @@ def _bf16_grads(rank, ws):
             lm_loss(model, tok[2 * i : 2 * i + 2], tgt[2 * i : 2 * i + 2]).backward()
         acc = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
         results[name] = (one, acc)
-    for what, a, b in (("one backward", results["ragged"][0], results["torch"][0]),
-                       ("no-sync accumulation", results["ragged"][1], results["torch"][1])):
+    for what, a, b in (
+        ("one backward", results["ragged"][0], results["torch"][0]),
+        ("no-sync accumulation", results["ragged"][1], results["torch"][1]),
+    ):
         for n in a:
             assert a[n].dtype == torch.float32
             # same bf16 compute and fp32 reduction: equal up to fp32 summation order
-            torch.testing.assert_close(a[n], b[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"bf16 {what} {n}: {m}")
+            torch.testing.assert_close(
+                a[n], b[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"bf16 {what} {n}: {m}"
+            )
 
 
 def test_bf16_gradients_and_no_sync_accumulation_match_torch_fsdp():

@@ -82,9 +82,13 @@ def _check_layout(model, ref, mesh):
     from raggedfsdp import RaggedShard
 
     want = {
-        "layers.0.attention.wq.weight": Shard(0), "layers.0.attention.wo.weight": Shard(1),
-        "layers.1.feed_forward.w1.weight": Shard(0), "layers.1.feed_forward.w2.weight": Shard(1),
-        "tok_embeddings.weight": Shard(0), "output.weight": Shard(0), "norm.weight": Replicate(),
+        "layers.0.attention.wq.weight": Shard(0),
+        "layers.0.attention.wo.weight": Shard(1),
+        "layers.1.feed_forward.w1.weight": Shard(0),
+        "layers.1.feed_forward.w2.weight": Shard(1),
+        "tok_embeddings.weight": Shard(0),
+        "output.weight": Shard(0),
+        "norm.weight": Replicate(),
     }
     params = dict(model.named_parameters())
     for name, tp_pl in want.items():
@@ -173,7 +177,10 @@ def _run(rank, ws):
     def muon(m):
         return Muon(muon_param_groups(m, lr=0.02, adamw_lr=1e-2), ns_dtype=torch.float32)
 
-    for make_opt, spf in ((muon, None), (lambda m: AdamW8bit(m.parameters(), lr=1e-2), AdamW8bit.shard_placement_fn)):
+    for make_opt, spf in (
+        (muon, None),
+        (lambda m: AdamW8bit(m.parameters(), lr=1e-2), AdamW8bit.shard_placement_fn),
+    ):
         single = _model()
         r_l = _train(single, make_opt(single), batches, slice(None))
         m = _sharded(mesh, "ragged", spf=spf)
@@ -258,7 +265,9 @@ def test_hsdp_tp_layouts_on_fake_8_ranks():
     full = sum(p.numel() for p in _model().parameters()) * 4 * 4  # param + grad + 2 states, fp32
     for rank in (0, 5):
         got = run_fake_rank(_hsdp_tp_fake, 8, rank)
-        print(f"HSDP x TP rank {rank}: persistent bytes ours {got['ragged']}, torch {got['torch']}, even {full / 4:.0f}")
+        print(
+            f"HSDP x TP rank {rank}: persistent bytes ours {got['ragged']}, torch {got['torch']}, even {full / 4:.0f}"
+        )
         # each of the 4 (shard x tp) pieces holds a quarter, plus at most the planner's alignment padding
         assert got["ragged"] <= full / 4 * 1.03, (got, full)
         assert got["ragged"] <= got["torch"] * 1.01, got

@@ -65,7 +65,9 @@ def _requires_grad_after_wrap(rank, ws):
             ref_opt.zero_grad()
         got = full_params(model)
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
+            torch.testing.assert_close(
+                got[n], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}"
+            )
 
 
 def test_requires_grad_changed_after_fully_shard_is_honoured():
@@ -137,12 +139,19 @@ def _units_some_ranks_run_no_debug(rank, ws):
     raggedfsdp.fully_shard(model, mesh=mesh)
     mine = "A" if rank == 0 else "B"
     x = torch.randn(4, 4).abs() * (1 if rank == 0 else -1)
-    with pytest.raises(CollectiveMismatchError, match=rf"counts differ: .*'{mine}'.*This rank \(rank {rank}\) issued: .*"
-                       rf"reduce-scatter of '{mine}'") as ei:
+    with pytest.raises(
+        CollectiveMismatchError,
+        match=rf"counts differ: .*'{mine}'.*This rank \(rank {rank}\) issued: .*"
+        rf"reduce-scatter of '{mine}'",
+    ) as ei:
         model(x).sum().backward()
     other = "B" if rank == 0 else "A"
-    assert f"of '{other}'" not in str(ei.value).split("issued:")[1], str(ei.value)  # names what *this* rank ran
-    assert all(p.grad is None for p in model.parameters()), "gradients of a mismatched backward were installed"
+    assert f"of '{other}'" not in str(ei.value).split("issued:")[1], str(
+        ei.value
+    )  # names what *this* rank ran
+    assert all(p.grad is None for p in model.parameters()), (
+        "gradients of a mismatched backward were installed"
+    )
     model.reset_iter_state()
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(ws * 4, 4, generator=g)  # mixed signs: every rank runs both branches
@@ -151,7 +160,9 @@ def _units_some_ranks_run_no_debug(rank, ws):
     model(xs[rank * 4 : (rank + 1) * 4]).square().mean().backward()
     ref(xs).square().mean().backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 def test_unit_run_by_some_ranks_only_raises_naming_the_unit():
@@ -199,8 +210,12 @@ def test_unit_mismatch_of_different_sized_collectives_errors_not_hangs(tmp_path)
     reports = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
     msg = str(ei.value) + "\n".join(reports)
     assert "TimeoutError" not in str(ei.value), msg
-    assert any(r.startswith("CollectiveError") and re.search(r"all-gather of FSDP unit '(A|B)'", r)
-               and "this rank issued since the last check: all-gather of" in r for r in reports), msg
+    assert any(
+        r.startswith("CollectiveError")
+        and re.search(r"all-gather of FSDP unit '(A|B)'", r)
+        and "this rank issued since the last check: all-gather of" in r
+        for r in reports
+    ), msg
 
 
 class Ordered(nn.Module):

@@ -33,8 +33,10 @@ def _shard(model, name, mesh, pdt):
 
 
 def _grads(model):
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _case(rank, ws):

@@ -17,9 +17,17 @@ transformers = pytest.importorskip("transformers")
 def _build():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=False, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=67,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 

@@ -63,8 +63,11 @@ def _case(rank, ws):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.ops.aten.copy_.default and args[1].dtype == torch.float32 \
-                    and args[0].dtype == torch.bfloat16:
+            if (
+                func is torch.ops.aten.copy_.default
+                and args[1].dtype == torch.float32
+                and args[0].dtype == torch.bfloat16
+            ):
                 self.flags.append(bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
             return func(*args, **kwargs)
 
@@ -89,6 +92,11 @@ def test_trainer_step_makes_no_device_tensors_from_host_values():
     from raggedfsdp.train.trainer import Trainer
 
     src = textwrap.dedent(inspect.getsource(Trainer.train_step))
-    bad = [ast.unparse(n) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
-           and ast.unparse(n.func) == "torch.tensor" and any(k.arg == "device" for k in n.keywords)]
+    bad = [
+        ast.unparse(n)
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.Call)
+        and ast.unparse(n.func) == "torch.tensor"
+        and any(k.arg == "device" for k in n.keywords)
+    ]
     assert not bad, f"host-to-device torch.tensor(...) in the optimizer step: {bad}"

@@ -26,8 +26,15 @@ def _build(n_experts, case):
     from raggedfsdp.models import build_model
 
     top_k = 2 if case == "random" else 1
-    m = build_model("moe", "debug", experts="fused", n_experts=n_experts, top_k=top_k, n_shared_experts=1,
-                    aux_loss_coef=0.1)
+    m = build_model(
+        "moe",
+        "debug",
+        experts="fused",
+        n_experts=n_experts,
+        top_k=top_k,
+        n_shared_experts=1,
+        aux_loss_coef=0.1,
+    )
     m.init_weights(5)
     if case == "one_expert":
         for ff in m.moe_layers():
@@ -83,7 +90,9 @@ def _ep_parity(rank, ws, n_experts, meshes):
             model = apply_ep(_build(n_experts, case), mesh["ep"])
             logits, loss = _loss(model, data[rank])
             loss.backward()
-            torch.testing.assert_close(logits, ref_out[rank][0], rtol=1e-5, atol=1e-6, msg=lambda m, tag=tag: f"{tag}: {m}")
+            torch.testing.assert_close(
+                logits, ref_out[rank][0], rtol=1e-5, atol=1e-6, msg=lambda m, tag=tag: f"{tag}: {m}"
+            )
             torch.testing.assert_close(model.aux_loss, ref_out[rank][1], rtol=1e-5, atol=1e-7)
             assert torch.equal(model.expert_counts, ref_counts[rank]), tag
             want = dict(ref.named_parameters())
@@ -100,7 +109,9 @@ def _ep_parity(rank, ws, n_experts, meshes):
                     g = g.clone()
                     dist.all_reduce(g)
                     w = want[name].grad
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=name, tag=tag: f"{tag} {k}: {m}")
+                torch.testing.assert_close(
+                    g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=name, tag=tag: f"{tag} {k}: {m}"
+                )
 
     # bad input, before any collective
     with pytest.raises(ValueError, match="experts='fused'"):

@@ -73,8 +73,9 @@ def _ckpt(rank, ws, path):
         for k, v in want.items():
             assert torch.equal(got[k], v), f"{tag}: {k} differs after load"
         with torch.no_grad():
-            torch.testing.assert_close(m(tok), want_logits, rtol=1e-5, atol=1e-6, msg=lambda s, t=tag: f"{t}: {s}")
-
+            torch.testing.assert_close(
+                m(tok), want_logits, rtol=1e-5, atol=1e-6, msg=lambda s, t=tag: f"{t}: {s}"
+            )
 
     if rank == 0:
         from transformers import MixtralForCausalLM

@@ -39,8 +39,16 @@ WS = 4
 def _build():
     from raggedfsdp.models import build_model
 
-    m = build_model("moe", "debug", experts="fused", n_experts=8, top_k=2, n_shared_experts=1,
-                    expert_dim=32, aux_loss_coef=0.1)
+    m = build_model(
+        "moe",
+        "debug",
+        experts="fused",
+        n_experts=8,
+        top_k=2,
+        n_shared_experts=1,
+        expert_dim=32,
+        aux_loss_coef=0.1,
+    )
     m.init_weights(5)
     return m
 
@@ -82,10 +90,16 @@ class _TorchMuon:
             for e in range(p.shape[0]) if p.ndim == 3 else (None,):
                 src = p.detach() if e is None else p.detach()[e]
                 self.slots.append((p, e, torch.nn.Parameter(src.clone())))
-        self.muon = torch.optim.Muon([leaf for *_, leaf in self.slots], lr=muon["lr"],
-                                     weight_decay=muon["weight_decay"])
-        self.adamw = torch.optim.AdamW(adamw["params"], lr=adamw["lr"], betas=adamw["betas"],
-                                       eps=adamw["eps"], weight_decay=adamw["weight_decay"])
+        self.muon = torch.optim.Muon(
+            [leaf for *_, leaf in self.slots], lr=muon["lr"], weight_decay=muon["weight_decay"]
+        )
+        self.adamw = torch.optim.AdamW(
+            adamw["params"],
+            lr=adamw["lr"],
+            betas=adamw["betas"],
+            eps=adamw["eps"],
+            weight_decay=adamw["weight_decay"],
+        )
         self.params = [p for p, *_ in self.slots]
 
     def step(self):
@@ -127,7 +141,7 @@ def _torch_fsdp_params_rejected(world):
     import pytest
 
     from raggedfsdp.models import apply_ep, apply_fsdp
-    from raggedfsdp.optim import AdamW8bit, Muon, muon_param_groups
+    from raggedfsdp.optim import AdamW8bit, Muon
 
     model = apply_ep(_build(), world["ep"])
     apply_fsdp(model, world["dp", "ep"]._flatten("dp_ep"), backend="torch", experts_mesh=world["dp"])
@@ -148,8 +162,13 @@ def _sharded(rank, backend, opt_name, world):
 
     model = apply_ep(_build(), world["ep"])
     pfn = AdamW8bit.shard_placement_fn if opt_name == "adamw8bit" else None
-    apply_fsdp(model, world["dp", "ep"]._flatten("dp_ep"), backend=backend, experts_mesh=world["dp"],
-               shard_placement_fn=pfn)
+    apply_fsdp(
+        model,
+        world["dp", "ep"]._flatten("dp_ep"),
+        backend=backend,
+        experts_mesh=world["dp"],
+        shard_placement_fn=pfn,
+    )
     opt = _optimizer(opt_name, model)
     losses, ns = [], []
     for s in range(STEPS):
@@ -217,7 +236,9 @@ def _ep_fsdp(rank, ws):
             tag = f"{opt_name}/{backend}"
             model, losses, ns, grads = _sharded(rank, backend, opt_name, world)
             for k, v in want_g.items():  # first-step gradients: the EP sum and the FSDP average are right
-                torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-7, msg=lambda m, k=k, tag=tag: f"{tag} grad {k}: {m}")
+                torch.testing.assert_close(
+                    grads[k], v, rtol=1e-5, atol=1e-7, msg=lambda m, k=k, tag=tag: f"{tag} grad {k}: {m}"
+                )
             for i, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{tag}: step {i} loss {a} != single process {b}"
             got = full_params(model)
@@ -226,7 +247,9 @@ def _ep_fsdp(rank, ws):
                 if opt_name == "muon_bf16":  # see _close_bf16
                     _close_bf16(got[k], v, f"{tag} {k}")
                     continue
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=atol, msg=lambda m, k=k, tag=tag: f"{tag} {k}: {m}")
+                torch.testing.assert_close(
+                    got[k], v, rtol=1e-5, atol=atol, msg=lambda m, k=k, tag=tag: f"{tag} {k}: {m}"
+                )
             if opt_name.startswith("muon"):
                 _check_muon_once_per_expert(model, ns, world)
 

@@ -46,7 +46,9 @@ def _moe_parity(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     for layout in ("separate", "fused"):
         ref = _build(layout)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)  # Adam amplifies fp noise in ~0 grads
+        ref_opt = torch.optim.SGD(
+            ref.parameters(), lr=0.1, momentum=0.9
+        )  # Adam amplifies fp noise in ~0 grads
         ref_losses, used_by = [], []
         for s in range(STEPS):
             data = _data(s)
@@ -88,7 +90,9 @@ def _moe_parity(rank, ws):
                 assert abs(a - b) < 1e-5, f"{layout}/{name}: step {i} loss {a} != reference {b}"
             got = full_params(model)
             for k, v in want.items():
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, w=f"{layout}/{name}": f"{w} {k}: {m}")
+                torch.testing.assert_close(
+                    got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, w=f"{layout}/{name}": f"{w} {k}: {m}"
+                )
 
 
 def test_moe_fsdp_parity_ws3_unrouted_experts():

@@ -9,15 +9,17 @@ reshards on load. The oracle is the single-device run of all 4 steps.
 import torch
 from _dist import run_distributed
 
-M_SHAPES = [(64, 48), (2, 32, 24), (48,)]   # Muon: matrix, expert stack, and a vector for the AdamW group
-Q_SHAPES = [(64, 80), (96, 65), (300,)]     # AdamW8bit: two tiled matrices and an fp32-state vector
-S_SHAPES = [(32, 24), (2, 16, 12), (40,)]   # Shampoo (block 8): 8-row bands, an expert stack, an AdamW vector
+M_SHAPES = [(64, 48), (2, 32, 24), (48,)]  # Muon: matrix, expert stack, and a vector for the AdamW group
+Q_SHAPES = [(64, 80), (96, 65), (300,)]  # AdamW8bit: two tiled matrices and an fp32-state vector
+S_SHAPES = [(32, 24), (2, 16, 12), (40,)]  # Shampoo (block 8): 8-row bands, an expert stack, an AdamW vector
 S_HP = {"lr": 1e-2, "weight_decay": 0.05, "block_size": 8, "precondition_frequency": 2}  # roots at steps 2, 4
 WHICH = ("muon", "adamw8bit", "shampoo")
 
 
 def _shapes(which):
     return {"muon": M_SHAPES, "adamw8bit": Q_SHAPES, "shampoo": S_SHAPES}[which]
+
+
 STEPS = 4
 
 
@@ -37,8 +39,17 @@ def _make_opt(which, params):
     if which == "shampoo":
         return Shampoo(params, **S_HP)
     if which == "muon":
-        groups = [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw", "lr": 3e-3, "eps": 1e-8,
-                                                   "betas": (0.9, 0.95), "weight_decay": 0.0}]
+        groups = [
+            {"params": params[:2]},
+            {
+                "params": params[2:],
+                "algorithm": "adamw",
+                "lr": 3e-3,
+                "eps": 1e-8,
+                "betas": (0.9, 0.95),
+                "weight_decay": 0.0,
+            },
+        ]
         return Muon(groups, lr=0.02)
     return AdamW8bit(params, lr=1e-2, weight_decay=0.05)
 
@@ -120,8 +131,10 @@ def _save(rank, ws, path):
         model, params = _build(which, rank, ws, 11, _inits(shapes))
         opt = _make_opt(which, params)
         _run_steps(params, opt, shapes, range(STEPS // 2), rank)
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=f"{path}/{which}")
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=f"{path}/{which}",
+        )
 
 
 def _load(rank, ws, path):

@@ -29,8 +29,9 @@ KINDS = ["row", "element", "whole", "row", "element", "row"]
 LR, WD = 0.02, 0.1
 
 
-def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, expect_colls=None, muon_kw=None,
-                **kw):
+def _check_muon(
+    rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, expect_colls=None, muon_kw=None, **kw
+):
     import torch.distributed as dist
     from _optim_cases import full, layout, make_param, set_grad
     from torch.distributed.tensor import Replicate
@@ -73,12 +74,18 @@ def _check_muon(rank, ws, mesh, rank_in_dim, kinds, seed, *, plain_extra=True, e
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, st["ns_matrices"])
         all_ns = sorted(m for lst in seen for m in lst if m[0] < len(SHAPES))
-        want = sorted((i, e) for i, f in enumerate(fulls[: len(SHAPES)])
-                      for e in range(f.shape[0] if f.ndim == 3 else 1))
+        want = sorted(
+            (i, e)
+            for i, f in enumerate(fulls[: len(SHAPES)])
+            for e in range(f.shape[0] if f.ndim == 3 else 1)
+        )
         assert all_ns == want, (all_ns, want)
     for i, (p, r) in enumerate(zip(params, refs)):
-        assert torch.equal(full(p), r.detach()), (i, SHAPES[i] if i < len(SHAPES) else "plain",
-                                                  (full(p) - r.detach()).abs().max())
+        assert torch.equal(full(p), r.detach()), (
+            i,
+            SHAPES[i] if i < len(SHAPES) else "plain",
+            (full(p) - r.detach()).abs().max(),
+        )
     assert opt.state[params[0]]["momentum_buffer"].placements == params[0].placements
 
 
@@ -178,8 +185,12 @@ def _check_shampoo(rank, ws, mesh, rank_in_dim, seed):
             assert torch.equal(full(opt.state[p]["R_root"]), st["R_root"])
     if nshard > 1:  # pieces of 4 rows cut the 8-row bands of (24, 20)
         units = (1,) * (nshard - 1) + (6 - (nshard - 1),)
-        bad = make_param(fulls[0], mesh, ((RaggedShard((0,), units),) if mesh.ndim == 1 else
-                                          (Replicate(), RaggedShard((0,), units))), rank_in_dim)
+        bad = make_param(
+            fulls[0],
+            mesh,
+            ((RaggedShard((0,), units),) if mesh.ndim == 1 else (Replicate(), RaggedShard((0,), units))),
+            rank_in_dim,
+        )
         try:
             Shampoo([bad], block_size=8)
         except ValueError as e:
@@ -194,11 +205,15 @@ def _muon_1d(rank, ws):
     import raggedfsdp  # noqa: F401
 
     mesh = init_device_mesh("cpu", (ws,))
-    _check_muon(rank, ws, mesh, rank, KINDS, 0, expect_colls=0 if ws == 1 else 2, muon_kw={"pipeline_chunks": 1})
+    _check_muon(
+        rank, ws, mesh, rank, KINDS, 0, expect_colls=0 if ws == 1 else 2, muon_kw={"pipeline_chunks": 1}
+    )
     _check_muon(rank, ws, mesh, rank, KINDS[::-1], 1, nesterov=False, adjust_lr_fn="match_rms_adamw")
     # every matrix whole on one rank: no communication at all when locality is absolute, and
     # (ws > 1) whole matrices moved to balance the Newton-Schulz load by default: still exact
-    _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw={"balance_slack": None})
+    _check_muon(
+        rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2, expect_colls=0, muon_kw={"balance_slack": None}
+    )
     _check_muon(rank, ws, mesh, rank, ["whole"] * len(SHAPES), 2)
     _check_adamw8bit(rank, ws, mesh, rank, 4)
     _check_shampoo(rank, ws, mesh, rank, 12)
@@ -243,11 +258,15 @@ def _check_grad_accumulation(rank, ws, k=3):
             oa.step(), ob.step()
             oa.zero_grad(), ob.zero_grad()
         for (n, pa), pb in zip(ma.named_parameters(), mb.parameters()):
-            torch.testing.assert_close(pa.full_tensor(), pb.full_tensor(), atol=2e-5, rtol=0, msg=f"{name} {n}")
+            torch.testing.assert_close(
+                pa.full_tensor(), pb.full_tensor(), atol=2e-5, rtol=0, msg=f"{name} {n}"
+            )
         mr, _ = make(name, False)
         if name == "muon":
-            ts = [torch.optim.Muon([mr[0].weight, mr[2].weight], lr=0.02),
-                  torch.optim.AdamW([mr[0].bias, mr[2].bias], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)]
+            ts = [
+                torch.optim.Muon([mr[0].weight, mr[2].weight], lr=0.02),
+                torch.optim.AdamW([mr[0].bias, mr[2].bias], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0),
+            ]
         for step in range(2):
             ((mr(xs[step]) - ys[step]) ** 2).mean().backward()
             if name == "muon":
@@ -276,7 +295,9 @@ def _muon_hsdp(rank, ws):
 
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
     # owners over all 4 ranks: 2 world collectives per step unpipelined (gather, then scatter to both replicas)
-    _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS, 3, expect_colls=2, muon_kw={"pipeline_chunks": 1})
+    _check_muon(
+        rank, ws, mesh, mesh.get_local_rank(1), KINDS, 3, expect_colls=2, muon_kw={"pipeline_chunks": 1}
+    )
     _check_muon(rank, ws, mesh, mesh.get_local_rank(1), KINDS[::-1], 8)
     _check_world_balance(rank, ws, mesh)
     _check_adamw8bit(rank, ws, mesh, mesh.get_local_rank(1), 6)
@@ -298,8 +319,10 @@ def _check_world_balance(rank, ws, mesh):
     shapes = [(32, 24)] * 12 + [(16, 40)] * 8 + [(48, 32)] * 4
     fulls = [torch.randn(sh, generator=g) for sh in shapes]
     pls = [(layout("row", f.shape, nshard, 40 + i),) for i, f in enumerate(fulls)]
-    params = [make_param(f, mesh, pl if mesh.ndim == 1 else (Replicate(),) + pl, mesh.get_local_rank(mesh.ndim - 1))
-              for f, pl in zip(fulls, pls)]
+    params = [
+        make_param(f, mesh, pl if mesh.ndim == 1 else (Replicate(),) + pl, mesh.get_local_rank(mesh.ndim - 1))
+        for f, pl in zip(fulls, pls)
+    ]
     opt = Muon(params, lr=LR)
     for p, f in zip(params, fulls):
         set_grad(p, torch.randn(f.shape, generator=g), mesh.get_local_rank(mesh.ndim - 1))
@@ -310,7 +333,7 @@ def _check_world_balance(rank, ws, mesh):
     assert sum(c for c, _ in stats) == len(shapes), stats
     flops = [f for _, f in stats]
     assert balance(flops) <= 1.1, flops
-    (_, _, _, _, loads), = opt._plans.values()  # the plan's loads are what each rank did
+    ((_, _, _, _, loads),) = opt._plans.values()  # the plan's loads are what each rank did
     assert loads == flops, (loads, flops)
 
 

@@ -51,11 +51,18 @@ def _run(rank, ws):
     g = torch.Generator().manual_seed(0)
 
     # ---- Muon ----
-    cases = [((64, 72), Shard(0), "row"), ((48, 64), Shard(1), "element"), ((4, 16, 24), Shard(0), "row"),
-             ((40, 24), Replicate(), "whole"), ((32, 40), Shard(1), "whole")]
+    cases = [
+        ((64, 72), Shard(0), "row"),
+        ((48, 64), Shard(1), "element"),
+        ((4, 16, 24), Shard(0), "row"),
+        ((40, 24), Replicate(), "whole"),
+        ((32, 40), Shard(1), "whole"),
+    ]
     fulls = [torch.randn(s, generator=g) for s, _, _ in cases]
-    params = [_dt(f, mesh, layout(kind, _local_shape(s, pl), 2, 7 + i), pl)
-              for i, (f, (s, pl, kind)) in enumerate(zip(fulls, cases))]
+    params = [
+        _dt(f, mesh, layout(kind, _local_shape(s, pl), 2, 7 + i), pl)
+        for i, (f, (s, pl, kind)) in enumerate(zip(fulls, cases))
+    ]
     refs = [torch.nn.Parameter(f.clone()) for f in fulls]
     bufs = [torch.zeros_like(f) for f in fulls]
     opt = Muon(params, lr=LR, weight_decay=WD)
@@ -120,8 +127,10 @@ def _run(rank, ws):
         raise AssertionError("a TP split cutting tiles was accepted")
 
     # ---- torch AdamW (foreach): element-wise, local, bitwise ----
-    ap = [_dt(f.clone(), mesh, layout("element", _local_shape(s, pl), 2, 11 + i), pl)
-          for i, (f, (s, pl, _)) in enumerate(zip(fulls, cases))]
+    ap = [
+        _dt(f.clone(), mesh, layout("element", _local_shape(s, pl), 2, 11 + i), pl)
+        for i, (f, (s, pl, _)) in enumerate(zip(fulls, cases))
+    ]
     ar = [torch.nn.Parameter(f.clone()) for f in fulls]
     ao, aro = torch.optim.AdamW(ap, lr=1e-2, foreach=True), torch.optim.AdamW(ar, lr=1e-2, foreach=True)
     for _ in range(2):

@@ -97,7 +97,10 @@ def _api_cases(rank, ws, units, path):
     assert torch.equal(s0.full_tensor(), full_t)
     back = s0.redistribute(mesh, [rs])
     assert torch.equal(back.to_local(), dt.to_local())
-    for from_local in (DTensor.from_local, getattr(_api, "from_local", DTensor.from_local)):  # alias since 2.13
+    for from_local in (
+        DTensor.from_local,
+        getattr(_api, "from_local", DTensor.from_local),
+    ):  # alias since 2.13
         fl = from_local(dt.to_local(), mesh, [rs], shape=full_t.shape, stride=full_t.stride())
         assert torch.equal(fl.full_tensor(), full_t)
         with pytest.raises(ValueError, match="pass shape=<global shape>"):
@@ -110,8 +113,12 @@ def _api_cases(rank, ws, units, path):
     el = RaggedShard((0, 1), units)  # element granularity
     for pl in (rs, el):
         pa, pb = pl.flat_range(full_t.shape, rank)
-        for fn, kw, expect in ((zeros, {}, 0.0), (ones, {}, 1.0), (empty, {}, None),
-                               (full, {"fill_value": 2.5}, 2.5)):
+        for fn, kw, expect in (
+            (zeros, {}, 0.0),
+            (ones, {}, 1.0),
+            (empty, {}, None),
+            (full, {"fill_value": 2.5}, 2.5),
+        ):
             if fn is full:
                 t = fn((n, 4), 2.5, device_mesh=mesh, placements=[pl], requires_grad=True)
             else:
@@ -156,8 +163,11 @@ def _api_cases(rank, ws, units, path):
     fulls = [torch.randn(s, generator=g) for s in shapes]
     grads = [torch.randn(s, generator=g) for s in shapes]
     grads[1][-1] = -9.0  # the max-abs lives on the last non-empty piece
-    pls = [RaggedShard((0,), units), RaggedShard((0,), (sum(units),) + (0,) * (ws - 1)),
-           RaggedShard((0, 1, 2), units)]
+    pls = [
+        RaggedShard((0,), units),
+        RaggedShard((0,), (sum(units),) + (0,) * (ws - 1)),
+        RaggedShard((0, 1, 2), units),
+    ]
     for norm_type in (INF, 3.0):
         params = []
         for f, gr, pl in zip(fulls, grads, pls):
@@ -177,9 +187,13 @@ def _api_cases(rank, ws, units, path):
         torch.testing.assert_close(got.full_tensor(), gr.abs().max())
     for ord in (INF, -INF):
         for gd, gr in zip(gds, grads):
-            torch.testing.assert_close(torch.linalg.vector_norm(gd, ord).full_tensor(), torch.linalg.vector_norm(gr, ord))
+            torch.testing.assert_close(
+                torch.linalg.vector_norm(gd, ord).full_tensor(), torch.linalg.vector_norm(gr, ord)
+            )
         kd = torch.linalg.vector_norm(gds[0], ord, dim=(0, 1), keepdim=True)
-        torch.testing.assert_close(kd.full_tensor(), torch.linalg.vector_norm(grads[0], ord, dim=(0, 1), keepdim=True))
+        torch.testing.assert_close(
+            kd.full_tensor(), torch.linalg.vector_norm(grads[0], ord, dim=(0, 1), keepdim=True)
+        )
 
     # 7. torch's own fully_shard still runs (and gives the same result) with the patches applied
     after, after_losses, _ = _torch_fsdp_run()

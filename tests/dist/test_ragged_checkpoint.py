@@ -9,8 +9,13 @@ import torch
 from _dist import run_distributed
 
 SHAPES = [(8, 3), (5,), (4, 2, 3), (2, 3, 1, 2), (6, 1)]
-UNITS4 = [((0,), (1, 0, 2, 1)), ((0,), (0, 0, 5, 0)), ((0, 1, 2), (7, 0, 11, 6)), ((0, 1, 2, 3), (1, 2, 0, 9)),
-          ((0,), (1, 1, 1, 3))]
+UNITS4 = [
+    ((0,), (1, 0, 2, 1)),
+    ((0,), (0, 0, 5, 0)),
+    ((0, 1, 2), (7, 0, 11, 6)),
+    ((0, 1, 2, 3), (1, 2, 0, 9)),
+    ((0,), (1, 1, 1, 3)),
+]
 UNITS3 = [((0, 1), (5, 1, 2)), ((0,), (1, 2, 2)), ((0,), (0, 4, 0)), ((0, 1), (0, 3, 3)), ((0, 1), (2, 0, 1))]
 
 
@@ -25,7 +30,11 @@ def _ref_optim_state(fulls, grads):
         p.grad = g.clone()
     opt = torch.optim.AdamW(ps, lr=0.1)
     opt.step()
-    return [p.detach() for p in ps], [opt.state[p]["exp_avg"] for p in ps], [opt.state[p]["exp_avg_sq"] for p in ps]
+    return (
+        [p.detach() for p in ps],
+        [opt.state[p]["exp_avg"] for p in ps],
+        [opt.state[p]["exp_avg_sq"] for p in ps],
+    )
 
 
 class _M(torch.nn.Module):
@@ -58,8 +67,11 @@ def _save(rank, ws, path):
     class Rec(DefaultSavePlanner):
         def create_local_plan(self):
             plan = super().create_local_plan()
-            Rec.items = [(it.index.fqn, tuple(it.tensor_data.chunk.offsets), tuple(it.tensor_data.chunk.sizes))
-                         for it in plan.items if it.tensor_data is not None]
+            Rec.items = [
+                (it.index.fqn, tuple(it.tensor_data.chunk.offsets), tuple(it.tensor_data.chunk.sizes))
+                for it in plan.items
+                if it.tensor_data is not None
+            ]
             return plan
 
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, planner=Rec())
@@ -70,9 +82,11 @@ def _save(rank, ws, path):
     from torch.distributed.tensor import Replicate, Shard
 
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
-    sd2 = {"a": distribute_tensor(fulls[0], mesh2, [Replicate(), RaggedShard((0,), (1, 3))]),
-           "b": distribute_tensor(fulls[2], mesh2, [RaggedShard((0,), (3, 1)), Shard(2)]),
-           "c": distribute_tensor(fulls[3], mesh2, [Shard(2), RaggedShard((0, 1), (5, 1))])}
+    sd2 = {
+        "a": distribute_tensor(fulls[0], mesh2, [Replicate(), RaggedShard((0,), (1, 3))]),
+        "b": distribute_tensor(fulls[2], mesh2, [RaggedShard((0,), (3, 1)), Shard(2)]),
+        "c": distribute_tensor(fulls[3], mesh2, [Shard(2), RaggedShard((0, 1), (5, 1))]),
+    }
     dcp.save(sd2, checkpoint_id=path + "_2d")
     vol = sum(torch.Size(s).numel() for f, o, s in Rec.items if f.startswith("model."))
     assert vol == sum(p.to_local().numel() for p in m.parameters()), (vol, Rec.items)
@@ -125,15 +139,19 @@ def _load(rank, ws, path):
     for bcast in (False, True):
         m2 = _M([distribute_tensor(torch.zeros(s), mesh, [p]) for s, p in zip(SHAPES, pls)])
         sd = {k: v.clone() for k, v in full_sd.items()} if (rank == 0 or not bcast) else {}
-        set_model_state_dict(m2, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))
+        set_model_state_dict(
+            m2, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast)
+        )
         for i, prm in enumerate(m2.parameters()):
             assert prm.placements == (pls[i],)
             assert torch.equal(prm.full_tensor(), full_sd[f"p{i}"])
             assert torch.equal(prm.to_local(), pls[i].shard_full(full_sd[f"p{i}"], rank))
     # the 2-D-mesh checkpoint loads into 1-D ragged layouts at 3 ranks, exactly
-    sd2 = {"a": distribute_tensor(torch.zeros(SHAPES[0]), mesh, [RaggedShard((0, 1), (1, 1, 4))]),
-           "b": distribute_tensor(torch.zeros(SHAPES[2]), mesh, [RaggedShard((0,), (0, 1, 1))]),
-           "c": distribute_tensor(torch.zeros(SHAPES[3]), mesh, [Replicate()])}
+    sd2 = {
+        "a": distribute_tensor(torch.zeros(SHAPES[0]), mesh, [RaggedShard((0, 1), (1, 1, 4))]),
+        "b": distribute_tensor(torch.zeros(SHAPES[2]), mesh, [RaggedShard((0,), (0, 1, 1))]),
+        "c": distribute_tensor(torch.zeros(SHAPES[3]), mesh, [Replicate()]),
+    }
     dcp.load(sd2, checkpoint_id=path + "_2d")
     for k, i in (("a", 0), ("b", 2), ("c", 3)):
         assert torch.equal(sd2[k].full_tensor(), fulls[i]), k
@@ -153,7 +171,8 @@ def test_dcp_save_4_load_3_and_plain(tmp_path):
 
     rparams = torch.load(path + ".ref.pt")
     sd = {"model": {f"p{i}": torch.zeros(s) for i, s in enumerate(SHAPES)}}
-    dcp.load(sd, checkpoint_id=path, no_dist=True) if "no_dist" in dcp.load.__code__.co_varnames else dcp.load(
-        sd, checkpoint_id=path)
+    dcp.load(
+        sd, checkpoint_id=path, no_dist=True
+    ) if "no_dist" in dcp.load.__code__.co_varnames else dcp.load(sd, checkpoint_id=path)
     for i, f in enumerate(rparams):
         assert torch.equal(sd["model"][f"p{i}"], f)

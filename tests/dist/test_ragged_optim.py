@@ -38,8 +38,8 @@ def _build(mesh, placements_fn, fulls, grads, rank_fn):
     for pl, f, pc in zip(pls, fulls, pieces):
         n = pc.numel()
         spec = DTensorSpec(mesh, pl, TensorMeta(f.shape, f.stride(), f.dtype))
-        p = torch.nn.Parameter(DTensor(buf[off:off + n], spec, requires_grad=True))
-        p.grad = DTensor(gbuf[off:off + n], spec, requires_grad=False)
+        p = torch.nn.Parameter(DTensor(buf[off : off + n], spec, requires_grad=True))
+        p.grad = DTensor(gbuf[off : off + n], spec, requires_grad=False)
         params.append(p)
         off += n
     return buf, gbuf, params
@@ -62,7 +62,7 @@ def _check_step(params, buf, fulls, grads, make_opt, steps=2):
     for p, r, ptr in zip(params, ref, ptrs):
         n = p._local_tensor.numel()
         assert p._local_tensor.data_ptr() == ptr, "optimizer replaced the local tensor"
-        assert torch.equal(buf[off:off + n], p._local_tensor), "update did not land in the flat buffer"
+        assert torch.equal(buf[off : off + n], p._local_tensor), "update did not land in the flat buffer"
         torch.testing.assert_close(p.full_tensor(), r.detach(), atol=1e-6, rtol=1e-5)
         off += n
     return ref
@@ -93,10 +93,20 @@ def _optim_cases(rank, ws, mesh, placements_fn, rank_fn):
         torch.testing.assert_close(p.grad.full_tensor(), r.grad)
     grads = [r.grad.clone() for r in ref]
     for kw in (dict(foreach=True), dict(foreach=False)):
-        _check_step(params, buf, [p.full_tensor() for p in params], grads,
-                    lambda ps, kw=kw: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, **kw))
-        _check_step(params, buf, [p.full_tensor() for p in params], grads,
-                    lambda ps, kw=kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, **kw))
+        _check_step(
+            params,
+            buf,
+            [p.full_tensor() for p in params],
+            grads,
+            lambda ps, kw=kw: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, **kw),
+        )
+        _check_step(
+            params,
+            buf,
+            [p.full_tensor() for p in params],
+            grads,
+            lambda ps, kw=kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, **kw),
+        )
     # optimizer state placements follow the params
     opt = torch.optim.AdamW(params, lr=0.01)
     opt.step()

@@ -3,7 +3,6 @@
 Every result is compared with the same operation on the full tensor.
 """
 
-import itertools
 
 import pytest
 import torch
@@ -48,7 +47,6 @@ def _counts(comm):
 
 def _cases_1d(rank, ws, light=False):
     import raggedfsdp  # noqa: F401
-    from raggedfsdp import RaggedShard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
@@ -94,8 +92,9 @@ def _cases_1d(rank, ws, light=False):
                     assert _counts(comm) == {"c10d.alltoall_base_": 1}, _counts(comm)
             # Partial -> RaggedShard: one padded reduce-scatter of the summed values
             if full.numel():
-                part = DTensor.from_local(full * (rank + 1), mesh, [Partial()], shape=full.shape,
-                                          stride=full.stride())
+                part = DTensor.from_local(
+                    full * (rank + 1), mesh, [Partial()], shape=full.shape, stride=full.stride()
+                )
                 with CommDebugMode() as comm:
                     r = part.redistribute(mesh, [rs])
                 tot = full * (ws * (ws + 1) // 2)
@@ -112,8 +111,9 @@ def _cases_1d(rank, ws, light=False):
             # full reductions
             if full.numel():
                 torch.testing.assert_close(d.sum().full_tensor(), full.sum())
-                torch.testing.assert_close(torch.linalg.vector_norm(d, 3).full_tensor(),
-                                           torch.linalg.vector_norm(full, 3))
+                torch.testing.assert_close(
+                    torch.linalg.vector_norm(d, 3).full_tensor(), torch.linalg.vector_norm(full, 3)
+                )
         # different ragged layouts in one op: redistributed, result still correct
         if len(layouts) > 1:
             a = distribute_tensor(full, mesh, [layouts[0]])
@@ -159,7 +159,9 @@ def _errors(rank, ws, mesh):
         "aten.index.Tensor": lambda: d[distribute_tensor(torch.tensor([0, 1]), mesh, [Replicate()])],
     }
     for name, fn in cases.items():
-        with pytest.raises(RuntimeError, match=r"RaggedShard: " + name.replace(".", r"\.") + " is not supported"):
+        with pytest.raises(
+            RuntimeError, match=r"RaggedShard: " + name.replace(".", r"\.") + " is not supported"
+        ):
             fn()
     # compute_local_shape_and_global_offset: exact box for row pieces, ValueError for non-boxes
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as clsgo
@@ -179,7 +181,10 @@ def _autograd(rank, ws, mesh):
 
     full = torch.randn(6, 4)
     w = torch.randn(6, 4)
-    rs = RaggedShard((0,), (2,) + (1,) * (ws - 1) if 6 % (ws + 1) == 0 else (1,) * ws if 6 % ws == 0 else (6,) + (0,) * (ws - 1))
+    rs = RaggedShard(
+        (0,),
+        (2,) + (1,) * (ws - 1) if 6 % (ws + 1) == 0 else (1,) * ws if 6 % ws == 0 else (6,) + (0,) * (ws - 1),
+    )
     rs2 = RaggedShard((0, 1), (0,) * (ws - 1) + (1,))
     x = distribute_tensor(full, mesh, [rs]).requires_grad_()
     for tgt in ([Replicate()], [Shard(1)], [rs2], [Shard(0)]):
@@ -209,10 +214,16 @@ def _cases_2d(rank, ws):
         rsa = RaggedShard((0,), (1, 2) if shape[0] % 3 == 0 else (1, 1))
         rsb = RaggedShard(tuple(range(len(shape) - 1)), (0, 1) if len(shape) > 2 else (3, 0))
         combos = [
-            (Replicate(), rsa), (rsa, Replicate()), (Shard(1), rsa), (rsa, Shard(len(shape) - 1)),
-            (Replicate(), rsb), (Partial(), rsa), (rsb, Shard(len(shape) - 1)),
+            (Replicate(), rsa),
+            (rsa, Replicate()),
+            (Shard(1), rsa),
+            (rsa, Shard(len(shape) - 1)),
+            (Replicate(), rsb),
+            (Partial(), rsa),
+            (rsb, Shard(len(shape) - 1)),
             # FSDP x TP: RaggedShard on the TP-local tensor of a Shard on a dim the ragged rows span
-            (Shard(0), rsb), (rsb, Shard(0)),
+            (Shard(0), rsb),
+            (rsb, Shard(0)),
         ] + ([(Shard(0), rsa), (rsa, Shard(0))] if shape[0] // 2 % sum(rsa.local_units) == 0 else [])
         for pl in combos:
             d = distribute_tensor(full, mesh, list(pl))
@@ -227,7 +238,11 @@ def _cases_2d(rank, ws):
             assert torch.equal(d.to_local(), exp), pl
             f = DTensor.from_local(exp, mesh, list(pl), shape=full.shape, stride=full.stride())
             torch.testing.assert_close(f.full_tensor(), full)
-            for pl2 in combos + [(Replicate(), Replicate()), (Shard(0), Replicate()), (Replicate(), Shard(1))]:
+            for pl2 in combos + [
+                (Replicate(), Replicate()),
+                (Shard(0), Replicate()),
+                (Replicate(), Shard(1)),
+            ]:
                 if pl2[0].is_partial() or pl2 == pl:
                     continue
                 e = d.redistribute(mesh, list(pl2))

@@ -36,7 +36,9 @@ def _body(rank, world, tmp):
 
     tmp = Path(tmp)
     cpu = torch.device("cpu")
-    tr = Trainer(load_config(None, {**TINY, "job.out": str(tmp / "a"), "checkpoint.interval": "2"}), device=cpu)
+    tr = Trainer(
+        load_config(None, {**TINY, "job.out": str(tmp / "a"), "checkpoint.interval": "2"}), device=cpu
+    )
     tr.train()
     saved = [p.full_tensor().clone() for p in tr.model.parameters()]
     tr.close()
@@ -46,7 +48,9 @@ def _body(rank, world, tmp):
     hashed, validated = [], []
     verify, validate = integrity.verify_step_folder, TrainConfig.validate
     dcp.verify_step_folder = integrity.verify_step_folder = lambda p: hashed.append(p) or verify(p)
-    TrainConfig.validate = lambda self, world_size=None: validated.append(world_size) or validate(self, world_size)
+    TrainConfig.validate = lambda self, world_size=None: (
+        validated.append(world_size) or validate(self, world_size)
+    )
     over = {**TINY, "job.out": str(tmp / "b"), "training.steps": "3", "checkpoint.resume": str(step2)}
     saved_env = {k: os.environ.get(k) for k in (run_dir.LOCK_HELD_ENV, run_dir.RESUME_VERIFIED_ENV)}
     try:

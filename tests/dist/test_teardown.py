@@ -84,7 +84,10 @@ def _no_tensor_left_owned_by_a_work(rank, world):
             setattr(m, n, f)
     gc.collect()
     names = {n for _, n in seen}
-    assert {"all_reduce", "all_gather_into_tensor"} <= names or {"all_reduce", "all_gather_single"} <= names, names
+    assert {"all_reduce", "all_gather_into_tensor"} <= names or {
+        "all_reduce",
+        "all_gather_single",
+    } <= names, names
     orphans = []
     for wr, name in seen:
         t = wr()
