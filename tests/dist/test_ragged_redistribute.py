@@ -3,7 +3,6 @@
 Every result is compared with the same operation on the full tensor.
 """
 
-
 import pytest
 import torch
 
