@@ -153,7 +153,8 @@ def main() -> int:
             b, f = before.get(name, {}), after.get(name, {})
             same = "yes" if b.get("hash") == f.get("hash") and b else "**no**"
             print(
-                f"| {name} | {b.get('hash')} (rc {b.get('rc')}) | {f.get('hash')} (rc {f.get('rc')}) | {same} |"
+                f"| {name} | {b.get('hash')} (rc {b.get('rc')}) | {f.get('hash')} (rc {f.get('rc')}) | "
+                f"{same} |"
             )
         return 0
     if a.out is None:

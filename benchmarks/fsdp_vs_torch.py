@@ -126,7 +126,8 @@ def main():
     if rank == 0:
         med = {b: statistics.median(t) for b, t in times.items()}
         print(
-            f"model={args.flavor} ws={ws} batch/rank={args.batch} seq={args.seq} param_dtype={args.param_dtype} "
+            f"model={args.flavor} ws={ws} batch/rank={args.batch} seq={args.seq} "
+            f"param_dtype={args.param_dtype} "
             f"device={args.device} steps={args.steps}"
         )
         print(
@@ -144,7 +145,8 @@ def main():
         )
         for b in mem:
             print(
-                f"peak memory {b:6s} allocated {mem[b][0] / 2**20:8.1f} MiB reserved {mem[b][1] / 2**20:8.1f} MiB"
+                f"peak memory {b:6s} allocated {mem[b][0] / 2**20:8.1f} MiB reserved "
+                f"{mem[b][1] / 2**20:8.1f} MiB"
             )
         if mem:
             print(f"peak reserved ratio ragged/torch {mem['ragged'][1] / mem['torch'][1]:.3f}")

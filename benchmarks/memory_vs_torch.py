@@ -13,7 +13,8 @@ Backends:
     python benchmarks/memory_vs_torch.py --nproc 2 --comm done     # fake PG, communication that keeps up
     python benchmarks/memory_vs_torch.py --nproc 2 --backend gloo  # CPU, real gloo ranks (adds gloo scratch)
     python benchmarks/memory_vs_torch.py --device cuda             # NCCL, one process per GPU, CUDA allocator
-Add ``--breakdown 8`` to list what each forward + backward peak is made of (CPU). Add ``--rss`` (with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print, as a
+Add ``--breakdown 8`` to list what each forward + backward peak is made of (CPU). Add ``--rss`` (with
+``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) to print, as a
 cross-check of the CPU method, the resident-set high-water growth over one step after warm-up
 (a separate pass) next to the measured step's transient (peak - state). The last
 line printed is one JSON object with every number.
@@ -103,7 +104,8 @@ def measure(rank: int, ws: int, args) -> dict:
 def _print(res: dict, args, ws: int, rank: int) -> None:
     unit = 2 * (args.dim**2 + args.dim) * 4
     print(
-        f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit {unit / MiB:.2f} MiB "
+        f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit "
+        f"{unit / MiB:.2f} MiB "
         f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}"
         f" (comm: {args.comm}); device {args.device}; ws {ws}; rank {rank}"
     )
@@ -128,7 +130,8 @@ def _print(res: dict, args, ws: int, rank: int) -> None:
                 print(f"        {n / MiB:8.3f} MiB  {op}")
         print(
             f"{dt:5s} ratio ragged/torch: fwd+bwd peak {row['ratio_fwd_bwd_peak']:.3f}, optimizer-step peak "
-            f"{row['ratio_optim_peak']:.3f}, fwd+bwd transient (peak - state) {row['ratio_fwd_bwd_transient']:.3f}"
+            f"{row['ratio_optim_peak']:.3f}, fwd+bwd transient (peak - state) "
+            f"{row['ratio_fwd_bwd_transient']:.3f}"
         )
 
 

@@ -220,7 +220,8 @@ def _cost_section(args, device, mesh, out) -> None:
         t_fb, t_a, t_m = _max(t_fb), _max(t_a), _max(t_m)
         out.append(
             f"  {batch * args.seq:16d} | {t_fb:10.1f} | {t_a:9.1f} ({t_a / (t_fb + t_a):5.1%}) | "
-            f"{t_m:9.1f} ({t_m / (t_fb + t_m):5.1%}) | {t_m / t_a:6.1f}x | {fmax / 1e9:.3f} ({fmean / 1e9:.3f})"
+            f"{t_m:9.1f} ({t_m / (t_fb + t_m):5.1%}) | {t_m / t_a:6.1f}x | {fmax / 1e9:.3f} "
+            f"({fmean / 1e9:.3f})"
         )
         del model, adamw, muon
 
@@ -232,7 +233,8 @@ def _overlap_section(args, device, mesh, out) -> None:
     model, _ = _model(args, device, mesh=mesh)
     mats = muon_param_groups(model)[0]["params"]
     out.append(
-        f"Muon exchange overlap, {args.flavor}, world size {dist.get_world_size()} (mesh {tuple(mesh.shape)}):"
+        f"Muon exchange overlap, {args.flavor}, world size {dist.get_world_size()} (mesh "
+        f"{tuple(mesh.shape)}):"
     )
     res = {}
     for chunks in (1, 4):
@@ -250,7 +252,8 @@ def _overlap_section(args, device, mesh, out) -> None:
             _max(statistics.median(nss)),
         )
         out.append(
-            f"  pipeline_chunks={chunks}: step {res[chunks][0]:8.1f} ms | blocked in wait {res[chunks][1]:7.1f} ms "
+            f"  pipeline_chunks={chunks}: step {res[chunks][0]:8.1f} ms | blocked in wait "
+            f"{res[chunks][1]:7.1f} ms "
             f"| Newton-Schulz {res[chunks][2]:7.1f} ms (max over ranks) | chunks used {st['chunks']} "
             f"| collectives {st['collectives']}"
         )

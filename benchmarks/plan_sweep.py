@@ -86,7 +86,8 @@ def _row(m: int, p: ModelPlan, target: float) -> str:
     if notes and pad_n == bound_n:
         notes.append("plan = bound")
     return (
-        f"| {m:>6} | {_pct(pad):>8} | {_pct(bound):>8} | {_pct(f2):>8} | {_pct(p.fsdp2_block_padding_ratio):>9} "
+        f"| {m:>6} | {_pct(pad):>8} | {_pct(bound):>8} | {_pct(f2):>8} | "
+        f"{_pct(p.fsdp2_block_padding_ratio):>9} "
         f"| {_pct(p.fsdp1_padding_ratio):>7} | {_pct(p.max_unit_padding_ratio):>8} | {p.plan_seconds:6.3f} "
         f"| {'; '.join(notes)} |"
     )
@@ -115,7 +116,8 @@ def sweep(models, granularities, world_sizes, order, align, unit, target, breakd
         for gran in granularities:
             print(f"\n### {model}, granularity {gran}, order {order}, align {align}, unit {unit}\n")
             print(
-                "|      M |  plan % | bound % |  FSDP2 % | FSDP2+blk % | FSDP1 % | worst unit % | plan s | note |"
+                "|      M |  plan % | bound % |  FSDP2 % | FSDP2+blk % | FSDP1 % | worst unit % | plan s | "
+                "note |"
             )
             print(
                 "|-------:|--------:|--------:|---------:|------------:|--------:|-------------:|-------:|------|"
@@ -185,7 +187,8 @@ def sweep_auto(models, granularities, world_sizes, order, align, target, max_k=N
                 f"unit auto (target {100 * target:g}%{cap})\n"
             )
             print(
-                "|      M |   K |  plan % | FSDP2 % | FSDP2+blk % | bound@K % | min bound % | unit GB | search s | note |"
+                "|      M |   K |  plan % | FSDP2 % | FSDP2+blk % | bound@K % | min bound % | unit GB | "
+                "search s | note |"
             )
             print(
                 "|-------:|----:|--------:|--------:|------------:|----------:|------------:|--------:|---------:|------|"
@@ -206,7 +209,8 @@ def timing(model: str, m: int, granularities, orders, align: int, repeat: int, t
         t_tables.append(time.perf_counter() - t0)
     tab = min(t_tables)
     print(
-        f"shape tables: {len(units)} units, {sum(len(u.params) for u in units)} tensors, built in {tab:.3f} s\n"
+        f"shape tables: {len(units)} units, {sum(len(u.params) for u in units)} tensors, built in {tab:.3f} "
+        f"s\n"
     )
     print("| granularity | order | plan s | tables + plan s | padding % |")
     print("|---|---|---:|---:|---:|")

@@ -2,7 +2,8 @@
 which ones passed, so several tests (each asserting on its own case) share one ~3-6 s/rank launch.
 
 ``SharedSpawns(fn_by_name, plan)`` (``fn_by_name``: case name -> ``"module.function"``, resolved in
-the ranks, so several test modules can share one registry without import circles) is a memo: ``spawns.check(ws, name)`` spawns world size
+the ranks, so several test modules can share one registry without import circles) is a memo:
+``spawns.check(ws, name)`` spawns world size
 ``ws`` once with every case registered for it (``spawns.plan``), then fails the calling test unless
 ``name`` passed; a case that did not run because an earlier one failed reports that failure.
 Cases run in registration order on every rank; a failure stops the group (a half-run collective

@@ -76,13 +76,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> None:
                                 failures.append(
                                     (
                                         dead[0],
-                                        f"process exited with code {procs[dead[0]].exitcode} without a report",
+                                        f"process exited with code {procs[dead[0]].exitcode} without a "
+                                        f"report",
                                     )
                                 )
                             break
                     if time.monotonic() > deadline:
                         raise TimeoutError(
-                            f"distributed test timed out after {timeout}s ({len(reported)}/{world_size} ranks finished)"
+                            f"distributed test timed out after {timeout}s ({len(reported)}/{world_size} "
+                            f"ranks finished)"
                         )
                     continue
                 reported.add(rank)

@@ -39,7 +39,8 @@ SYNC_CALLS = frozenset(
 
 
 class Result:
-    """A dict that is re-written to ``path`` (JSON) on every ``set``: a killed stage keeps its partial output."""
+    """A dict that is re-written to ``path`` (JSON) on every ``set``: a killed stage keeps its partial
+    output."""
 
     def __init__(self, path: str | None, **init):
         self.path = path
@@ -121,7 +122,8 @@ def shutdown_pg() -> None:
 
 
 def shard(model, backend: str, mesh, param_dtype=None, reduce_dtype=None, **kw):
-    """``fully_shard`` of ``backend`` ("ragged" or "torch") on each of ``model.layers`` (or ``.blocks``), then the root."""
+    """``fully_shard`` of ``backend`` ("ragged" or "torch") on each of ``model.layers`` (or ``.blocks``),
+    then the root."""
     if backend == "ragged":
         import raggedfsdp
 

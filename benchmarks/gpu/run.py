@@ -74,7 +74,8 @@ ENV_CODE = (
 
 
 def run_stage(cmd, timeout: float, log: str) -> tuple[object, float, str]:
-    """Run ``cmd`` in a new session; on timeout kill its whole process group. (rc or "timeout", seconds, tail)."""
+    """Run ``cmd`` in a new session; on timeout kill its whole process group. (rc or "timeout", seconds,
+    tail)."""
     t0 = time.monotonic()
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

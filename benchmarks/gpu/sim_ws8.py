@@ -10,7 +10,8 @@ torch's ``fully_shard``:
   system alone); raggedfsdp twice, with collectives reporting "never done" before their wait
   (a network slower than the backward: the worst case) and "done at once" (early free fires);
 * ``speed``: step time without communication (interleaved, synchronized), host time to enqueue;
-* ``copy_bytes``: bytes written by copy kernels in one step (``raggedfsdp.bench.copy_accounting.CopyCounter``);
+* ``copy_bytes``: bytes written by copy kernels in one step
+(``raggedfsdp.bench.copy_accounting.CopyCounter``);
 * ``overlap``: from a ``torch.profiler`` trace of one step, the fraction of side-stream GPU time
   (raggedfsdp's all-gather-stream casts and reduce-scatter-stream copies; FSDP2's copy-in / copy-out)
   that overlaps compute-stream kernels (``_common.stream_overlap``).

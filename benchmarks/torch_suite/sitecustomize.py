@@ -6,7 +6,8 @@ patches as the parent. Does nothing unless ``RAGGEDFSDP_TORCH_SUITE`` is set:
   ``torch.distributed._composable.fsdp``) is ``raggedfsdp.fully_shard``; ``=torch`` keeps torch's (the
   baseline run, same CPU setup).
 * CPU ranks for GPU-only test classes: ``skip_if_lt_x_gpu(n)`` no longer skips, and
-  ``torch.cuda/cpu/accelerator.device_count()`` (``current_accelerator()`` is the CPU) and common_fsdp's ``DEVICE_COUNT``
+  ``torch.cuda/cpu/accelerator.device_count()`` (``current_accelerator()`` is the CPU) and common_fsdp's
+  ``DEVICE_COUNT``
   report ``RAGGEDFSDP_TORCH_SUITE_RANKS`` (default 2), so ``world_size`` properties give that many gloo
   ranks; the DDP reference ``replicate(cpu_module, device_ids=[rank])`` drops ``device_ids`` (DDP refuses
   them for CPU modules). Tests that hard-code ``"cuda"`` still fail (classified "environment").

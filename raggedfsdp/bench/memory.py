@@ -388,7 +388,8 @@ def measure_train_step(
     warmup_steps: int = 1,
     breakdown: int = 0,
 ) -> StepMemory:
-    """Build a model and optimizer, train ``warmup_steps`` steps, then measure one step with :class:`PeakMemory`.
+    """Build a model and optimizer, train ``warmup_steps`` steps, then measure one step with
+    :class:`PeakMemory`.
 
     ``build()`` returns ``(model, optimizer)`` and runs inside the measured region (the model's
     state counts from zero); ``loss_fn(model)`` runs forward and returns the scalar loss. A step is

@@ -111,7 +111,8 @@ def validate(args) -> None:
     spec = get_bench_model(args.model)
     if args.wrap is not None and args.wrap not in spec.wraps:
         raise ValueError(
-            f"--wrap {args.wrap!r} is not a policy of model {args.model!r}; choose one of {sorted(spec.wraps)}"
+            f"--wrap {args.wrap!r} is not a policy of model {args.model!r}; choose one of "
+            f"{sorted(spec.wraps)}"
         )
     if args.model != "moe" and (args.experts or args.n_experts or args.top_k):
         raise ValueError(f"--experts/--n-experts/--top-k apply to --model moe only, not {args.model!r}")

@@ -20,13 +20,15 @@ Phases (collective: every rank runs every phase):
    collectives are also replayed alone (``comm_only_seconds``, the same sizes, blocking, no compute),
    so ``non_comm_overhead_seconds`` = step - floor - comm is what hooks, copies, gradient traffic and
    exposed waits cost;
-3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes around collectives (``raggedfsdp.bench.copy_accounting``),
+3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes
+around collectives (``raggedfsdp.bench.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
    its persistent state (sharded params + optimizer state) plus the step's peak above its start;
    then one more step split into phases: forward peak (above the step's start) and backward peak
    (above the end of forward), max over ranks;
-5. optionally (``--profile DIR``) more steps of each under ``cProfile`` (CPU-time clock) on rank 0 (``DIR/<system>.pstats``)
+5. optionally (``--profile DIR``) more steps of each under ``cProfile`` (CPU-time clock) on rank 0
+(``DIR/<system>.pstats``)
    and one under ``torch.profiler`` (``DIR/<system>.ops.txt``, ops by self CPU time).
 The loss printed for each system is the mean over ranks of the last step's LM loss; they must agree.
 """
@@ -433,15 +435,20 @@ def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
     lines = [
-        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} tp={r.get('tp', 1)} "
+        f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} "
+        f"tp={r.get('tp', 1)} "
         f"params={r['num_params']:,} | "
-        f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch {r['torch_version']} | "
-        f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
+        f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch "
+        f"{r['torch_version']} | "
+        f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce "
+        f"{r['reduce_dtype']}, "
         f"{r['steps']} alternated steps after {r['warmup']} warm-up",
         f"{'':22s}{'raggedfsdp':>16s}{'torch':>16s}   ratio",
-        f"{'step time median':22s}{a['step_seconds_median'] * 1e3:13.1f} ms{b['step_seconds_median'] * 1e3:13.1f} ms"
+        f"{'step time median':22s}{a['step_seconds_median'] * 1e3:13.1f} "
+        f"ms{b['step_seconds_median'] * 1e3:13.1f} ms"
         f"   throughput x{r['throughput_ratio']:.3f}",
-        f"{'CPU time / step / rank':22s}{a['cpu_seconds_median'] * 1e3:13.1f} ms{b['cpu_seconds_median'] * 1e3:13.1f} ms"
+        f"{'CPU time / step / rank':22s}{a['cpu_seconds_median'] * 1e3:13.1f} "
+        f"ms{b['cpu_seconds_median'] * 1e3:13.1f} ms"
         f"   x{r['cpu_time_ratio']:.3f}",
         f"{'peak memory (max rank)':22s}{_mib(a['peak_memory_bytes']):>16s}{_mib(b['peak_memory_bytes']):>16s}"
         f"   x{r['peak_memory_ratio']:.3f}",
@@ -455,19 +462,23 @@ def format_report(r: dict) -> str:
         ),
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
-        f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| {r['final_loss_abs_diff']:.2e}",
+        f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| "
+        f"{r['final_loss_abs_diff']:.2e}",
     ]
     if "local_floor" in r:
         f = r["local_floor"]["step_seconds_median"]
         o = r["overhead_seconds"]
         lines += [
-            f"{'floor: no FSDP, no comm':22s}{f * 1e3:13.1f} ms   best possible throughput ratio x{r['throughput_ceiling']:.3f}",
+            f"{'floor: no FSDP, no comm':22s}{f * 1e3:13.1f} ms   best possible throughput ratio "
+            f"x{r['throughput_ceiling']:.3f}",
             f"{'FSDP overhead / step':22s}{o['raggedfsdp'] * 1e3:13.1f} ms{o['torch'] * 1e3:13.1f} ms"
             f"   torch / raggedfsdp x{r['overhead_ratio']:.3f}",
-            f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
+            f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} "
+            f"ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
             "   (the step's collectives replayed alone)",
             f"{'  the rest':22s}{r['non_comm_overhead_seconds']['raggedfsdp'] * 1e3:13.1f} ms"
-            f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, exposed waits)",
+            f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, "
+            f"exposed waits)",
         ]
     return "\n".join(lines)
 

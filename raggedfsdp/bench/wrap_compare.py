@@ -261,7 +261,8 @@ def recommend(results: dict[str, dict], default: str = "layer") -> tuple[str, st
     if tb - ta > noise:
         return (
             a,
-            f"{a} is {tb / ta:.2f}x faster than {b} (gap {1e3 * (tb - ta):.1f} ms > noise {1e3 * noise:.1f} ms)",
+            f"{a} is {tb / ta:.2f}x faster than {b} (gap {1e3 * (tb - ta):.1f} ms > noise {1e3 * noise:.1f} "
+            f"ms)",
         )
     small = min(ranked[:2], key=lambda n: results[n]["peak_memory_bytes"])
     other = b if small == a else a

@@ -1,4 +1,5 @@
-"""Layer 2: DBuffer, the flat per-unit storage behind zero-copy all-gather / reduce-scatter, and its lifecycle."""
+"""Layer 2: DBuffer, the flat per-unit storage behind zero-copy all-gather / reduce-scatter, and its
+lifecycle."""
 
 from raggedfsdp.buffer.dbuffer import DBuffer, alloc_storage, free_storage
 from raggedfsdp.buffer.lifecycle import UnitBuffers, all_reduce_

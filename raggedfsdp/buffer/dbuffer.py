@@ -142,9 +142,11 @@ class DBuffer:
                 model.check_free(self, handle, action)
             if self.alloc_stream_key not in waited:
                 raise BufferLifetimeError(
-                    f"raggedfsdp: {action} of the {self.name} buffer ({self.data.numel()} x {self.data.dtype}) while "
+                    f"raggedfsdp: {action} of the {self.name} buffer ({self.data.numel()} x "
+                    f"{self.data.dtype}) while "
                     f"{handle.what} #{handle.id} that uses it was not waited on the stream that allocated it "
-                    f"(waited on: {sorted(map(str, waited)) or 'none'}); this is a runtime bug, please report it"
+                    f"(waited on: {sorted(map(str, waited)) or 'none'}); this is a runtime bug, please "
+                    f"report it"
                 )
 
     # ---- views ---------------------------------------------------------------------------

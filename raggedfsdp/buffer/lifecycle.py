@@ -8,7 +8,8 @@ keeps the records of in-flight work. Transitions (all local except where a colle
     free_params     unsharded params --> freed                    (reshard)
     begin_grads     allocate + zero the unsharded grads           (views pre-set only for a no-sync window or a user .grad)
     fold_grads      autograd's per-parameter grads --> the flat buffer, once per backward (post-backward,
-                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold] in fsdp/_grads.py)
+                    after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold]
+                    in fsdp/_grads.py)
     hold_grads      no-sync backward: fold the grads into the ``reduce_dtype`` accumulator, free them
     reduce_grads    unsharded grads --reduce-scatter--> ``(S,)`` output (the input stays alive until
                     the returned handle is waited; the caller then frees it)

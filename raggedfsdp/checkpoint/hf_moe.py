@@ -46,7 +46,8 @@ def check_mixtral_compatible(cfg) -> None:
     for key, got, want in bad:
         if got != want:
             raise ValueError(
-                f"the MoE has {key}={got!r}; the Hugging Face export (MixtralForCausalLM) needs {key}={want!r}; "
+                f"the MoE has {key}={got!r}; the Hugging Face export (MixtralForCausalLM) needs "
+                f"{key}={want!r}; "
                 "use --to torch for this model"
             )
 

@@ -70,7 +70,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if not args.quiet:
         print(
-            f"raggedfsdp bench: launching {args.nproc} rank(s) (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}): "
+            f"raggedfsdp bench: launching {args.nproc} rank(s) "
+            f"(OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}): "
             f"model {args.model}/{args.flavor}, {args.steps} alternated steps per system",
             file=sys.stderr,
             flush=True,

@@ -78,7 +78,8 @@ def run(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
         print(
-            f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} params) from {step_dir} to {out}"
+            f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} params) from "
+            f"{step_dir} to {out}"
         )
         return 0
     try:
@@ -87,7 +88,8 @@ def run(args) -> int:
         return error(str(e))
     if name not in ("llama", "moe"):
         return error(
-            f"--to safetensors supports the llama (HF LlamaForCausalLM) and moe (HF MixtralForCausalLM) models; "
+            f"--to safetensors supports the llama (HF LlamaForCausalLM) and moe (HF MixtralForCausalLM) "
+            f"models; "
             f"this checkpoint is {name!r}: use --to torch"
         )
     try:

@@ -64,7 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N (default: 1)",
+        help="expert-parallel size with --model: routed experts split over N ranks, sharded over world/N "
+        "(default: 1)",
     )
     p.add_argument(
         "--tp",

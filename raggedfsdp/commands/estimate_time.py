@@ -29,7 +29,8 @@ import sys
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "estimate-time",
-        help="predicted step time / MFU / tokens per second vs FSDP2's layout (no GPU; --calibrate fits this box)",
+        help="predicted step time / MFU / tokens per second vs FSDP2's layout (no GPU; --calibrate fits "
+        "this box)",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -189,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
         print(
             json.dumps(asdict(cluster), indent=1)
             if args.json
-            else f"fitted: {cluster.peak_flops / 1e9:.3g} GFLOP/s per rank, optimizer {cluster.hbm_bw / 1e9:.3g} GB/s, "
-            f"network {cluster.intra_bw / 1e9:.3g} GB/s, {cluster.intra_lat * 1e6:.1f} us per ring step, host "
+            else f"fitted: {cluster.peak_flops / 1e9:.3g} GFLOP/s per rank, optimizer "
+            f"{cluster.hbm_bw / 1e9:.3g} GB/s, "
+            f"network {cluster.intra_bw / 1e9:.3g} GB/s, {cluster.intra_lat * 1e6:.1f} us per ring step, "
+            f"host "
             f"{cluster.host_s_per_unit * 1e6:.0f} us per unit + {cluster.host_s_per_tensor * 1e6:.0f} us per "
             f"tensor, {cluster.devices_per_node} cores" + (f"; written to {args.save}" if args.save else "")
         )

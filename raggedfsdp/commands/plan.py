@@ -65,19 +65,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--granularity",
         default="element",
-        help="block for matrices: element (default, as fully_shard's: least padding) | row | rows:K | tile:RxC | "
+        help="block for matrices: element (default, as fully_shard's: least padding) | row | rows:K | "
+        "tile:RxC | "
         "slice | matrix (vectors: element)",
     )
     p.add_argument(
         "--unit",
         default="layer",
-        help="layer | superblock (hybrid models) | layers:K | auto (fewest layers per unit within --padding-target)",
+        help="layer | superblock (hybrid models) | layers:K | auto (fewest layers per unit within "
+        "--padding-target)",
     )
     p.add_argument(
         "--padding-target",
         type=float,
         default=DEFAULT_TARGET,
-        help=f"--unit auto: whole-model padding ratio to reach (default {DEFAULT_TARGET:g} = {100 * DEFAULT_TARGET:g}%%)",
+        help=f"--unit auto: whole-model padding ratio to reach (default {DEFAULT_TARGET:g} = "
+        f"{100 * DEFAULT_TARGET:g}%%)",
     )
     p.add_argument(
         "--max-k",
@@ -105,7 +108,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel size: routed experts split over N EP ranks, FSDP-sharded over world/N (default 1)",
+        help="expert-parallel size: routed experts split over N EP ranks, FSDP-sharded over world/N "
+        "(default 1)",
     )
     p.add_argument(
         "--tp",
@@ -211,7 +215,8 @@ def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str
     per_rank = sum(u.layout.shard_size for u in plan.units)
     lines.append(
         f"per rank: {per_rank:,} elements = {2 * per_rank / 1e9:.3g} GB of bf16 params; ZeRO-3 persistent "
-        f"state {16 * per_rank / 1e9:.3g} GB at 16 B/param (other recipes, stages: raggedfsdp estimate-memory)"
+        f"state {16 * per_rank / 1e9:.3g} GB at 16 B/param (other recipes, stages: raggedfsdp "
+        f"estimate-memory)"
     )
     if choice is not None:
         lines.append(f"{choice.summary()}; search {choice.seconds:.3f} s")
@@ -226,7 +231,8 @@ def _all_gather_line(plan: EPPlan) -> str:
     best = max(layers, key=lambda n: plan.layer_all_gather(n)[0])
     ours, f2 = plan.layer_all_gather(best)
     return (
-        f"largest all-gather ({best}{' + its experts' if plan.experts is not None else ''}): ours {ours:,} elements "
+        f"largest all-gather ({best}{' + its experts' if plan.experts is not None else ''}): ours {ours:,} "
+        f"elements "
         f"= {2 * ours / 1e9:.3g} GB bf16; FSDP2 Shard(0) {f2:,} = {2 * f2 / 1e9:.3g} GB ({f2 / ours:.2f}x)"
     )
 
@@ -235,7 +241,8 @@ def _ep_report(args, plan: EPPlan) -> str:
     m, ep = plan.world_size, plan.ep
     lines = [
         (
-            f"EP {ep}: world {m} = {m // ep} x {ep}; routed experts sharded over FSDP groups of {m // ep} ranks "
+            f"EP {ep}: world {m} = {m // ep} x {ep}; routed experts sharded over FSDP groups of {m // ep} "
+            f"ranks "
             f"(each holding 1/{ep} of the experts), everything else over all {m}"
         ),
         "-- non-expert units, FSDP group " + str(m),
@@ -373,7 +380,8 @@ def _run_tp(args, units, spec) -> int:
 
     if args.ep != 1:
         return _error(
-            f"--tp {args.tp} with --ep {args.ep}: EP x TP is not supported (raggedfsdp.models.apply_tp has no "
+            f"--tp {args.tp} with --ep {args.ep}: EP x TP is not supported (raggedfsdp.models.apply_tp has "
+            f"no "
             "expert TP plan); plan one of them: --ep for a mixture of experts, --tp for a dense model"
         )
     if args.unit == "auto":
@@ -403,7 +411,8 @@ def _run_tp(args, units, spec) -> int:
     total = sum(u.numel for u in units)
     print(
         f"TP {args.tp}: world {args.world_size} = {m} x {args.tp}; every unit is planned on its TP-local "
-        f"shapes (one TP rank's {plan.numel / 1e9:.2f}B of the model's {total / 1e9:.2f}B params) over an FSDP "
+        f"shapes (one TP rank's {plan.numel / 1e9:.2f}B of the model's {total / 1e9:.2f}B params) over an "
+        f"FSDP "
         f"group of {m} ranks"
     )
     print(_text_report(args, plan))

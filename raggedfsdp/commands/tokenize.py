@@ -81,6 +81,7 @@ def run(args) -> int:
     out = write_token_bin(args.out, ids(), vocab_size=tok.get_vocab_size(), tokenizer=str(tok_path))
     info = token_bin_info(out)
     print(
-        f"wrote {info.num_tokens:,} {info.dtype} tokens (vocab {info.vocab_size:,}) from {len(files)} file(s) to {out}"
+        f"wrote {info.num_tokens:,} {info.dtype} tokens (vocab {info.vocab_size:,}) from {len(files)} "
+        f"file(s) to {out}"
     )
     return 0

@@ -19,7 +19,8 @@ Note [unit agreement]
     host sync; a mismatch then raises one step late -- the optimizer step of that iteration used the
     wrong gradients, and the message says so (restore the last checkpoint). ``RAGGEDFSDP_DEBUG=1``
     checks every collective before it runs instead. ``RuntimeOptions.agreement_check`` = "auto"
-    (that rule), "immediate" (always read at once) or "deferred" (always defer; used by the CPU tests). Mismatched collectives of *different* sizes do not get that
+    (that rule), "immediate" (always read at once) or "deferred" (always defer; used by the CPU tests).
+    Mismatched collectives of *different* sizes do not get that
     far: gloo aborts the rank with the smaller buffer ("Received data size doesn't match expected
     size. Is there a distributed collective mismatch") and its peers' wait raises
     :class:`~raggedfsdp.buffer.CollectiveError` naming the unit and this rank's sequence; same-byte
@@ -214,7 +215,8 @@ def _mismatches(vals: list[int], gs: list, counts: list[int]) -> tuple[bool, lis
     whose counts differ (Note [unit agreement])."""
     n = len(gs)
     differ = [
-        f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its mesh)"
+        f"{u.unit_name!r} (#{u.unit_id}: {c} collectives on this rank, {-lo} to {hi} on the ranks of its "
+        f"mesh)"
         for u, c, hi, lo in zip(gs, counts, vals[2 : 2 + n], vals[2 + n : 2 + 2 * n])
         if hi != -lo
     ]
@@ -225,17 +227,21 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
     rank = dist.get_rank() if dist.is_initialized() else 0
     what = "; ".join(differ) if differ else "the same units, in a different order"
     when = (
-        "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at the "
-        "next forward to keep the step free of host syncs): the optimizer step of that iteration already used "
+        "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at "
+        "the "
+        "next forward to keep the step free of host syncs): the optimizer step of that iteration already "
+        "used "
         "the wrong gradients, so restore the last checkpoint"
         if late
-        else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the gradients "
+        else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the "
+        "gradients "
         "were dropped (.grad is None)"
     )
     return CollectiveMismatchError(
         f"raggedfsdp: FSDP units ran differently across ranks since the last check ({when}): units whose "
         f"collective counts differ: {what}. This rank (rank {rank}) issued: {ran}. Collectives pair up "
-        "by issue order, so same-sized collectives of different units paired up and these gradients are wrong. "
+        "by issue order, so same-sized collectives of different units paired up and these gradients are "
+        "wrong. "
         "Every rank must run the same FSDP units in the same order: run a unit on every rank (with an empty "
         "input, as MoE experts inside one unit are) or merge data-dependent branches into a unit every rank "
         "runs. Call reset_iter_state() on the root before the next step."

@@ -120,7 +120,8 @@ def fully_shard(
     Which ranks: every rank of ``mesh`` must call it, in the same order, on the same module tree.
 
     Raises (the exception types of torch's ``fully_shard`` for the same misuse; where torch raises
-    ``AssertionError`` or ``ValueError`` and the project's rule asks ``ValueError`` / ``TypeError``, the error is
+    ``AssertionError`` or ``ValueError`` and the project's rule asks ``ValueError`` / ``TypeError``, the
+    error is
     both: ``raggedfsdp.fsdp._common.FSDPValueError`` / ``FSDPTypeError``):
         ValueError: module already fully_shard'ed (also ``AssertionError``), mesh of the wrong dims, a 2-D
             mesh without dim names (also ``AssertionError``), a mesh not containing this rank,
@@ -152,14 +153,16 @@ def fully_shard(
         pass
     elif not isinstance(reshard_after_forward, int):
         raise FSDPTypeError(
-            f"fully_shard: reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
+            f"fully_shard: reshard_after_forward must be None, a bool or an int, got "
+            f"{reshard_after_forward!r}"
         )
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"fully_shard: zero_stage={zero_stage!r} must be 1, 2 or 3")
     if zero_stage < 3:
         if reshard_after_forward:
             raise ValueError(
-                f"fully_shard: zero_stage={zero_stage} keeps params unsharded after forward, which contradicts "
+                f"fully_shard: zero_stage={zero_stage} keeps params unsharded after forward, which "
+                f"contradicts "
                 "reshard_after_forward=True; drop one of the two"
             )
         reshard_after_forward = False
@@ -174,12 +177,14 @@ def fully_shard(
         k, m = reshard_after_forward, mesh.size(mesh.ndim - 1)
         if k < 1 or m % k != 0:
             raise ValueError(
-                f"fully_shard: reshard_after_forward={k} must be a positive divisor of the shard world size {m} "
+                f"fully_shard: reshard_after_forward={k} must be a positive divisor of the shard world size "
+                f"{m} "
                 "(the size of the smaller group params are resharded to after forward)"
             )
         if mesh.ndim != 1:
             raise NotImplementedError(
-                f"fully_shard: int reshard_after_forward={k} is supported on 1-D meshes only (got {mesh.ndim}-D); "
+                f"fully_shard: int reshard_after_forward={k} is supported on 1-D meshes only (got "
+                f"{mesh.ndim}-D); "
                 "with HSDP use reshard_after_forward=True/False"
             )
         if k == m:

@@ -241,7 +241,8 @@ class UnitGrads:
             del folded  # autograd's tensors are freed here
             any_grad = True
         if any_grad and compact and not self.group.bufs.has_grads():
-            self.group.bufs.begin_grads()  # this rank ran the backward without grads: it still reduces (zeros)
+            # this rank ran the backward without grads: it still reduces (zeros)
+            self.group.bufs.begin_grads()
         return any_grad
 
     def post_backward(self) -> None:

@@ -35,14 +35,16 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         )
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ValueError(
-            f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that calls "
+            f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that "
+            f"calls "
             "fully_shard must belong to the mesh (build it over the ranks running this model)"
         )
     return mesh
 
 
 def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]]:
-    """Params under ``modules`` not managed by a nested ``fully_shard``, in registration order, with owners."""
+    """Params under ``modules`` not managed by a nested ``fully_shard``, in registration order, with
+    owners."""
     out: dict[int, tuple[nn.Parameter, str, list]] = {}
     order: list[int] = []
 
@@ -54,7 +56,8 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 continue
             fqn = f"{prefix}{name}"
             prev = getattr(p, "_raggedfsdp_owner", None)  # "Unit:fqn", set by the fully_shard that took it
-            # a DTensor without RaggedShard is a TP/EP parameter: sharded again over the dp mesh (Note [FSDP x TP])
+            # a DTensor without RaggedShard is a TP/EP parameter: sharded again over the dp mesh (Note [FSDP
+            # x TP])
             if prev is not None or (isinstance(p, DTensor) and has_ragged(p.placements)):
                 here = type(modules[0]).__name__
                 if prev is None:
@@ -62,9 +65,12 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 unit, _, other_fqn = prev.partition(":")
                 raise ValueError(
                     f"fully_shard: parameter {fqn!r} of {here} is the same parameter as {other_fqn!r} of the "
-                    f"fully_shard unit {unit}, which already sharded it: a parameter shared (tied) across units "
-                    "cannot be sharded twice (it would be silently untied). Apply fully_shard so that both owners "
-                    "are in one unit (e.g. skip the inner call, or wrap their common parent), or untie the parameter"
+                    f"fully_shard unit {unit}, which already sharded it: a parameter shared (tied) across "
+                    f"units "
+                    "cannot be sharded twice (it would be silently untied). Apply fully_shard so that both "
+                    "owners "
+                    "are in one unit (e.g. skip the inner call, or wrap their common parent), or untie the "
+                    "parameter"
                 )
             if id(p) not in out:
                 out[id(p)] = (p, fqn, [])
@@ -200,13 +206,16 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
     metas = [fqn for p, fqn, _ in params if p.device.type == "meta"]
     if metas and len(metas) != len(params):
         raise ValueError(
-            f"fully_shard: parameters {metas} are on the meta device while others are materialized; a unit must be "
-            "all-meta (then call module.to_empty(device=...) and initialize after fully_shard) or all-materialized"
+            f"fully_shard: parameters {metas} are on the meta device while others are materialized; a unit "
+            f"must be "
+            "all-meta (then call module.to_empty(device=...) and initialize after fully_shard) or "
+            "all-materialized"
         )
     devices = {p.device.type for p, _, _ in params} - {"meta"}
     if len(devices) > 1:
         raise ValueError(
-            f"fully_shard: parameters are on several devices {sorted(devices)}; move the module to one device first"
+            f"fully_shard: parameters are on several devices {sorted(devices)}; move the module to one "
+            f"device first"
         )
     if params and all(p.device.type == "meta" for p, _, _ in params):
         return torch.device("meta")
@@ -214,7 +223,8 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
         devices = devices - {"cpu"}
     if devices and devices != {mesh.device_type}:
         raise ValueError(
-            f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; move the "
+            f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; "
+            f"move the "
             f"module with module.to({mesh.device_type!r}) or build the mesh on the parameters' device"
         )
     return _mesh_device(mesh)
@@ -240,13 +250,16 @@ def _granularity_fn(shard_placement_fn):
             return granularity_for(p.shape, None, name=fqn)[0]
         if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
             raise FSDPTypeError(
-                f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int block "
-                "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', 'matrix'"
+                f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int "
+                f"block "
+                "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', "
+                "'matrix'"
             )
         if isinstance(r, Shard):
             if r.dim != 0:
                 raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn returned {r} for {fqn!r} of shape {tuple(p.shape)}; raggedfsdp "
+                    f"fully_shard: shard_placement_fn returned {r} for {fqn!r} of shape {tuple(p.shape)}; "
+                    f"raggedfsdp "
                     "lays parameters out flat, so only Shard(0) (row blocks) or a block spec is supported"
                 )
             return granularity_for(p.shape, "row", name=fqn)[0]

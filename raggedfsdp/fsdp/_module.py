@@ -19,7 +19,8 @@ from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTyp
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._state import FSDPState
 
-# where torch's disable_fsdp_module_new_init() keeps its flag (read with a default: private, version-dependent)
+# where torch's disable_fsdp_module_new_init() keeps its flag (read with a default: private,
+# version-dependent)
 _torch_fully_shard_mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
 
 
@@ -204,7 +205,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
             or max_input_buffers < 1
         ):
             raise ValueError(
-                f"set_reduce_scatter_max_input_buffers: max_input_buffers={max_input_buffers!r} must be an int >= 1"
+                f"set_reduce_scatter_max_input_buffers: max_input_buffers={max_input_buffers!r} must be an "
+                f"int >= 1"
             )
         for st in self._fsdp_states(recurse):
             st.comm.reduces.max_inflight = max_input_buffers
@@ -248,7 +250,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
         _unsupported("set_custom_all_gather", "the all-gather runs in place on the unit's flat buffer")
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        """Not supported (raises ``NotImplementedError``): the reduce-scatter runs in place on the flat buffer."""
+        """Not supported (raises ``NotImplementedError``): the reduce-scatter runs in place on the flat
+        buffer."""
         _unsupported(
             "set_custom_reduce_scatter", "the reduce-scatter runs in place on the unit's flat buffer"
         )
@@ -282,7 +285,8 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def __deepcopy__(self, memo):
         raise FSDPDeepcopyError(
-            "raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before fully_shard, or "
+            "raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before fully_shard, "
+            "or "
             "copy through a state dict"
         )
 
@@ -298,7 +302,8 @@ def _check_fsdp_modules(modules, name: str) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):  # also ValueError, as torch's _assert_all_fsdp_modules
             raise FSDPTypeError(
-                f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call raggedfsdp.fully_shard on it "
+                f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call "
+                f"raggedfsdp.fully_shard on it "
                 "first"
             )
 

@@ -109,7 +109,8 @@ class FSDPParamGroup:
             )
         self.orig_dtype = params[0][0].dtype if params else torch.float32
         self.param_dtype = mp_policy.param_dtype or self.orig_dtype
-        # reduce_dtype=None: torch <= 2.14 reduces in param_dtype, 2.15 in each parameter's own dtype (peers-2026-12 2.15-b)
+        # reduce_dtype=None: torch <= 2.14 reduces in param_dtype, 2.15 in each parameter's own dtype
+        # (peers-2026-12 2.15-b)
         self.reduce_dtype = mp_policy.reduce_dtype or (
             self.orig_dtype if torch_minor() >= (2, 15) else self.param_dtype
         )
@@ -121,7 +122,8 @@ class FSDPParamGroup:
         for p, fqn, owners in params:
             if p.ndim == 0:
                 raise ValueError(
-                    f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp needs "
+                    f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp "
+                    f"needs "
                     "at least one dim: store it with shape (1,)"
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
@@ -131,7 +133,8 @@ class FSDPParamGroup:
             ).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
                 raise NotImplementedError(
                     f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
-                    f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters out row-major, as torch's "
+                    f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters "
+                    f"out row-major, as torch's "
                     "fully_shard, so it would come back contiguous: make it contiguous first (e.g. "
                     "module.to(memory_format=torch.contiguous_format)) and use channels_last activations"
                 )
@@ -141,7 +144,8 @@ class FSDPParamGroup:
                 g = 1
             if g < 1 or shape.numel() % g != 0:
                 raise ValueError(
-                    f"fully_shard: granularity {g} elements for parameter {fqn!r} of (TP-local) shape {tuple(shape)} "
+                    f"fully_shard: granularity {g} elements for parameter {fqn!r} of (TP-local) shape "
+                    f"{tuple(shape)} "
                     f"must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
@@ -216,11 +220,14 @@ class FSDPParamGroup:
         blocks = ", ".join(f"{fp.fqn!r} {tuple(fp.shape)} ({fp.granularity} elements)" for fp in coarse)
         names = ", ".join(key[:4]) + (f", ... ({len(key)} params)" if len(key) > 4 else "")
         warnings.warn(
-            f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its {self.layout.total_numel} "
-            f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank boundary "
+            f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its "
+            f"{self.layout.total_numel} "
+            f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank "
+            f"boundary "
             f"may cut a block; its largest blocks: {blocks}. Only structure-aware optimizers need blocks "
             "(AdamW8bit, Shampoo: their shard_placement_fn). For AdamW, SGD and raggedfsdp.optim.Muon leave "
-            "shard_placement_fn unset (the default, element granularity, pads least); otherwise give blocks only "
+            "shard_placement_fn unset (the default, element granularity, pads least); otherwise give blocks "
+            "only "
             "to the parameters that need them, or shard over fewer ranks (HSDP: a 2-D mesh)",
             stacklevel=4,
         )
@@ -348,8 +355,10 @@ class FSDPParamGroup:
         if len(dtypes) > 1 or len(devices) > 1:
             names = ", ".join(f"{fp.fqn}:{t.dtype}@{t.device}" for fp, t in zip(self.fsdp_params, locals_))
             raise ValueError(
-                f"raggedfsdp: the parameters of FSDP unit {self.unit_name!r} must share one dtype and device (one flat "
-                f"buffer), got {names}; convert the whole fully_shard'ed module (module.to(...)) or load a state "
+                f"raggedfsdp: the parameters of FSDP unit {self.unit_name!r} must share one dtype and "
+                f"device (one flat "
+                f"buffer), got {names}; convert the whole fully_shard'ed module (module.to(...)) or load a "
+                f"state "
                 "dict of one dtype"
             )
         device = next(iter(devices)) if devices else (locals_[0].device if locals_ else self.device)
@@ -431,7 +440,8 @@ class FSDPParamGroup:
                 )
                 raise ValueError(
                     f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
-                    f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); load a full "
+                    f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); "
+                    f"load a full "
                     "tensor or a DTensor with the parameter's own mesh and placements (e.g. "
                     "distribute_tensor(full, p.device_mesh, p.placements) or DCP)"
                 )
@@ -582,11 +592,16 @@ class FSDPParamGroup:
         hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
         if hi_id != -lo_id or hi_n != -lo_n:
             raise RuntimeError(
-                f"raggedfsdp: collective mismatch on rank {dist.get_rank()}: this rank issues the {what} of FSDP unit "
-                f"{self.unit_name!r} (#{uid}, {numel} elements) while another rank of its group issues one of unit "
-                f"#{-lo_id if -lo_id != uid else hi_id} ({-lo_n if -lo_n != numel else hi_n} elements). Every rank must "
-                "run the same FSDP units in the same order; a unit run by only some ranks (data-dependent routing, "
-                "e.g. MoE experts as separate units) must be run on every rank (with an empty input) or merged "
+                f"raggedfsdp: collective mismatch on rank {dist.get_rank()}: this rank issues the {what} of "
+                f"FSDP unit "
+                f"{self.unit_name!r} (#{uid}, {numel} elements) while another rank of its group issues one "
+                f"of unit "
+                f"#{-lo_id if -lo_id != uid else hi_id} ({-lo_n if -lo_n != numel else hi_n} elements). "
+                f"Every rank must "
+                "run the same FSDP units in the same order; a unit run by only some ranks (data-dependent "
+                "routing, "
+                "e.g. MoE experts as separate units) must be run on every rank (with an empty input) or "
+                "merged "
                 "into a unit that every rank runs"
             )
 

@@ -22,14 +22,16 @@ Note [bounded gradient memory]
 Note [early free]
     K bounds the reduce-scatter inputs alive when communication is slow. When it keeps up, an input
     need not live until the next unit's post-backward (where FSDP2 releases it): every gradient that
-    reaches a unit (the tensor pre-hook, ``UnitGrads.on_grad``) and every pre-backward call :meth:`ReduceQueue.poll`,
+    reaches a unit (the tensor pre-hook, ``UnitGrads.on_grad``) and every pre-backward call
+    :meth:`ReduceQueue.poll`,
     which completes, oldest first, the in-flight reduce-scatters whose work already reports
     ``is_completed()`` (a non-blocking query; on CUDA an event query, no host sync) and frees their
     inputs then. So while unit i's gradients are computed, unit i+1's reduce-scatter input is alive
     only until that collective has finished; at the backward peak (all of unit i's gradients alive)
     it is usually gone, one unit-sized buffer less than FSDP2. The order of collectives is unchanged:
     a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
-    ``make_room`` / ``drain``, which run at the same points on every rank. ``RuntimeOptions.early_free = False``
+    ``make_room`` / ``drain``, which run at the same points on every rank. ``RuntimeOptions.early_free =
+    False``
     turns polling off (the worst case: what a network slower than the backward gives). The memory
     tests fix what collectives report (``tests/_memory.py: comm_completion``) rather than trust the fake
     process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.

@@ -95,7 +95,8 @@ class FSDPState:
                 continue
             if st.is_root:
                 raise RuntimeError(
-                    "raggedfsdp: a nested fully_shard module already ran forward as a root; run forward on the "
+                    "raggedfsdp: a nested fully_shard module already ran forward as a root; run forward on "
+                    "the "
                     "outermost module first (or call fully_shard on the root before any forward)"
                 )
             st.is_root = False

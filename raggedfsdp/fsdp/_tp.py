@@ -67,7 +67,8 @@ def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | 
     if _root(tp_mesh) is not _root(dp_mesh) and _root(tp_mesh) != _root(dp_mesh):
         raise ValueError(
             f"{where}, which is not derived from the same root mesh as the FSDP mesh {dp_mesh}; build both "
-            "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh=root['dp'] to fully_shard"
+            "from one init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh=root['dp'] to "
+            "fully_shard"
         )
     dp_names = set(dp_mesh.mesh_dim_names or ())
     tp_names = set(tp_mesh.mesh_dim_names or ())

@@ -186,7 +186,12 @@ def write_failure_log(path, err, summary: str, last_line: str) -> None:
         tb = ""
         if isinstance(f.message, dict):
             tb = (f.message.get("extraInfo") or {}).get("py_callstack") or ""
-        parts += [f"--- rank {rank} (local rank {f.local_rank}, pid {f.pid}): exit code {f.exitcode}; "
-                  f"{one_line(f)}", f"error file: {f.error_file}", tb.rstrip() or "(no traceback recorded)", ""]  # fmt: skip
+        parts += [
+            f"--- rank {rank} (local rank {f.local_rank}, pid {f.pid}): exit code {f.exitcode}; "
+            f"{one_line(f)}",
+            f"error file: {f.error_file}",
+            tb.rstrip() or "(no traceback recorded)",
+            "",
+        ]
     with open(path, "w") as fh:
         fh.write("\n".join(parts))

@@ -28,7 +28,8 @@ MODELS: dict[str, tuple[type, type]] = {
 
 
 def aux_loss(model):
-    """The auxiliary loss of ``model``'s last forward (0-d, in the graph; e.g. MoE load balancing), or None."""
+    """The auxiliary loss of ``model``'s last forward (0-d, in the graph; e.g. MoE load balancing), or
+    None."""
     return getattr(model, "aux_loss", None)
 
 

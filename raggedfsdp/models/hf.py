@@ -54,7 +54,8 @@ class HFModelConfig:
                 hf = json.loads(p.read_text())
             except (OSError, ValueError) as e:
                 raise ValueError(
-                    f"--model.flavor {flavor!r} for hf:{architecture}: give 'tiny' or a readable HF config.json ({e})"
+                    f"--model.flavor {flavor!r} for hf:{architecture}: give 'tiny' or a readable HF "
+                    f"config.json ({e})"
                 ) from None
         allowed = {"vocab_size"}
         bad = set(overrides) - allowed

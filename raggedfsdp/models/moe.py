@@ -128,7 +128,8 @@ class MoEConfig(LlamaConfig):
 
     @classmethod
     def flavor(cls, name: str, **overrides) -> MoEConfig:
-        """The named size (``"moe-tiny"``; the dense names ``"tiny"`` etc. mean ``"moe-tiny"``) with overrides."""
+        """The named size (``"moe-tiny"``; the dense names ``"tiny"`` etc. mean ``"moe-tiny"``) with
+        overrides."""
         key = name if name in MOE_FLAVORS else f"moe-{name}"
         if key not in MOE_FLAVORS:
             raise ValueError(f"unknown moe flavor {name!r}; choose one of {sorted(MOE_FLAVORS)}")
@@ -215,7 +216,8 @@ class SeparateExperts(nn.ModuleList):
 
 
 class FusedExperts(nn.Module):
-    """``n`` SwiGLU experts stored as 3-D stacks: w1, w3 (n, D, F) and w2 (n, F, D); y = (silu(x w1) * x w3) w2.
+    """``n`` SwiGLU experts stored as 3-D stacks: w1, w3 (n, D, F) and w2 (n, F, D); y = (silu(x w1) * x w3)
+    w2.
 
     Expert parallel (``parallelize.apply_ep``): the stacks are ``Shard(0)`` DTensors on the 1-D
     ``ep_mesh``, this rank holding experts ``[r*n/ep, (r+1)*n/ep)`` whole, and ``forward`` sends each row
@@ -262,7 +264,8 @@ def swiglu_experts(
 
 
 class MoEFeedForward(nn.Module):
-    """Router + routed experts (+ shared expert). ``forward(x (B, T, D)) -> (B, T, D)``; see the module docstring.
+    """Router + routed experts (+ shared expert). ``forward(x (B, T, D)) -> (B, T, D)``; see the module
+    docstring.
 
     After each forward: ``self.aux_loss`` (0-d fp32, unweighted) and ``self.counts`` ((X,) int64).
     """
@@ -367,7 +370,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """As ``Llama.init_weights``; the router N(0, 1/sqrt(D)); expert ``w2`` scaled by 1/sqrt(2 n_layers)."""
+        """As ``Llama.init_weights``; the router N(0, 1/sqrt(D)); expert ``w2`` scaled by 1/sqrt(2
+        n_layers)."""
         cfg = self.cfg
         cos, sin = precompute_rope(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.rope_cos.copy_(cos)

@@ -154,7 +154,8 @@ def apply_fsdp(
     if shard_placement_fn is not None:
         if backend != "ragged":
             raise ValueError(
-                f"apply_fsdp: shard_placement_fn is a raggedfsdp block policy; backend={backend!r} cannot honour it "
+                f"apply_fsdp: shard_placement_fn is a raggedfsdp block policy; backend={backend!r} cannot "
+                f"honour it "
                 "(use backend 'ragged')"
             )
         kw["shard_placement_fn"] = shard_placement_fn
@@ -178,7 +179,8 @@ def apply_fsdp(
 
 
 def apply_compile(model: nn.Module, **compile_kw: Any) -> nn.Module:
-    """``block.compile(fullgraph=True)`` for each of ``model.layers``, in place: call it before ``fully_shard``.
+    """``block.compile(fullgraph=True)`` for each of ``model.layers``, in place: call it before
+    ``fully_shard``.
 
     Per-block compilation as torchtitan's ``apply_compile``: each block body becomes one graph (the
     blocks share it when they are alike), the FSDP hooks stay eager around it (``fsdp/_compile.py``),
@@ -296,7 +298,8 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
     Raises:
         TypeError: ``mesh`` is not a 1-D ``DeviceMesh``.
         ValueError: not a ``Llama`` (no ``layers`` of attention + feed-forward blocks), a mixture-of-experts
-            layer (EP x TP is not supported), or heads, hidden width or vocabulary not divisible by the TP size
+            layer (EP x TP is not supported), or heads, hidden width or vocabulary not divisible by the TP
+            size
             (see :func:`tp_plan_errors`).
     """
     from torch.distributed.device_mesh import DeviceMesh

@@ -1,5 +1,6 @@
 """Newton-Schulz orthogonalisation and Muon's per-matrix helpers: the kernels shared by
-:class:`raggedfsdp.optim.Muon` and its single-device oracle :func:`raggedfsdp.optim.reference.muon_reference_step`.
+:class:`raggedfsdp.optim.Muon` and its single-device oracle
+:func:`raggedfsdp.optim.reference.muon_reference_step`.
 
 * :func:`newton_schulz` -- torch 2.13's ``torch.optim._muon._zeropower_via_newtonschulz`` arithmetic
   (5-step quintic, coefficients ``(3.4445, -4.7750, 2.0315)``, bfloat16), optionally compiled;
@@ -92,7 +93,8 @@ def matrices_of(shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
         n = shape[1] * shape[2]
         return [(e * n, n, shape[1], shape[2]) for e in range(shape[0])]
     raise ValueError(
-        f"Muon handles 2-D matrices and 3-D expert stacks (E, d, h), got a parameter of shape {tuple(shape)}; "
+        f"Muon handles 2-D matrices and 3-D expert stacks (E, d, h), got a parameter of shape "
+        f"{tuple(shape)}; "
         "put it in an AdamW group (raggedfsdp.optim.muon_param_groups does this)"
     )
 

@@ -1,5 +1,6 @@
 """Block-wise 8-bit quantisation and the AdamW arithmetic: the kernels shared by
-:class:`raggedfsdp.optim.AdamW8bit` and its oracle :func:`raggedfsdp.optim.reference.adamw8bit_reference_step`.
+:class:`raggedfsdp.optim.AdamW8bit` and its oracle
+:func:`raggedfsdp.optim.reference.adamw8bit_reference_step`.
 
 * :func:`_code_book` / :func:`encode` / :func:`zero_code` -- a 256-entry dynamic-exponent code book
   (signed for the first moment, unsigned for the second) and nearest-code rounding;
@@ -99,7 +100,8 @@ def _scales_full(scales: Tensor, r: int, c: int, ncols: int) -> Tensor:
 
 
 def tile_absmax(x: Tensor, block: tuple[int, int]) -> Tensor:
-    """Per-tile ``max |x|`` of a 2-D ``x`` ``(n, m)`` with ``block=(R, C)``, ``R | n``: ``(n/R, ceil(m/C))`` fp32.
+    """Per-tile ``max |x|`` of a 2-D ``x`` ``(n, m)`` with ``block=(R, C)``, ``R | n``: ``(n/R, ceil(m/C))``
+    fp32.
 
     Edge tiles of a width not divisible by ``C`` are narrower. Exact (max is order-independent).
     """

@@ -70,7 +70,8 @@ def band_geometry(shape: tuple[int, ...], block: int) -> tuple[int, int, int, in
 
 
 def inv_fourth_root(a: Tensor, eps: float) -> Tensor:
-    """``(A + eps I)^{-1/4}`` of a symmetric PSD fp32 ``A`` via ``torch.linalg.eigh`` (eigenvalues clamped at eps)."""
+    """``(A + eps I)^{-1/4}`` of a symmetric PSD fp32 ``A`` via ``torch.linalg.eigh`` (eigenvalues clamped at
+    eps)."""
     n = a.shape[0]
     lam, q = torch.linalg.eigh(a + eps * torch.eye(n, dtype=a.dtype, device=a.device))
     lam = lam.clamp_min(eps).pow(-0.25)

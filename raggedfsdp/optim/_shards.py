@@ -79,7 +79,8 @@ def shard_info(p: Tensor, name: str = "", *, tp: str = "reject") -> ShardInfo:
 
     Raises:
         NotImplementedError: ``Partial`` placements; ``tp="reject"`` with a ``Shard``; ``tp="global"``
-            with more than one ``Shard`` mesh dim or a ``Shard(d)`` other than ``Shard(0)`` / 2-D ``Shard(1)``.
+            with more than one ``Shard`` mesh dim or a ``Shard(d)`` other than ``Shard(0)`` / 2-D
+            ``Shard(1)``.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -215,7 +216,8 @@ _WORLD_CACHE: dict = {}
 
 
 def like_param(p: Tensor, local: Tensor) -> Tensor:
-    """Wrap ``local`` (flat, ``p``'s local numel, any dtype) as a DTensor laid out like ``p`` (or return it)."""
+    """Wrap ``local`` (flat, ``p``'s local numel, any dtype) as a DTensor laid out like ``p`` (or return
+    it)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):

@@ -120,7 +120,8 @@ class AdamW8bit(Optimizer):
         ncols = lshape[-1]
         if lshape != shape and (lshape[-2] % r or ncols % c):
             raise ValueError(
-                f"AdamW8bit: parameter #{self._index[id(p)]} of global shape {shape}: its tensor-parallel local "
+                f"AdamW8bit: parameter #{self._index[id(p)]} of global shape {shape}: its tensor-parallel "
+                f"local "
                 f"block {lshape} cuts a {r}x{c} tile (tiles are global: the TP split must keep whole tiles); "
                 "use a TP degree that divides the tile rows/cols, or give this parameter to torch.optim.AdamW"
             )
@@ -128,7 +129,8 @@ class AdamW8bit(Optimizer):
         for q, (a, b) in enumerate(info.ranges):
             if a % tile or b % tile:
                 raise ValueError(
-                    f"AdamW8bit: parameter #{self._index[id(p)]} of shape {shape}: rank {q}'s piece [{a}, {b}) "
+                    f"AdamW8bit: parameter #{self._index[id(p)]} of shape {shape}: rank {q}'s piece [{a}, "
+                    f"{b}) "
                     f"cuts a {r}x{c} tile (pieces must hold whole multiples of {tile} elements = {r} rows); "
                     "shard it with fully_shard(..., shard_placement_fn=AdamW8bit.shard_placement_fn)"
                 )

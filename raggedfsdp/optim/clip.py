@@ -48,7 +48,8 @@ def _check_norm_type(norm_type) -> float:
         p = float("nan")
     if not (p > 0 or p == float("-inf")):
         raise ValueError(
-            f"clip_grad_norm_: norm_type={norm_type!r} must be a positive number, float('inf') or float('-inf'); "
+            f"clip_grad_norm_: norm_type={norm_type!r} must be a positive number, float('inf') or "
+            f"float('-inf'); "
             "e.g. norm_type=2.0"
         )
     return p
@@ -95,7 +96,8 @@ def get_total_norm(
         total = stacked.pow(p).sum().pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {p} of the gradients is non-finite ({total.item()}), so it "
+            f"clip_grad_norm_: the total norm of order {p} of the gradients is non-finite ({total.item()}), "
+            f"so it "
             "cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway"
         )
     return total

@@ -159,7 +159,8 @@ class Muon(Optimizer):
                 if group["algorithm"] == "muon":
                     if p.ndim not in (2, 3):
                         raise ValueError(
-                            f"Muon: parameter #{self._index[id(p)]} of shape {tuple(p.shape)} is not a matrix or "
+                            f"Muon: parameter #{self._index[id(p)]} of shape {tuple(p.shape)} is not a "
+                            f"matrix or "
                             "an expert stack (E, d, h); give it to AdamW, e.g. "
                             "Muon(raggedfsdp.optim.muon_param_groups(model))"
                         )
@@ -366,7 +367,8 @@ class Muon(Optimizer):
         return out
 
     def _adamw_step(self, group) -> None:
-        """Stock AdamW (``torch.optim.adamw.adamw``) for an ``algorithm="adamw"`` group: element-wise, no comms."""
+        """Stock AdamW (``torch.optim.adamw.adamw``) for an ``algorithm="adamw"`` group: element-wise, no
+        comms."""
         from torch.optim.adamw import adamw
 
         ps, gs, ms, vs, steps = [], [], [], [], []

@@ -1,4 +1,5 @@
-"""Parameter groups for Muon: hidden matrices to Muon, everything else to AdamW (dion / Moonlight practice)."""
+"""Parameter groups for Muon: hidden matrices to Muon, everything else to AdamW (dion / Moonlight
+practice)."""
 
 from __future__ import annotations
 

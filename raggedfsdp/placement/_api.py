@@ -54,7 +54,8 @@ def make_from_local(stock):
         if placements is not None and has_ragged(placements):
             if shape is None or stride is None:
                 raise ValueError(
-                    f"DTensor.from_local with {tuple(placements)}: a RaggedShard local tensor is a flat piece, "
+                    f"DTensor.from_local with {tuple(placements)}: a RaggedShard local tensor is a flat "
+                    f"piece, "
                     "so the global shape cannot be inferred; pass shape=<global shape> and "
                     "stride=<global contiguous stride>"
                 )

@@ -94,7 +94,8 @@ def schema_has_ragged(op_schema) -> bool:
 
 
 def _torch_pointwise_ops() -> frozenset:
-    """The ops torch registers with its pointwise strategy (torch/distributed/tensor/_ops/_pointwise_ops.py)."""
+    """The ops torch registers with its pointwise strategy
+    (torch/distributed/tensor/_ops/_pointwise_ops.py)."""
     try:
         from torch.distributed.tensor._ops import _pointwise_ops as pw
 
@@ -168,7 +169,8 @@ def _check_pointwise(op_schema) -> None:
             if s.shape != ref.shape:
                 raise _err(
                     op,
-                    f"operand of shape {tuple(s.shape)} {s.placements} would broadcast against the RaggedShard "
+                    f"operand of shape {tuple(s.shape)} {s.placements} would broadcast against the "
+                    f"RaggedShard "
                     f"operand of shape {tuple(ref.shape)} {ref.placements}",
                 )
             if s.mesh != ref.mesh:
@@ -201,7 +203,8 @@ def _check_reduction(op_schema) -> None:
 
 
 def make_guarded_propagation(stock):
-    """``ShardingPropagator.propagate_op_sharding_non_cached(self, op_schema)`` with the RaggedShard op checks.
+    """``ShardingPropagator.propagate_op_sharding_non_cached(self, op_schema)`` with the RaggedShard op
+    checks.
 
     torch caches its result (Python LRU + the C++ dispatch cache), so the checks run once per
     op/spec combination; an op that raises is never cached.
@@ -251,7 +254,8 @@ def make_map_after_reduction(stock):
             if isinstance(p, RaggedShard):
                 if not all(d in reduction_dims for d in p.dims):
                     raise RaggedShardOpError(
-                        f"RaggedShard: reduction over dims {list(reduction_dims)} does not cover the ragged dims "
+                        f"RaggedShard: reduction over dims {list(reduction_dims)} does not cover the ragged "
+                        f"dims "
                         f"{p.dims} of {p}; only full reductions are supported"
                     )
                 out.append(get_placement_from_reduction_op(reduction_op))
@@ -475,7 +479,8 @@ def make_map_placements_after_broadcast(stock):
             else:
                 raise RaggedShardOpError(
                     f"RaggedShard: {p} of an output of shape {tuple(shape)} cannot be mapped onto an operand "
-                    f"broadcast along its ragged dims (map {broadcast_dims_map}); operands of a pointwise op on "
+                    f"broadcast along its ragged dims (map {broadcast_dims_map}); operands of a pointwise "
+                    f"op on "
                     "RaggedShard DTensors must have the same global shape or be scalars"
                 )
         return tuple(out)

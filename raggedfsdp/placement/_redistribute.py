@@ -82,7 +82,8 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
     placements = tuple(placements)
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"placements={placements} has {len(placements)} entries but the mesh {mesh} has {mesh.ndim} dims; "
+            f"placements={placements} has {len(placements)} entries but the mesh {mesh} has {mesh.ndim} "
+            f"dims; "
             "give one placement per mesh dim"
         )
     idx = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
@@ -109,10 +110,12 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
             if not 0 <= d < ndim or base[d] % mesh.size(j):
                 raise ValueError(
                     f"placements={placements}: {p} on mesh dim {j} cuts tensor dim {d} of shape "
-                    f"{tuple(global_shape)} (size {base[d] if 0 <= d < ndim else '?'}), which lies inside the "
+                    f"{tuple(global_shape)} (size {base[d] if 0 <= d < ndim else '?'}), which lies inside "
+                    f"the "
                     f"ragged rows of {rs} (dims={rs.dims}), into {mesh.size(j)} uneven parts; RaggedShard is "
                     "applied to the local tensor the other placements produce, which must then have the same "
-                    f"shape on every rank: make dim {d} divisible by {mesh.size(j)} (pad it), or Shard a dim >= {k}"
+                    f"shape on every rank: make dim {d} divisible by {mesh.size(j)} (pad it), or Shard a "
+                    f"dim >= {k}"
                 )
             base[d] //= mesh.size(j)
             continue
@@ -374,7 +377,8 @@ def make_spec(mesh, placements, shape, stride, dtype) -> DTensorSpec:
 
 
 def make_redistribute_local_tensor(stock):
-    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/placement/_patches.py`` (ragged specs -> here)."""
+    """The ``redistribute_local_tensor`` installed by ``raggedfsdp/placement/_patches.py`` (ragged specs ->
+    here)."""
 
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
         if has_ragged(current_spec.placements) or has_ragged(target_spec.placements):

@@ -143,7 +143,8 @@ class RaggedShard(Placement):
             )
         if num_ranks is not None and len(self.local_units) != num_ranks:
             raise ValueError(
-                f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but the mesh "
+                f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but the "
+                f"mesh "
                 f"dim has {num_ranks} ranks; give one unit count per rank"
             )
         n, u = self.num_rows(shape), sum(self.local_units)
@@ -158,7 +159,8 @@ class RaggedShard(Placement):
         n = mesh.size(mesh_dim)
         if len(self.local_units) != n:
             raise ValueError(
-                f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but mesh dim "
+                f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but mesh "
+                f"dim "
                 f"{mesh_dim} of {mesh} has {n} ranks; give one unit count per rank of that mesh dim"
             )
 
@@ -169,7 +171,8 @@ class RaggedShard(Placement):
         return start, start + self.local_units[rank] * ratio
 
     def flat_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
-        """Elements ``[start, end)`` of the flattened tensor owned by ``rank`` (its local numel is end-start)."""
+        """Elements ``[start, end)`` of the flattened tensor owned by ``rank`` (its local numel is
+        end-start)."""
         r = self.row_numel(shape)
         a, b = self.row_range(shape, rank)
         return a * r, b * r
@@ -195,7 +198,8 @@ class RaggedShard(Placement):
     # ``cast(Shard, placement)``. raggedfsdp routes any spec with a RaggedShard through its own
     # redistribute (raggedfsdp/placement/_redistribute.py), but keeps these for direct callers.
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
-        """Collective over ``mesh_dim``: all ranks' flat pieces -> full tensor of ``current_logical_shape``."""
+        """Collective over ``mesh_dim``: all ranks' flat pieces -> full tensor of
+        ``current_logical_shape``."""
         from raggedfsdp.placement._redistribute import gather_ragged
 
         return gather_ragged(local_tensor, self, tuple(current_logical_shape), mesh, mesh_dim)

@@ -4,7 +4,8 @@ Public API (all sizes in elements):
 
 - :func:`plan_layout` -- exact minimum shard size for a fixed (or the best named) tensor order;
 - :class:`Layout`, :func:`validate_layout` -- the plan and an independent invariant check;
-- :class:`GradLayout`, :func:`plan_grad_layout` -- the compacted gradient shards of a unit with frozen tensors;
+- :class:`GradLayout`, :func:`plan_grad_layout` -- the compacted gradient shards of a unit with frozen
+tensors;
 - :class:`BlockSpec`, :func:`granularity_for`, :func:`make_policy`, :func:`plan_params` -- the
   per-parameter granularity policy (``orig_param_policy``) and the ``RaggedShard`` dims it implies.
 

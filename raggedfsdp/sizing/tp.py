@@ -63,8 +63,10 @@ def tp_split_dim(name: str, shape: Sequence[int]) -> int | None:
             return 1
     raise ValueError(
         f"--tp: no tensor-parallel rule for parameter {name!r} of shape {tuple(shape)}: the TP plan is the "
-        "dense Llama's (q/k/v/o, gate/up/down, embedding, LM head; raggedfsdp.models.apply_tp). Routed experts, "
-        "routers, MLA and linear attention are not tensor-parallel here (EP x TP is not supported): use --tp 1, "
+        "dense Llama's (q/k/v/o, gate/up/down, embedding, LM head; raggedfsdp.models.apply_tp). Routed "
+        "experts, "
+        "routers, MLA and linear attention are not tensor-parallel here (EP x TP is not supported): use "
+        "--tp 1, "
         "or --ep N for a mixture of experts"
     )
 
@@ -94,7 +96,8 @@ def split_units_for_tp(units: Sequence[Unit], tp: int) -> list[Unit]:
             if s[d] % tp:
                 ok = [k for k in range(2, 65) if s[d] % k == 0][:6]
                 raise ValueError(
-                    f"--tp {tp}: parameter {n!r} of shape {tuple(s)}: dim {d} ({s[d]}) does not split evenly over "
+                    f"--tp {tp}: parameter {n!r} of shape {tuple(s)}: dim {d} ({s[d]}) does not split "
+                    f"evenly over "
                     f"{tp} TP ranks (FSDP x TP needs one TP-local shape on every rank); use a --tp in {ok}"
                 )
             params.append((n, tuple(x // tp if i == d else x for i, x in enumerate(s))))
@@ -106,7 +109,8 @@ def tp_fsdp_group(world_size: int, tp: int, replicate: int = 1) -> int:
     """The FSDP group size ``world / (replicate x tp)`` (the mesh is ``replicate x dp_shard x tp``). Pure.
 
     Raises:
-        ValueError: ``tp`` or ``replicate`` < 1, or ``replicate x tp`` not dividing ``world_size`` (naming both
+        ValueError: ``tp`` or ``replicate`` < 1, or ``replicate x tp`` not dividing ``world_size`` (naming
+        both
             and the TP sizes that would fit).
     """
     for flag, v in (("--tp", tp), ("--replicate", replicate)):

@@ -29,7 +29,8 @@ Kinds (each fires once, at the start of step N unless noted):
 - ``nanparam``: after step N's optimizer step, one element of this rank's first non-empty parameter
   shard becomes NaN (a poisoned shard: found by step N+1's guard, or after the last step).
 
-The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to ``raise``/``exit``/``hang``/``savehang``.
+The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to
+``raise``/``exit``/``hang``/``savehang``.
 Nothing here runs unless the variable (or those flags) is set.
 """
 

@@ -1,4 +1,5 @@
-"""The training job's optimizers: ``adamw`` | ``muon`` | ``adamw8bit`` | ``shampoo``, each with the layout it needs.
+"""The training job's optimizers: ``adamw`` | ``muon`` | ``adamw8bit`` | ``shampoo``, each with the layout it
+needs.
 
 ``--optimizer.name`` (``--optim``) picks both the optimizer and the ``shard_placement_fn`` given to
 ``fully_shard``, so a user never has to know about granularity:

@@ -21,10 +21,12 @@ save) with a step and a phase (``train``, ``eval``, ``save``) once its step loop
 checkpoint loads are not watched). Saves are watched too (:meth:`Watchdog.watching`), with the longest
 limit that still names the hung rank before a waiting peer's collective times out (``0.6 x
 job.pg_timeout_s``), since a save makes no marks while DCP writes; DCP's file writing
-(``torch/distributed/checkpoint/filesystem.py``) is this rank's own work, not a collective. A thread checks every ``interval_s``: if there was no progress for ``timeout_s``
+(``torch/distributed/checkpoint/filesystem.py``) is this rank's own work, not a collective. A thread checks
+every ``interval_s``: if there was no progress for ``timeout_s``
 (``Watchdog.effective_timeout``: at most ``job.hang_timeout_s``, at most ``max(30 s, 20 x`` the slowest
 recent step``)`` once steps were seen, and always ``0.6 x job.pg_timeout_s`` or less, so that the hung
-rank fires before a waiting peer's collective times out) and this rank's main thread is *not* inside a collective (its innermost
+rank fires before a waiting peer's collective times out) and this rank's main thread is *not* inside a
+collective (its innermost
 Python frame is not in ``torch/distributed`` or ``raggedfsdp/fsdp|buffer``), this rank is the hung
 one: it prints its main thread's Python stack and one line naming itself, the step and the frame,
 records the error for torchrun and exits 1. Its peers, which wait in a collective, are not blamed;
@@ -346,7 +348,8 @@ class Watchdog:
             self._fail(
                 r,
                 f"rank {r} stopped responding: no heartbeat for {age:.1f}s (last at step {beat.get('step')}, "
-                f"phase: {beat.get('phase', '?')}, {beat.get('where')}); rank {self.rank} has waited {idle:.1f}s "
+                f"phase: {beat.get('phase', '?')}, {beat.get('where')}); rank {self.rank} has waited "
+                f"{idle:.1f}s "
                 f"in a collective at {_where(frame)}",
                 None,
             )

@@ -1,4 +1,5 @@
-"""torch.compile over raggedfsdp's fully_shard (issue 19 item 4) vs torch's fully_shard under the same compile.
+"""torch.compile over raggedfsdp's fully_shard (issue 19 item 4) vs torch's fully_shard under the same
+compile.
 
 Three ways to compile, each trained 5 SGD steps at world size 2 (gloo, fp32) by ours and by torch's
 ``fully_shard``, losses equal within rel 1e-5:

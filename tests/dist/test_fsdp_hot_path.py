@@ -77,7 +77,8 @@ def test_fsdp_python_calls_per_step_do_not_scale_with_parameters():
     assert extra_params > 90  # 16 more experts x 3 linears x 2 blocks
     top = sorted(ours_by_fn.items(), key=lambda kv: -kv[1])[:8]
     assert ours <= BUDGET_PER_PARAM, (
-        f"raggedfsdp makes {ours:.1f} Python calls per parameter per step (budget {BUDGET_PER_PARAM}; torch's "
+        f"raggedfsdp makes {ours:.1f} Python calls per parameter per step (budget {BUDGET_PER_PARAM}; "
+        f"torch's "
         f"fully_shard {torch_per_param:.1f}): a per-parameter loop is back in the hot path: {top}"
     )
     # the reference: torch's FSDP2 does per-parameter Python work in its copy-in / copy-out / reduce prep

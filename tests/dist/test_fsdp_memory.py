@@ -37,11 +37,14 @@ before issue 8); then flat buffers pre-set as ``.grad`` views from each unit's f
 (1.00-1.03x torch: the whole buffer plus autograd's fresh weight gradient that it adds into the view).
 ``test_grad_buffer_allocated_at_first_gradient``: no grad memory before a unit's gradients arrive (a
 unit whose activations backward frees before its parameters' gradients arrive peaks no higher than
-FSDP2; the flat buffer itself now appears only at post-backward). ``test_gloo_reduce_scatter_of_consumed_buffer_is_exact_and_holds_no_clone``: on gloo the
-reduce-scatter holds no copy of its input while in flight. The frozen-base case (issue 13 item 1): a unit with a frozen
+FSDP2; the flat buffer itself now appears only at post-backward).
+``test_gloo_reduce_scatter_of_consumed_buffer_is_exact_and_holds_no_clone``: on gloo the
+reduce-scatter holds no copy of its input while in flight. The frozen-base case (issue 13 item 1): a unit
+with a frozen
 ``Linear(2048, 2048, bias=False)`` and a trainable ``Linear(2048, 4)``, built on meta, frozen before
 ``fully_shard``, ws 2: the backward's peak must be at most torch's and the gradients' storage at most
-torch's or 64 KiB (frozen parameters hold no gradient storage; measured on ranks 0 and 1: backward peak 32788 B
+torch's or 64 KiB (frozen parameters hold no gradient storage; measured on ranks 0 and 1: backward peak 32788
+B
 for both, grad storage 32784 B vs torch's 16392 B -- rank 0 holds no trainable piece here but every
 rank's grad shard is ``Sg`` = the largest rank's trainable pieces, 8196 elements; before the fix
 16.06 MiB and 8.02 MiB).
@@ -236,7 +239,8 @@ def test_step_peak_memory_bounded(step_results, ws):
             opt_bound = b["state"] + b["adamw_tmp"] + b["grads"]
             rows.append(
                 f"ws={ws} rank={rank} {dt}: fwd+bwd {rag['fwd_bwd_peak_bytes'] / MiB:.2f} MiB (bound "
-                f"{fb_bound / MiB:.2f}), optim {rag['optim_peak_bytes'] / MiB:.2f} MiB (bound {opt_bound / MiB:.2f})"
+                f"{fb_bound / MiB:.2f}), optim {rag['optim_peak_bytes'] / MiB:.2f} MiB (bound "
+                f"{opt_bound / MiB:.2f})"
             )
             if rag["fwd_bwd_peak_bytes"] > fb_bound:
                 owners = "; ".join(f"{n / MiB:.2f} MiB by {op}" for n, op in rag["fwd_bwd_peak_owners"])
@@ -283,7 +287,8 @@ def test_step_peak_memory_at_most_fsdp2(step_results, ws):
         if done > tor - rs_in // 4:
             failures.append(
                 f"ws={ws} {dt}: with communication that keeps up the peak is {done / tor:.3f}x torch's, "
-                f"expected at least {rs_in / 4 / MiB:.2f} MiB below it (early free of the reduce-scatter input)"
+                f"expected at least {rs_in / 4 / MiB:.2f} MiB below it (early free of the reduce-scatter "
+                f"input)"
             )
         if worst > tor + excess:
             failures.append(
@@ -310,7 +315,8 @@ def test_frozen_base_holds_no_gradient_memory():
             ],
         )
         assert tor["grad_storage"] < MiB and tor["bwd_peak"] < MiB, tor  # the reference behaves as described
-        # every rank's grad shard is Sg = the largest rank's trainable pieces (even reduce-scatter): 2x torch's here
+        # every rank's grad shard is Sg = the largest rank's trainable pieces (even reduce-scatter): 2x
+        # torch's here
         assert rag["grad_storage"] <= max(tor["grad_storage"], 64 * 1024), (rank, rag, tor)
         assert rag["bwd_peak"] <= tor["bwd_peak"], (rank, rag, tor)
 

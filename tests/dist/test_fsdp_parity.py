@@ -317,5 +317,6 @@ def _bf16_default_reduce(rank, ws):
 
 
 def test_bf16_param_default_reduce_dtype_matches_torch_fsdp():
-    """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on 2.15."""
+    """reduce_dtype=None follows the installed torch: bf16 reduce on <= 2.14, fp32 (the params' dtype) on
+    2.15."""
     SPAWNS.check(3, "bf16_default")

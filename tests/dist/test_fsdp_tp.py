@@ -1,5 +1,6 @@
 """FSDP x TP (Note [FSDP x TP] in raggedfsdp/fsdp/_tp.py): ``fully_shard`` over ``mesh["dp"]`` of a Llama
-whose blocks are tensor-parallel over ``mesh["tp"]`` (``raggedfsdp.models.apply_tp``: colwise/rowwise linears, a
+whose blocks are tensor-parallel over ``mesh["tp"]`` (``raggedfsdp.models.apply_tp``: colwise/rowwise
+linears, a
 Shard(0) embedding, a Replicate norm), on 4 real gloo ranks (dp2 x tp2), against two independent references in
 the same spawn: torch's own ``fully_shard`` with the same TP plan, and the single-process model on the global
 batch. Checks the 2-D DTensors (placements in mesh-dim order, ``full_tensor``, ``redistribute``, state dicts),
@@ -266,7 +267,8 @@ def test_hsdp_tp_layouts_on_fake_8_ranks():
     for rank in (0, 5):
         got = run_fake_rank(_hsdp_tp_fake, 8, rank)
         print(
-            f"HSDP x TP rank {rank}: persistent bytes ours {got['ragged']}, torch {got['torch']}, even {full / 4:.0f}"
+            f"HSDP x TP rank {rank}: persistent bytes ours {got['ragged']}, torch {got['torch']}, even "
+            f"{full / 4:.0f}"
         )
         # each of the 4 (shard x tp) pieces holds a quarter, plus at most the planner's alignment padding
         assert got["ragged"] <= full / 4 * 1.03, (got, full)

@@ -1,4 +1,5 @@
-"""DCP checkpoints of FSDP x TP across layouts (Note [FSDP x TP]): model + AdamW state saved at dp2 x tp2 (each
+"""DCP checkpoints of FSDP x TP across layouts (Note [FSDP x TP]): model + AdamW state saved at dp2 x tp2
+(each
 rank writes its own RaggedShard pieces of its TP-local block), loaded at dp4 x tp1, dp1 x tp2 and into the
 single-process model, where training continues with the losses of the uninterrupted dp2 x tp2 run; torch
 FSDP2 + TP checkpoints load into ours and ours into torch's, both continuing like the run that saved them."""

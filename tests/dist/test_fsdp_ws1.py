@@ -1,4 +1,5 @@
-"""World size 1 (the only real-NCCL size on one GPU; issue 21 item 6) vs torch's fully_shard and plain training.
+"""World size 1 (the only real-NCCL size on one GPU; issue 21 item 6) vs torch's fully_shard and plain
+training.
 
 At one rank the reduce-scatter is a local copy. raggedfsdp used to copy the unit's grads into an
 ``(S,)`` temporary (on the reduce-scatter stream), copy that into the sharded grads (on the compute
@@ -90,5 +91,6 @@ def test_world_size_1_copies_once_per_unit_like_fsdp2():
         assert r["copy_bytes"] <= t["copy_bytes"], (tag, row)
         assert r["fwd_bwd_peak"] <= t["fwd_bwd_peak"], (tag, row)
         if tag == "fp32":
-            # re-gather of the N resharded blocks + fold of every grad + ONE copy of every grad into the shards
+            # re-gather of the N resharded blocks + fold of every grad + ONE copy of every grad into the
+            # shards
             assert r["copy_bytes"] == N * unit + 2 * (N * unit + root), (tag, r)

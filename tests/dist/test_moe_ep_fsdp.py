@@ -137,7 +137,8 @@ def _reference(opt_name):
 
 
 def _torch_fsdp_params_rejected(world):
-    """Our Muon / AdamW8bit refuse torch FSDP2's parameters with a NotImplementedError naming the placements."""
+    """Our Muon / AdamW8bit refuse torch FSDP2's parameters with a NotImplementedError naming the
+    placements."""
     import pytest
 
     from raggedfsdp.models import apply_ep, apply_fsdp

@@ -1,4 +1,5 @@
-"""Distributed Muon, AdamW8bit and Shampoo vs their single-device references at world sizes 1, 2, 3, 5 (+ HSDP, 8 ranks).
+"""Distributed Muon, AdamW8bit and Shampoo vs their single-device references at world sizes 1, 2, 3, 5 (+
+HSDP, 8 ranks).
 
 Muon:
 For the same gradients the sharded parameters must equal the reference **bitwise** (the owner runs
@@ -294,7 +295,8 @@ def _muon_hsdp(rank, ws):
     import raggedfsdp  # noqa: F401
 
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
-    # owners over all 4 ranks: 2 world collectives per step unpipelined (gather, then scatter to both replicas)
+    # owners over all 4 ranks: 2 world collectives per step unpipelined (gather, then scatter to both
+    # replicas)
     _check_muon(
         rank, ws, mesh, mesh.get_local_rank(1), KINDS, 3, expect_colls=2, muon_kw={"pipeline_chunks": 1}
     )

@@ -1,4 +1,5 @@
-"""Optimizers on FSDP x TP parameters (Note [FSDP x TP]): 2-D DTensors ``(RaggedShard, Shard(d)|Replicate)`` on
+"""Optimizers on FSDP x TP parameters (Note [FSDP x TP]): 2-D DTensors ``(RaggedShard, Shard(d)|Replicate)``
+on
 a dp2 x tp2 gloo mesh, uneven ragged pieces of the TP-local tensors (empty ones included), against the
 single-device optimizers on the full tensors with the same gradients:
 

@@ -27,7 +27,8 @@ def test_harness_fails_a_rank_that_aborts_after_reporting_success():
 def _no_tensor_left_owned_by_a_work(rank, world):
     """Note [gloo release] (raggedfsdp/_release.py): a gloo worker thread may hold a finished work a
     while after ``wait()`` returned. Simulate a worker that never lets go (every tensor handed to a
-    collective is also kept by a C++ reference: another tensor's ``.grad``) and check, after fully_shard training steps (a
+    collective is also kept by a C++ reference: another tensor's ``.grad``) and check, after fully_shard
+    training steps (a
     zero-numel parameter, a cast all-gather, a DTensor redistribute), that Python still holds every one
     of them: none is left owned by the work alone, whose thread would free it (and take the GIL) at
     interpreter exit. Then, once the "worker" lets go, nothing stays held."""

@@ -1,4 +1,5 @@
-"""``raggedfsdp estimate-time``: the calibrated model predicts larger local runs, and the CLI's examples run."""
+"""``raggedfsdp estimate-time``: the calibrated model predicts larger local runs, and the CLI's examples
+run."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path, monkeypat
         for m, n, meas, pred, err, med, step in out:
             print(
                 f"\n{m} ws {n}: measured {meas * 1e3:.1f} ms CPU (median {med * 1e3:.1f}), predicted "
-                f"{pred * 1e3:.1f} ms ({err:+.1%}; elapsed on {cluster['devices_per_node']} cores: {step * 1e3:.0f} ms)"
+                f"{pred * 1e3:.1f} ms ({err:+.1%}; elapsed on {cluster['devices_per_node']} cores: "
+                f"{step * 1e3:.0f} ms)"
             )
     assert all(abs(row[4]) <= 0.25 for row in out if row[1] >= 3), out
 

@@ -1,4 +1,5 @@
-"""`raggedfsdp train --optim muon|adamw8bit|shampoo` through the README's command path (2 gloo ranks, debug model)."""
+"""`raggedfsdp train --optim muon|adamw8bit|shampoo` through the README's command path (2 gloo ranks, debug
+model)."""
 
 from __future__ import annotations
 

@@ -141,7 +141,8 @@ def _peak_case(rank, ws, d, n, batch):
             b: measure_train_step(builder(b, init, mesh, dt, d=d, n=n), loss_fn(x), "cuda")._asdict()
             for b in ("ragged", "torch")
         }
-        # sharded state + current/prefetched units + the root's params and grads + (K+1) grad units + one weight-gradient
+        # sharded state + current/prefetched units + the root's params and grads + (K+1) grad units + one
+        # weight-gradient
         # temporary (as tests/dist/test_fsdp_memory.py, K = 1)
         r["bound_without_activations"] = (
             int(1.01 * 4 * n_params * 4 / ws)

@@ -179,7 +179,8 @@ def test_batch_must_split_over_ranks_and_micro_steps():
             16,
             3,
             1,
-            "use --batch-size 15 or --batch-size 18, or a world size that divides 16 (--nproc 1, 2, 4, 8, 16)",
+            "use --batch-size 15 or --batch-size 18, or a world size that divides 16 (--nproc 1, 2, 4, 8, "
+            "16)",
         ),
         (16, 32, 1, "use --batch-size 32, or a world size that divides 16"),
         (16, 2, 3, "use --batch-size 12 or --batch-size 18"),

@@ -95,6 +95,9 @@ def test_each_unit_state_has_one_writer_class():
 
 def test_checker_sees_a_write_from_another_class():
     """The checker itself: a transition written outside the owner (as ``_reduce.py`` once did) is found."""
-    src = "class PendingReduce:\n    def done(self, g):\n        g.grads.grad_state, g.grads.sg_pending = 1, 2\n"
+    src = (
+        "class PendingReduce:\n    def done(self, g):\n        g.grads.grad_state, g.grads.sg_pending = "
+        "1, 2\n"
+    )
     found = [(cls, f) for cls, f, _ in _writes(ast.parse(src)) if f in FIELD_OWNER]
     assert found == [("PendingReduce", "grad_state"), ("PendingReduce", "sg_pending")]

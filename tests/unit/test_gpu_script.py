@@ -84,7 +84,8 @@ def test_stage_plan_fits_the_deadline():
 def test_stage_timeout_kills_the_whole_process_group(tmp_path):
     pidfile = tmp_path / "child.pid"
     code = (
-        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(60)']);"
         f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
     t0 = time.monotonic()

@@ -14,7 +14,8 @@ from torch import nn
 
 
 class _QwenLikeLayer(nn.Module):
-    """The parameter shapes of one Qwen3-4B decoder layer (hidden 2560, 32 q / 8 kv heads of 128, MLP 9728)."""
+    """The parameter shapes of one Qwen3-4B decoder layer (hidden 2560, 32 q / 8 kv heads of 128, MLP
+    9728)."""
 
     def __init__(self):
         super().__init__()

@@ -87,7 +87,8 @@ def test_gpt_oss_120b_at_256_fsdp2_doubles_the_all_gather_ours_does_not(ep):
     numel = dense[1].numel + (experts[0].numel if experts else 0)
     assert fsdp2 > 1.8 * numel  # 128 (or 16) experts over 256 (or 32) ranks: half the ranks hold padding
     # ours: equal flat shards, no doubling. ep 8 leaves a 27M-element non-expert unit on 256 ranks whose
-    # row blocks (rows of 2,880 and 4,096) cost 43% of it -- the planner's order-free bound -- 4.8% of the layer
+    # row blocks (rows of 2,880 and 4,096) cost 43% of it -- the planner's order-free bound -- 4.8% of the
+    # layer
     assert numel <= ours <= (1.01 if ep == 1 else 1.05) * numel, ours / numel
     assert fsdp2 > 1.75 * ours
     assert plan.experts_group == 256 // ep

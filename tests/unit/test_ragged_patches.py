@@ -98,7 +98,8 @@ def test_no_alias_keeps_torch_original_code():
 
     A name counts as an alias of a patched function when it is the same function (``__module__`` +
     ``__qualname__``) or carries its original code object. With module-attribute patching (before
-    this design) this found 11 stale aliases on torch 2.13, e.g. ``tensor._api.compute_local_shape_and_global_offset``.
+    this design) this found 11 stale aliases on torch 2.13, e.g.
+    ``tensor._api.compute_local_shape_and_global_offset``.
     """
     RaggedShard((0,), (1,))
     targets = {}
