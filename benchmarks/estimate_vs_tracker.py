@@ -107,10 +107,9 @@ def main(argv=None) -> int:
         k = 1024
         print(
             f"{r['model']:12s}{r['world_size']:3d} | {e['SHARDED_PARAM'] / k:12.1f} "
-            f"{o['SHARDED_PARAM'] / k:12.1f} "
-            f"{t['SHARDED_PARAM'] / k:14.1f} | {e['OPT'] / k:10.1f} {o['OPT'] / k:10.1f} "
-            f"{t['OPT'] / k:12.1f} | "
-            f"{e['WORKING'] / k:14.1f} {t['UNSHARDED_PARAM'] / k:8.1f}+{t['ACT'] / k:.1f}+{t['TEMP'] / k:.1f}"
+            f"{o['SHARDED_PARAM'] / k:12.1f} {t['SHARDED_PARAM'] / k:14.1f} | {e['OPT'] / k:10.1f} "
+            f"{o['OPT'] / k:10.1f} {t['OPT'] / k:12.1f} | {e['WORKING'] / k:14.1f} "
+            f"{t['UNSHARDED_PARAM'] / k:8.1f}+{t['ACT'] / k:.1f}+{t['TEMP'] / k:.1f}"
         )
     return 0
 

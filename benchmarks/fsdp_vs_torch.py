@@ -127,8 +127,7 @@ def main():
         med = {b: statistics.median(t) for b, t in times.items()}
         print(
             f"model={args.flavor} ws={ws} batch/rank={args.batch} seq={args.seq} "
-            f"param_dtype={args.param_dtype} "
-            f"device={args.device} steps={args.steps}"
+            f"param_dtype={args.param_dtype} device={args.device} steps={args.steps}"
         )
         print(
             f"step time median  ragged {med['ragged'] * 1e3:8.1f} ms   torch {med['torch'] * 1e3:8.1f} ms   "

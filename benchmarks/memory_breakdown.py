@@ -168,9 +168,8 @@ def main(argv=None) -> dict | None:
         print(json.dumps(res))
         return res
     print(
-        f"# {args.model} ({args.param_dtype}), {args.backend} backend"
-        f" (comm: {args.comm}), ws {ws}, rank {rank}; "
-        f"largest unit {res['ragged']['unit_bytes'] / MiB:.2f} MiB fp32"
+        f"# {args.model} ({args.param_dtype}), {args.backend} backend (comm: {args.comm}), ws {ws}, rank "
+        f"{rank}; largest unit {res['ragged']['unit_bytes'] / MiB:.2f} MiB fp32"
     )
     for b in ("ragged", "torch"):
         r = res[b]

@@ -105,9 +105,8 @@ def _print(res: dict, args, ws: int, rank: int) -> None:
     unit = 2 * (args.dim**2 + args.dim) * 4
     print(
         f"# model: {args.blocks} blocks x 2 Linear({args.dim},{args.dim}) + root Linear; unit "
-        f"{unit / MiB:.2f} MiB "
-        f"fp32; batch/rank {args.batch}; AdamW; backend {args.backend}"
-        f" (comm: {args.comm}); device {args.device}; ws {ws}; rank {rank}"
+        f"{unit / MiB:.2f} MiB fp32; batch/rank {args.batch}; AdamW; backend {args.backend} (comm: "
+        f"{args.comm}); device {args.device}; ws {ws}; rank {rank}"
     )
     print(
         f"{'dtype':5s} {'backend':7s} {'state MiB':>10s} {'fwd+bwd peak':>13s} {'optim peak':>11s}"

@@ -219,9 +219,8 @@ def _cost_section(args, device, mesh, out) -> None:
         fmax, fmean = _max(st["ns_flops"]), _sum(st["ns_flops"]) / dist.get_world_size()
         t_fb, t_a, t_m = _max(t_fb), _max(t_a), _max(t_m)
         out.append(
-            f"  {batch * args.seq:16d} | {t_fb:10.1f} | {t_a:9.1f} ({t_a / (t_fb + t_a):5.1%}) | "
-            f"{t_m:9.1f} ({t_m / (t_fb + t_m):5.1%}) | {t_m / t_a:6.1f}x | {fmax / 1e9:.3f} "
-            f"({fmean / 1e9:.3f})"
+            f"  {batch * args.seq:16d} | {t_fb:10.1f} | {t_a:9.1f} ({t_a / (t_fb + t_a):5.1%}) | {t_m:9.1f} "
+            f"({t_m / (t_fb + t_m):5.1%}) | {t_m / t_a:6.1f}x | {fmax / 1e9:.3f} ({fmean / 1e9:.3f})"
         )
         del model, adamw, muon
 
@@ -253,9 +252,8 @@ def _overlap_section(args, device, mesh, out) -> None:
         )
         out.append(
             f"  pipeline_chunks={chunks}: step {res[chunks][0]:8.1f} ms | blocked in wait "
-            f"{res[chunks][1]:7.1f} ms "
-            f"| Newton-Schulz {res[chunks][2]:7.1f} ms (max over ranks) | chunks used {st['chunks']} "
-            f"| collectives {st['collectives']}"
+            f"{res[chunks][1]:7.1f} ms | Newton-Schulz {res[chunks][2]:7.1f} ms (max over ranks) | chunks "
+            f"used {st['chunks']} | collectives {st['collectives']}"
         )
     out.append(
         f"  pipelined / unpipelined step = {res[4][0] / res[1][0]:.2f}; wait hidden = "

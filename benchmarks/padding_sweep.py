@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, (max(gap, ugap), (model, m)))
             print(
                 f"| {model} | {m} | {100 * d['padding_ratio']:.4f}% | {100 * d['fsdp2_padding_ratio']:.4f}% "
-                f"| "
-                f"{gap:+.4f} | {ugap:+.4f} | {100 * row['padding_ratio']:.3f}% |"
+                f"| {gap:+.4f} | {ugap:+.4f} | {100 * row['padding_ratio']:.3f}% |"
             )
     print(f"\nworst gap vs FSDP2: {worst[0]:+.4f} percentage points at {worst[1]} (limit {LIMIT_PP})")
     return 0 if worst[0] <= LIMIT_PP else 1

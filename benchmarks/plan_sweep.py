@@ -87,9 +87,8 @@ def _row(m: int, p: ModelPlan, target: float) -> str:
         notes.append("plan = bound")
     return (
         f"| {m:>6} | {_pct(pad):>8} | {_pct(bound):>8} | {_pct(f2):>8} | "
-        f"{_pct(p.fsdp2_block_padding_ratio):>9} "
-        f"| {_pct(p.fsdp1_padding_ratio):>7} | {_pct(p.max_unit_padding_ratio):>8} | {p.plan_seconds:6.3f} "
-        f"| {'; '.join(notes)} |"
+        f"{_pct(p.fsdp2_block_padding_ratio):>9} | {_pct(p.fsdp1_padding_ratio):>7} | "
+        f"{_pct(p.max_unit_padding_ratio):>8} | {p.plan_seconds:6.3f} | {'; '.join(notes)} |"
     )
 
 

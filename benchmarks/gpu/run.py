@@ -55,21 +55,15 @@ STAGES = [
 ]
 ENV_BUDGET = 20
 ENV_CODE = (
-    "import json, sys, torch\n"
-    "info = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
-    "        'cuda_available': torch.cuda.is_available(), 'gpus': torch.cuda.device_count()}\n"
-    "if torch.cuda.is_available():\n"
-    "    info['gpu_names'] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]\n"
-    "    info['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
-    "for mod in ('pytest', 'numpy', 'transformers'):\n"
-    "    import importlib.util\n"
-    "    info[f'has_{mod}'] = importlib.util.find_spec(mod) is not None\n"
-    "try:\n"
-    "    import raggedfsdp, raggedfsdp.bench.memory, raggedfsdp.models.llama, raggedfsdp.models.moe\n"
-    "    info['raggedfsdp_import'] = 'ok'\n"
-    "except Exception as e:\n"
-    "    info['raggedfsdp_import'] = f'{type(e).__name__}: {e}'\n"
-    "print(json.dumps(info))\n"
+    "import json, sys, torch\ninfo = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': "
+    "torch.version.cuda,\n        'cuda_available': torch.cuda.is_available(), 'gpus': "
+    "torch.cuda.device_count()}\nif torch.cuda.is_available():\n    info['gpu_names'] = "
+    "[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]\n    info['nccl'] = "
+    "'.'.join(map(str, torch.cuda.nccl.version()))\nfor mod in ('pytest', 'numpy', 'transformers'):\n    "
+    "import importlib.util\n    info[f'has_{mod}'] = importlib.util.find_spec(mod) is not None\ntry:\n    "
+    "import raggedfsdp, raggedfsdp.bench.memory, raggedfsdp.models.llama, raggedfsdp.models.moe\n    "
+    "info['raggedfsdp_import'] = 'ok'\nexcept Exception as e:\n    info['raggedfsdp_import'] = "
+    "f'{type(e).__name__}: {e}'\nprint(json.dumps(info))\n"
 )
 
 

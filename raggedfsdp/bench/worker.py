@@ -436,20 +436,15 @@ def format_report(r: dict) -> str:
     a, b = r["raggedfsdp"], r["torch"]
     lines = [
         f"model {r['model']}/{r['flavor']} experts={r['experts']} wrap={r['wrap']} ep={r.get('ep', 1)} "
-        f"tp={r.get('tp', 1)} "
-        f"params={r['num_params']:,} | "
-        f"{r['nproc']} ranks on {r['device']} ({r['threads_per_rank']} threads each), torch "
-        f"{r['torch_version']} | "
-        f"batch/rank {r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce "
-        f"{r['reduce_dtype']}, "
+        f"tp={r.get('tp', 1)} params={r['num_params']:,} | {r['nproc']} ranks on {r['device']} "
+        f"({r['threads_per_rank']} threads each), torch {r['torch_version']} | batch/rank "
+        f"{r['batch_per_rank']} x seq {r['seq']}, param {r['param_dtype']} reduce {r['reduce_dtype']}, "
         f"{r['steps']} alternated steps after {r['warmup']} warm-up",
         f"{'':22s}{'raggedfsdp':>16s}{'torch':>16s}   ratio",
         f"{'step time median':22s}{a['step_seconds_median'] * 1e3:13.1f} "
-        f"ms{b['step_seconds_median'] * 1e3:13.1f} ms"
-        f"   throughput x{r['throughput_ratio']:.3f}",
+        f"ms{b['step_seconds_median'] * 1e3:13.1f} ms   throughput x{r['throughput_ratio']:.3f}",
         f"{'CPU time / step / rank':22s}{a['cpu_seconds_median'] * 1e3:13.1f} "
-        f"ms{b['cpu_seconds_median'] * 1e3:13.1f} ms"
-        f"   x{r['cpu_time_ratio']:.3f}",
+        f"ms{b['cpu_seconds_median'] * 1e3:13.1f} ms   x{r['cpu_time_ratio']:.3f}",
         f"{'peak memory (max rank)':22s}{_mib(a['peak_memory_bytes']):>16s}{_mib(b['peak_memory_bytes']):>16s}"
         f"   x{r['peak_memory_ratio']:.3f}",
         f"{'  peak fwd / bwd (MiB)':22s}{_fb(a):>16s}{_fb(b):>16s}   (bwd: above the end of forward)",
@@ -474,8 +469,7 @@ def format_report(r: dict) -> str:
             f"{'FSDP overhead / step':22s}{o['raggedfsdp'] * 1e3:13.1f} ms{o['torch'] * 1e3:13.1f} ms"
             f"   torch / raggedfsdp x{r['overhead_ratio']:.3f}",
             f"{'  of it: collectives':22s}{a['comm_only_seconds'] * 1e3:13.1f} "
-            f"ms{b['comm_only_seconds'] * 1e3:13.1f} ms"
-            "   (the step's collectives replayed alone)",
+            f"ms{b['comm_only_seconds'] * 1e3:13.1f} ms   (the step's collectives replayed alone)",
             f"{'  the rest':22s}{r['non_comm_overhead_seconds']['raggedfsdp'] * 1e3:13.1f} ms"
             f"{r['non_comm_overhead_seconds']['torch'] * 1e3:13.1f} ms   (hooks, copies, grad traffic, "
             f"exposed waits)",

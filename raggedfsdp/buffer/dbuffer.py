@@ -143,10 +143,9 @@ class DBuffer:
             if self.alloc_stream_key not in waited:
                 raise BufferLifetimeError(
                     f"raggedfsdp: {action} of the {self.name} buffer ({self.data.numel()} x "
-                    f"{self.data.dtype}) while "
-                    f"{handle.what} #{handle.id} that uses it was not waited on the stream that allocated it "
-                    f"(waited on: {sorted(map(str, waited)) or 'none'}); this is a runtime bug, please "
-                    f"report it"
+                    f"{self.data.dtype}) while {handle.what} #{handle.id} that uses it was not waited on the "
+                    f"stream that allocated it (waited on: {sorted(map(str, waited)) or 'none'}); this is a "
+                    "runtime bug, please report it"
                 )
 
     # ---- views ---------------------------------------------------------------------------

@@ -47,8 +47,7 @@ def check_mixtral_compatible(cfg) -> None:
         if got != want:
             raise ValueError(
                 f"the MoE has {key}={got!r}; the Hugging Face export (MixtralForCausalLM) needs "
-                f"{key}={want!r}; "
-                "use --to torch for this model"
+                f"{key}={want!r}; use --to torch for this model"
             )
 
 

@@ -88,9 +88,8 @@ def run(args) -> int:
         return error(str(e))
     if name not in ("llama", "moe"):
         return error(
-            f"--to safetensors supports the llama (HF LlamaForCausalLM) and moe (HF MixtralForCausalLM) "
-            f"models; "
-            f"this checkpoint is {name!r}: use --to torch"
+            "--to safetensors supports the llama (HF LlamaForCausalLM) and moe (HF MixtralForCausalLM) "
+            f"models; this checkpoint is {name!r}: use --to torch"
         )
     try:
         if (

@@ -207,10 +207,9 @@ def _text_report(args, plan: ModelPlan, choice: UnitChoice | None = None) -> str
         )
     lines.append(
         f"total padding {_pct(plan.padding_ratio)} (order-free bound {_pct(plan.bound_padding_ratio)}); "
-        f"FSDP2 {_pct(plan.fsdp2_padding_ratio)}, "
-        f"FSDP2 keeping blocks {_pct(plan.fsdp2_block_padding_ratio)}, "
-        f"FSDP1/flat {_pct(plan.fsdp1_padding_ratio)}; worst unit {_pct(plan.max_unit_padding_ratio)}; "
-        f"planning {plan.plan_seconds:.3f} s"
+        f"FSDP2 {_pct(plan.fsdp2_padding_ratio)}, FSDP2 keeping blocks "
+        f"{_pct(plan.fsdp2_block_padding_ratio)}, FSDP1/flat {_pct(plan.fsdp1_padding_ratio)}; worst unit "
+        f"{_pct(plan.max_unit_padding_ratio)}; planning {plan.plan_seconds:.3f} s"
     )
     per_rank = sum(u.layout.shard_size for u in plan.units)
     lines.append(
@@ -242,8 +241,7 @@ def _ep_report(args, plan: EPPlan) -> str:
     lines = [
         (
             f"EP {ep}: world {m} = {m // ep} x {ep}; routed experts sharded over FSDP groups of {m // ep} "
-            f"ranks "
-            f"(each holding 1/{ep} of the experts), everything else over all {m}"
+            f"ranks (each holding 1/{ep} of the experts), everything else over all {m}"
         ),
         "-- non-expert units, FSDP group " + str(m),
         _text_report(args, plan.dense),
@@ -381,8 +379,7 @@ def _run_tp(args, units, spec) -> int:
     if args.ep != 1:
         return _error(
             f"--tp {args.tp} with --ep {args.ep}: EP x TP is not supported (raggedfsdp.models.apply_tp has "
-            f"no "
-            "expert TP plan); plan one of them: --ep for a mixture of experts, --tp for a dense model"
+            "no expert TP plan); plan one of them: --ep for a mixture of experts, --tp for a dense model"
         )
     if args.unit == "auto":
         return _error(f"--unit auto with --tp {args.tp}: not supported; give --unit layer | layers:K")
@@ -412,8 +409,7 @@ def _run_tp(args, units, spec) -> int:
     print(
         f"TP {args.tp}: world {args.world_size} = {m} x {args.tp}; every unit is planned on its TP-local "
         f"shapes (one TP rank's {plan.numel / 1e9:.2f}B of the model's {total / 1e9:.2f}B params) over an "
-        f"FSDP "
-        f"group of {m} ranks"
+        f"FSDP group of {m} ranks"
     )
     print(_text_report(args, plan))
     print(

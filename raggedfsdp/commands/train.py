@@ -84,10 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a small LLaMA-style model with FSDP on N local ranks (torchrun)",
         description=(
-            "Validate the config, then launch N ranks of raggedfsdp.launch.worker with torchrun\n"
-            "(torch.distributed.run --standalone). Same as:\n"
-            "  OMP_NUM_THREADS=<cores/N> torchrun --standalone --nproc_per_node N \\\n"
-            "      -m raggedfsdp.launch.worker [flags]"
+            "Validate the config, then launch N ranks of raggedfsdp.launch.worker with "
+            "torchrun\n(torch.distributed.run --standalone). Same as:\n  OMP_NUM_THREADS=<cores/N> torchrun "
+            "--standalone --nproc_per_node N \\\n      -m raggedfsdp.launch.worker [flags]"
         ),
         epilog=_TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -228,10 +228,8 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
     what = "; ".join(differ) if differ else "the same units, in a different order"
     when = (
         "found by the deferred check of the previous backward's used-flag all-reduce (on CUDA it is read at "
-        "the "
-        "next forward to keep the step free of host syncs): the optimizer step of that iteration already "
-        "used "
-        "the wrong gradients, so restore the last checkpoint"
+        "the next forward to keep the step free of host syncs): the optimizer step of that iteration already "
+        "used the wrong gradients, so restore the last checkpoint"
         if late
         else "found in the used-flag all-reduce at the end of backward, before any gradient was set; the "
         "gradients "
@@ -239,9 +237,8 @@ def _mismatch_error(differ: list[str], ran: str, *, late: bool) -> CollectiveMis
     )
     return CollectiveMismatchError(
         f"raggedfsdp: FSDP units ran differently across ranks since the last check ({when}): units whose "
-        f"collective counts differ: {what}. This rank (rank {rank}) issued: {ran}. Collectives pair up "
-        "by issue order, so same-sized collectives of different units paired up and these gradients are "
-        "wrong. "
+        f"collective counts differ: {what}. This rank (rank {rank}) issued: {ran}. Collectives pair up by "
+        "issue order, so same-sized collectives of different units paired up and these gradients are wrong. "
         "Every rank must run the same FSDP units in the same order: run a unit on every rank (with an empty "
         "input, as MoE experts inside one unit are) or merge data-dependent branches into a unit every rank "
         "runs. Call reset_iter_state() on the root before the next step."

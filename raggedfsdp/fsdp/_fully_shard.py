@@ -162,8 +162,7 @@ def fully_shard(
         if reshard_after_forward:
             raise ValueError(
                 f"fully_shard: zero_stage={zero_stage} keeps params unsharded after forward, which "
-                f"contradicts "
-                "reshard_after_forward=True; drop one of the two"
+                "contradicts reshard_after_forward=True; drop one of the two"
             )
         reshard_after_forward = False
     if not isinstance(offload_policy, OffloadPolicy):
@@ -178,14 +177,12 @@ def fully_shard(
         if k < 1 or m % k != 0:
             raise ValueError(
                 f"fully_shard: reshard_after_forward={k} must be a positive divisor of the shard world size "
-                f"{m} "
-                "(the size of the smaller group params are resharded to after forward)"
+                f"{m} (the size of the smaller group params are resharded to after forward)"
             )
         if mesh.ndim != 1:
             raise NotImplementedError(
                 f"fully_shard: int reshard_after_forward={k} is supported on 1-D meshes only (got "
-                f"{mesh.ndim}-D); "
-                "with HSDP use reshard_after_forward=True/False"
+                f"{mesh.ndim}-D); with HSDP use reshard_after_forward=True/False"
             )
         if k == m:
             reshard_after_forward = True

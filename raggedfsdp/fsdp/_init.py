@@ -36,8 +36,7 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ValueError(
             f"fully_shard: rank {dist.get_rank()} is not part of mesh {mesh.mesh.tolist()}; every rank that "
-            f"calls "
-            "fully_shard must belong to the mesh (build it over the ranks running this model)"
+            "calls fully_shard must belong to the mesh (build it over the ranks running this model)"
         )
     return mesh
 
@@ -66,11 +65,9 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 raise ValueError(
                     f"fully_shard: parameter {fqn!r} of {here} is the same parameter as {other_fqn!r} of the "
                     f"fully_shard unit {unit}, which already sharded it: a parameter shared (tied) across "
-                    f"units "
-                    "cannot be sharded twice (it would be silently untied). Apply fully_shard so that both "
-                    "owners "
-                    "are in one unit (e.g. skip the inner call, or wrap their common parent), or untie the "
-                    "parameter"
+                    "units cannot be sharded twice (it would be silently untied). Apply fully_shard so that "
+                    "both owners are in one unit (e.g. skip the inner call, or wrap their common parent), "
+                    "or untie the parameter"
                 )
             if id(p) not in out:
                 out[id(p)] = (p, fqn, [])
@@ -207,8 +204,7 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
     if metas and len(metas) != len(params):
         raise ValueError(
             f"fully_shard: parameters {metas} are on the meta device while others are materialized; a unit "
-            f"must be "
-            "all-meta (then call module.to_empty(device=...) and initialize after fully_shard) or "
+            "must be all-meta (then call module.to_empty(device=...) and initialize after fully_shard) or "
             "all-materialized"
         )
     devices = {p.device.type for p, _, _ in params} - {"meta"}
@@ -223,9 +219,8 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
         devices = devices - {"cpu"}
     if devices and devices != {mesh.device_type}:
         raise ValueError(
-            f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; "
-            f"move the "
-            f"module with module.to({mesh.device_type!r}) or build the mesh on the parameters' device"
+            f"fully_shard: parameters are on {sorted(devices)} but the mesh is on {mesh.device_type!r}; move "
+            f"the module with module.to({mesh.device_type!r}) or build the mesh on the parameters' device"
         )
     return _mesh_device(mesh)
 
@@ -251,8 +246,7 @@ def _granularity_fn(shard_placement_fn):
         if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
             raise FSDPTypeError(
                 f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int "
-                f"block "
-                "size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', "
+                "block size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', "
                 "'matrix'"
             )
         if isinstance(r, Shard):

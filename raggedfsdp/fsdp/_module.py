@@ -286,8 +286,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def __deepcopy__(self, memo):
         raise FSDPDeepcopyError(
             "raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before fully_shard, "
-            "or "
-            "copy through a state dict"
+            "or copy through a state dict"
         )
 
 
@@ -303,8 +302,7 @@ def _check_fsdp_modules(modules, name: str) -> None:
         if not isinstance(m, FSDPModule):  # also ValueError, as torch's _assert_all_fsdp_modules
             raise FSDPTypeError(
                 f"{name}: expects raggedfsdp FSDPModules, got {type(m).__name__}; call "
-                f"raggedfsdp.fully_shard on it "
-                "first"
+                "raggedfsdp.fully_shard on it first"
             )
 
 

@@ -123,8 +123,7 @@ class FSDPParamGroup:
             if p.ndim == 0:
                 raise ValueError(
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp "
-                    f"needs "
-                    "at least one dim: store it with shape (1,)"
+                    "needs at least one dim: store it with shape (1,)"
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
@@ -145,8 +144,7 @@ class FSDPParamGroup:
             if g < 1 or shape.numel() % g != 0:
                 raise ValueError(
                     f"fully_shard: granularity {g} elements for parameter {fqn!r} of (TP-local) shape "
-                    f"{tuple(shape)} "
-                    f"must be >= 1 and divide its numel {shape.numel()}"
+                    f"{tuple(shape)} must be >= 1 and divide its numel {shape.numel()}"
                 )
             self.fsdp_params.append(
                 FSDPParam(
@@ -221,14 +219,12 @@ class FSDPParamGroup:
         names = ", ".join(key[:4]) + (f", ... ({len(key)} params)" if len(key) > 4 else "")
         warnings.warn(
             f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its "
-            f"{self.layout.total_numel} "
-            f"elements on {self.layout.world_size} ranks (torch's fully_shard: {ref:.1%}) because no rank "
-            f"boundary "
-            f"may cut a block; its largest blocks: {blocks}. Only structure-aware optimizers need blocks "
-            "(AdamW8bit, Shampoo: their shard_placement_fn). For AdamW, SGD and raggedfsdp.optim.Muon leave "
-            "shard_placement_fn unset (the default, element granularity, pads least); otherwise give blocks "
-            "only "
-            "to the parameters that need them, or shard over fewer ranks (HSDP: a 2-D mesh)",
+            f"{self.layout.total_numel} elements on {self.layout.world_size} ranks (torch's fully_shard: "
+            f"{ref:.1%}) because no rank boundary may cut a block; its largest blocks: {blocks}. Only "
+            "structure-aware optimizers need blocks (AdamW8bit, Shampoo: their shard_placement_fn). For "
+            "AdamW, SGD and raggedfsdp.optim.Muon leave shard_placement_fn unset (the default, element "
+            "granularity, pads least); otherwise give blocks only to the parameters that need them, or "
+            "shard over fewer ranks (HSDP: a 2-D mesh)",
             stacklevel=4,
         )
 
@@ -355,11 +351,9 @@ class FSDPParamGroup:
         if len(dtypes) > 1 or len(devices) > 1:
             names = ", ".join(f"{fp.fqn}:{t.dtype}@{t.device}" for fp, t in zip(self.fsdp_params, locals_))
             raise ValueError(
-                f"raggedfsdp: the parameters of FSDP unit {self.unit_name!r} must share one dtype and "
-                f"device (one flat "
-                f"buffer), got {names}; convert the whole fully_shard'ed module (module.to(...)) or load a "
-                f"state "
-                "dict of one dtype"
+                f"raggedfsdp: the parameters of FSDP unit {self.unit_name!r} must share one dtype and device "
+                f"(one flat buffer), got {names}; convert the whole fully_shard'ed module (module.to(...)) "
+                "or load a state dict of one dtype"
             )
         device = next(iter(devices)) if devices else (locals_[0].device if locals_ else self.device)
         if dtypes and (dt := next(iter(dtypes))) != self.orig_dtype:
@@ -441,8 +435,7 @@ class FSDPParamGroup:
                 raise ValueError(
                     f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
                     f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); "
-                    f"load a full "
-                    "tensor or a DTensor with the parameter's own mesh and placements (e.g. "
+                    "load a full tensor or a DTensor with the parameter's own mesh and placements (e.g. "
                     "distribute_tensor(full, p.device_mesh, p.placements) or DCP)"
                 )
             for attr in ("_raggedfsdp_owner", "_raggedfsdp_unit"):
@@ -593,16 +586,12 @@ class FSDPParamGroup:
         if hi_id != -lo_id or hi_n != -lo_n:
             raise RuntimeError(
                 f"raggedfsdp: collective mismatch on rank {dist.get_rank()}: this rank issues the {what} of "
-                f"FSDP unit "
-                f"{self.unit_name!r} (#{uid}, {numel} elements) while another rank of its group issues one "
-                f"of unit "
-                f"#{-lo_id if -lo_id != uid else hi_id} ({-lo_n if -lo_n != numel else hi_n} elements). "
-                f"Every rank must "
-                "run the same FSDP units in the same order; a unit run by only some ranks (data-dependent "
-                "routing, "
-                "e.g. MoE experts as separate units) must be run on every rank (with an empty input) or "
-                "merged "
-                "into a unit that every rank runs"
+                f"FSDP unit {self.unit_name!r} (#{uid}, {numel} elements) while another rank of its group "
+                f"issues one of unit #{-lo_id if -lo_id != uid else hi_id} "
+                f"({-lo_n if -lo_n != numel else hi_n} elements). Every rank must run the same FSDP units in "
+                "the same order; a unit run by only some ranks (data-dependent routing, e.g. MoE experts as "
+                "separate units) must be run on every rank (with an empty input) or merged into a unit that "
+                "every rank runs"
             )
 
     def reset(self) -> None:

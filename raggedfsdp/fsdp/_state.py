@@ -96,8 +96,7 @@ class FSDPState:
             if st.is_root:
                 raise RuntimeError(
                     "raggedfsdp: a nested fully_shard module already ran forward as a root; run forward on "
-                    "the "
-                    "outermost module first (or call fully_shard on the root before any forward)"
+                    "the outermost module first (or call fully_shard on the root before any forward)"
                 )
             st.is_root = False
             st.root = self

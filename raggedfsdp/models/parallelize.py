@@ -155,8 +155,7 @@ def apply_fsdp(
         if backend != "ragged":
             raise ValueError(
                 f"apply_fsdp: shard_placement_fn is a raggedfsdp block policy; backend={backend!r} cannot "
-                f"honour it "
-                "(use backend 'ragged')"
+                "honour it (use backend 'ragged')"
             )
         kw["shard_placement_fn"] = shard_placement_fn
     *units, _root = fsdp_unit_modules(model, unit)

@@ -93,9 +93,8 @@ def matrices_of(shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
         n = shape[1] * shape[2]
         return [(e * n, n, shape[1], shape[2]) for e in range(shape[0])]
     raise ValueError(
-        f"Muon handles 2-D matrices and 3-D expert stacks (E, d, h), got a parameter of shape "
-        f"{tuple(shape)}; "
-        "put it in an AdamW group (raggedfsdp.optim.muon_param_groups does this)"
+        "Muon handles 2-D matrices and 3-D expert stacks (E, d, h), got a parameter of shape "
+        f"{tuple(shape)}; put it in an AdamW group (raggedfsdp.optim.muon_param_groups does this)"
     )
 
 

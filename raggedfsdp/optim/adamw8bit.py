@@ -130,9 +130,8 @@ class AdamW8bit(Optimizer):
             if a % tile or b % tile:
                 raise ValueError(
                     f"AdamW8bit: parameter #{self._index[id(p)]} of shape {shape}: rank {q}'s piece [{a}, "
-                    f"{b}) "
-                    f"cuts a {r}x{c} tile (pieces must hold whole multiples of {tile} elements = {r} rows); "
-                    "shard it with fully_shard(..., shard_placement_fn=AdamW8bit.shard_placement_fn)"
+                    f"{b}) cuts a {r}x{c} tile (pieces must hold whole multiples of {tile} elements = {r} "
+                    "rows); shard it with fully_shard(..., shard_placement_fn=AdamW8bit.shard_placement_fn)"
                 )
         ncb = -(-ncols // c)
         units = tuple((b - a) // tile for a, b in info.ranges)

@@ -49,8 +49,7 @@ def _check_norm_type(norm_type) -> float:
     if not (p > 0 or p == float("-inf")):
         raise ValueError(
             f"clip_grad_norm_: norm_type={norm_type!r} must be a positive number, float('inf') or "
-            f"float('-inf'); "
-            "e.g. norm_type=2.0"
+            "float('-inf'); e.g. norm_type=2.0"
         )
     return p
 
@@ -97,8 +96,7 @@ def get_total_norm(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total norm of order {p} of the gradients is non-finite ({total.item()}), "
-            f"so it "
-            "cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway"
+            "so it cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway"
         )
     return total
 

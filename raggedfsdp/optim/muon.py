@@ -160,8 +160,7 @@ class Muon(Optimizer):
                     if p.ndim not in (2, 3):
                         raise ValueError(
                             f"Muon: parameter #{self._index[id(p)]} of shape {tuple(p.shape)} is not a "
-                            f"matrix or "
-                            "an expert stack (E, d, h); give it to AdamW, e.g. "
+                            "matrix or an expert stack (E, d, h); give it to AdamW, e.g. "
                             "Muon(raggedfsdp.optim.muon_param_groups(model))"
                         )
                     self._info(p)  # validates placements early

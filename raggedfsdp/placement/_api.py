@@ -55,8 +55,7 @@ def make_from_local(stock):
             if shape is None or stride is None:
                 raise ValueError(
                     f"DTensor.from_local with {tuple(placements)}: a RaggedShard local tensor is a flat "
-                    f"piece, "
-                    "so the global shape cannot be inferred; pass shape=<global shape> and "
+                    "piece, so the global shape cannot be inferred; pass shape=<global shape> and "
                     "stride=<global contiguous stride>"
                 )
             mesh = device_mesh or _current_mesh()

@@ -211,10 +211,9 @@ def make_compute_local_shape_and_global_offset(stock):
         if len(boxes) > 1:
             raise ValueError(
                 f"compute_local_shape_and_global_offset: the {rs} piece of shape {gshape} on this rank is "
-                f"not a "
-                f"rectangle (it is {len(boxes)} boxes). Use "
-                f"raggedfsdp.placement._checkpoint.local_boxes(dtensor), "
-                "or coarser dims (dims=(0,)) so each piece is whole rows"
+                f"not a rectangle (it is {len(boxes)} boxes). Use "
+                "raggedfsdp.placement._checkpoint.local_boxes(dtensor), or coarser dims (dims=(0,)) so each "
+                "piece is whole rows"
             )
         off, size, _ = boxes[0]
         return tuple(size), tuple(int(o) + int(g) for o, g in zip(off, base_off))

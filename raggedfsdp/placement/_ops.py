@@ -170,8 +170,7 @@ def _check_pointwise(op_schema) -> None:
                 raise _err(
                     op,
                     f"operand of shape {tuple(s.shape)} {s.placements} would broadcast against the "
-                    f"RaggedShard "
-                    f"operand of shape {tuple(ref.shape)} {ref.placements}",
+                    f"RaggedShard operand of shape {tuple(ref.shape)} {ref.placements}",
                 )
             if s.mesh != ref.mesh:
                 raise ValueError(
@@ -255,8 +254,7 @@ def make_map_after_reduction(stock):
                 if not all(d in reduction_dims for d in p.dims):
                     raise RaggedShardOpError(
                         f"RaggedShard: reduction over dims {list(reduction_dims)} does not cover the ragged "
-                        f"dims "
-                        f"{p.dims} of {p}; only full reductions are supported"
+                        f"dims {p.dims} of {p}; only full reductions are supported"
                     )
                 out.append(get_placement_from_reduction_op(reduction_op))
             else:
@@ -479,9 +477,8 @@ def make_map_placements_after_broadcast(stock):
             else:
                 raise RaggedShardOpError(
                     f"RaggedShard: {p} of an output of shape {tuple(shape)} cannot be mapped onto an operand "
-                    f"broadcast along its ragged dims (map {broadcast_dims_map}); operands of a pointwise "
-                    f"op on "
-                    "RaggedShard DTensors must have the same global shape or be scalars"
+                    f"broadcast along its ragged dims (map {broadcast_dims_map}); operands of a pointwise op "
+                    "on RaggedShard DTensors must have the same global shape or be scalars"
                 )
         return tuple(out)
 

@@ -83,8 +83,7 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
     if len(placements) != mesh.ndim:
         raise ValueError(
             f"placements={placements} has {len(placements)} entries but the mesh {mesh} has {mesh.ndim} "
-            f"dims; "
-            "give one placement per mesh dim"
+            "dims; give one placement per mesh dim"
         )
     idx = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
     if not idx:
@@ -111,11 +110,10 @@ def check_placements(placements: Sequence[Placement], global_shape: Sequence[int
                 raise ValueError(
                     f"placements={placements}: {p} on mesh dim {j} cuts tensor dim {d} of shape "
                     f"{tuple(global_shape)} (size {base[d] if 0 <= d < ndim else '?'}), which lies inside "
-                    f"the "
-                    f"ragged rows of {rs} (dims={rs.dims}), into {mesh.size(j)} uneven parts; RaggedShard is "
-                    "applied to the local tensor the other placements produce, which must then have the same "
-                    f"shape on every rank: make dim {d} divisible by {mesh.size(j)} (pad it), or Shard a "
-                    f"dim >= {k}"
+                    f"the ragged rows of {rs} (dims={rs.dims}), into {mesh.size(j)} uneven parts; "
+                    "RaggedShard is applied to the local tensor the other placements produce, which must "
+                    f"then have the same shape on every rank: make dim {d} divisible by {mesh.size(j)} (pad "
+                    f"it), or Shard a dim >= {k}"
                 )
             base[d] //= mesh.size(j)
             continue

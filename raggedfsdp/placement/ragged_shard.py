@@ -144,8 +144,7 @@ class RaggedShard(Placement):
         if num_ranks is not None and len(self.local_units) != num_ranks:
             raise ValueError(
                 f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but the "
-                f"mesh "
-                f"dim has {num_ranks} ranks; give one unit count per rank"
+                f"mesh dim has {num_ranks} ranks; give one unit count per rank"
             )
         n, u = self.num_rows(shape), sum(self.local_units)
         if n % u != 0:
@@ -160,8 +159,7 @@ class RaggedShard(Placement):
         if len(self.local_units) != n:
             raise ValueError(
                 f"RaggedShard: local_units={self.local_units} has {len(self.local_units)} entries but mesh "
-                f"dim "
-                f"{mesh_dim} of {mesh} has {n} ranks; give one unit count per rank of that mesh dim"
+                f"dim {mesh_dim} of {mesh} has {n} ranks; give one unit count per rank of that mesh dim"
             )
 
     def row_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:

@@ -258,8 +258,7 @@ def granularity_for_local(
             f"fully_shard: block {spec} of {who} (global shape {gshape}) is cut by the tensor-parallel split "
             f"of dim {d} into parts of {lshape[d]} (local shape {lshape}): {why}. No TP or FSDP boundary may "
             "cut a block: choose a block that fits inside the TP-local tensor (e.g. 'row', 'element', a "
-            "smaller "
-            "tile), or shard that dim so its parts are a multiple of the block"
+            "smaller tile), or shard that dim so its parts are a multiple of the block"
         )
 
     if spec.kind == "tile":

@@ -290,8 +290,7 @@ def estimate_memory(
         if ep > 1:
             raise ValueError(
                 f"estimate_memory: tp={tp} with ep={ep}: EP x TP is not supported "
-                f"(raggedfsdp.models.apply_tp has "
-                "no expert TP plan); estimate one of them"
+                "(raggedfsdp.models.apply_tp has no expert TP plan); estimate one of them"
             )
         tp_fsdp_group(world_size, tp, replicate)
         global_numel = sum(u.numel for u in units)

@@ -64,10 +64,8 @@ def tp_split_dim(name: str, shape: Sequence[int]) -> int | None:
     raise ValueError(
         f"--tp: no tensor-parallel rule for parameter {name!r} of shape {tuple(shape)}: the TP plan is the "
         "dense Llama's (q/k/v/o, gate/up/down, embedding, LM head; raggedfsdp.models.apply_tp). Routed "
-        "experts, "
-        "routers, MLA and linear attention are not tensor-parallel here (EP x TP is not supported): use "
-        "--tp 1, "
-        "or --ep N for a mixture of experts"
+        "experts, routers, MLA and linear attention are not tensor-parallel here (EP x TP is not "
+        "supported): use --tp 1, or --ep N for a mixture of experts"
     )
 
 

@@ -349,8 +349,7 @@ class Watchdog:
                 r,
                 f"rank {r} stopped responding: no heartbeat for {age:.1f}s (last at step {beat.get('step')}, "
                 f"phase: {beat.get('phase', '?')}, {beat.get('where')}); rank {self.rank} has waited "
-                f"{idle:.1f}s "
-                f"in a collective at {_where(frame)}",
+                f"{idle:.1f}s in a collective at {_where(frame)}",
                 None,
             )
 

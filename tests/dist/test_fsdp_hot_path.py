@@ -78,8 +78,7 @@ def test_fsdp_python_calls_per_step_do_not_scale_with_parameters():
     top = sorted(ours_by_fn.items(), key=lambda kv: -kv[1])[:8]
     assert ours <= BUDGET_PER_PARAM, (
         f"raggedfsdp makes {ours:.1f} Python calls per parameter per step (budget {BUDGET_PER_PARAM}; "
-        f"torch's "
-        f"fully_shard {torch_per_param:.1f}): a per-parameter loop is back in the hot path: {top}"
+        f"torch's fully_shard {torch_per_param:.1f}): a per-parameter loop is back in the hot path: {top}"
     )
     # the reference: torch's FSDP2 does per-parameter Python work in its copy-in / copy-out / reduce prep
     assert torch_per_param > 4 * ours, (ours, torch_per_param)

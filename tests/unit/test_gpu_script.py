@@ -85,8 +85,7 @@ def test_stage_timeout_kills_the_whole_process_group(tmp_path):
     pidfile = tmp_path / "child.pid"
     code = (
         "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-        "time.sleep(60)']);"
-        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+        f"time.sleep(60)']);open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
     t0 = time.monotonic()
     rc, _, _ = driver.run_stage([sys.executable, "-c", code], 3.0, str(tmp_path / "log"))

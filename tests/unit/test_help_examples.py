@@ -134,17 +134,11 @@ def test_help_and_version_import_no_torch():
     import sys
 
     code = (
-        "import sys, contextlib, io\n"
-        "from raggedfsdp.cli import main\n"
-        "from raggedfsdp.commands import COMMANDS\n"
-        "for argv in [['--version'], ['--help']] + [[c.replace('_', '-'), '--help'] for c in COMMANDS]:\n"
-        "    with contextlib.redirect_stdout(io.StringIO()):\n"
-        "        try:\n"
-        "            main(argv)\n"
-        "        except SystemExit:\n"
-        "            pass\n"
-        "    assert 'torch' not in sys.modules, argv\n"
-        "print('ok')\n"
+        "import sys, contextlib, io\nfrom raggedfsdp.cli import main\nfrom raggedfsdp.commands import "
+        "COMMANDS\nfor argv in [['--version'], ['--help']] + [[c.replace('_', '-'), '--help'] for c in "
+        "COMMANDS]:\n    with contextlib.redirect_stdout(io.StringIO()):\n        try:\n            "
+        "main(argv)\n        except SystemExit:\n            pass\n    assert 'torch' not in sys.modules, "
+        "argv\nprint('ok')\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False

@@ -11,11 +11,8 @@ import sys
 import pytest
 
 _PROFILE = (
-    "import torch\n"
-    "{pre}"
-    "from torch.profiler import ProfilerActivity, profile\n"
-    "with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
-    "    torch.ones(3) + 1\n"
+    "import torch\n{pre}from torch.profiler import ProfilerActivity, profile\nwith "
+    "profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n    torch.ones(3) + 1\n"
 )
 
 
