@@ -12,7 +12,11 @@ The sums since the last log step travel in the log step's existing MAX all-reduc
 one; each rank fills only its row of a ``(world, units)`` block, so MAX is a gather): no collective is
 added to any step. Rank 0 then names, for the unit with the largest excess, the slowest rank and its
 excess over the median of the other ranks: ``slowest rank 1: +38 % before all-gather of layers.3``.
-Single-device reference: :func:`attribute` on a plain ``(world, units)`` array (unit-tested).
+The times are host clock times (``time.perf_counter``, no device sync): on CPU/gloo the all-gather wait
+blocks the host, so they cover all of a rank's work; on CUDA the wait is a stream wait, so they show a
+host-side straggler (data loading, Python, a host sync) but not a slow GPU, which only appears where
+the host blocks on it. Single-device reference: :func:`attribute` on a plain ``(world, units)`` array
+(unit-tested).
 """
 
 from __future__ import annotations
