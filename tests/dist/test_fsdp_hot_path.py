@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import sys
 
-from tests._memory import run_fake_rank
+from _memory import run_fake_rank
 
 # per extra parameter and step: the gradient pre-hook (1 call: a C partial of UnitGrads.on_grad) and,
 # while the previous unit's reduce-scatter is in flight, the early-free poll (Note [early free]).

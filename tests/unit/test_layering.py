@@ -120,3 +120,21 @@ def test_no_import_circles_between_files():
 def test_files_stay_small():
     big = [(p, n) for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 700]
     assert not big, f"files over 700 lines (split them): {big}"
+
+
+def test_tests_do_not_import_the_tests_folder_as_a_package():
+    """``tests/`` is not a package: conftest.py puts it on ``sys.path``, so helpers are imported as
+    ``from _memory import ...``. ``from tests._memory import ...`` only works when the repository root
+    is on ``PYTHONPATH`` and failed CI's collection once (a clean clone runs plain ``pytest``)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            bad += [f"{where} {n}" for n in names if n.split(".")[0] == "tests"]
+    assert not bad, f"import the helper by its module name (conftest puts tests/ on sys.path): {bad}"
