@@ -355,8 +355,11 @@ class BatchSampler:
 
 def windows(tokens: torch.Tensor, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets (both (len(offsets), seq_len) int64) for windows starting at ``offsets``."""
-    idx = torch.as_tensor(offsets, dtype=torch.int64)[:, None] + torch.arange(seq_len + 1)  # (b, T+1)
-    chunk = tokens[idx].long()  # (b, T+1)
+    if isinstance(tokens, TokenArray):  # a token file: one checked read per window
+        chunk = tokens.windows(offsets, seq_len + 1)  # (b, T+1) int64
+    else:
+        idx = torch.as_tensor(offsets, dtype=torch.int64)[:, None] + torch.arange(seq_len + 1)  # (b, T+1)
+        chunk = tokens[idx].long()  # (b, T+1)
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -488,42 +491,125 @@ def token_bin_info(path: str | os.PathLike) -> TokenBinInfo:
     return TokenBinInfo(p, dtype, n, int(vocab) if vocab is not None else None, meta.get("tokenizer"))
 
 
-class TokenArray:
-    """A read-only 1-D view of memory-mapped token ids; ``tokens[idx]`` gives an int64 tensor."""
+class _TokenFile:
+    """An open token file, read with checked positional reads (``os.pread``/``os.preadv``), never
+    memory-mapped: a file truncated while a job reads it is a :class:`DataError` naming the file and
+    the offset, where touching a memory-mapped page past the new end kills the process with SIGBUS
+    (no error recorded, no rank named). The file descriptor is opened once: a file *replaced* (renamed
+    over) keeps being read as it was opened, one rewritten in place is read as it now is."""
 
-    def __init__(self, mm: np.ndarray) -> None:
-        self._mm = mm
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path = str(path)
+        self.dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.size = os.fstat(self.fd).st_size  # bytes when opened
+
+    def __del__(self) -> None:
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """Fill the C-contiguous 1-D ``out`` (this file's dtype) with the tokens from ``start`` on."""
+        view, pos = memoryview(out).cast("B"), start * self.dtype.itemsize
+        while view.nbytes:
+            got = os.preadv(self.fd, [view], pos) if _PREADV else _pread_into(self.fd, view, pos)
+            if got == 0:  # end of file: it is shorter than when it was opened
+                raise self._truncated(start, len(out))
+            view, pos = view[got:], pos + got
+
+    def _truncated(self, start: int, count: int) -> DataError:
+        item = self.dtype.itemsize
+        try:
+            now = f"{os.fstat(self.fd).st_size} bytes now"
+        except OSError as e:
+            now = f"its size now unknown: {e.strerror or e}"
+        return DataError(
+            f"token file {self.path!r} was truncated while the job read it: tokens {start}-{start + count - 1} "
+            f"(bytes {start * item}-{(start + count) * item - 1}) are past its end ({now}, {self.size} "
+            "when the job opened it); a file must not change while a job reads it: restore it (or write "
+            "a new one under another name) and resume with --resume auto"
+        )
+
+
+_PREADV = hasattr(os, "preadv")
+
+
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:
+    data = os.pread(fd, view.nbytes, pos)
+    view[: len(data)] = data
+    return len(data)
+
+
+class TokenArray:
+    """A read-only 1-D view ``[start, start + length)`` of a token file's ids, read on demand with
+    checked positional reads (:class:`_TokenFile`); ``tokens[idx]`` gives an int64 tensor,
+    ``np.asarray(tokens)`` the ids in the file's dtype. A read past the end of a file truncated
+    since it was opened raises :class:`DataError` naming the file, the offset and the fix."""
+
+    def __init__(self, file: _TokenFile, start: int = 0, length: int | None = None) -> None:
+        self._file = file
+        self._start = start
+        self._len = file.size // file.dtype.itemsize - start if length is None else length
 
     def __len__(self) -> int:
-        return len(self._mm)
+        return self._len
+
+    def _read(self, start: int, count: int) -> np.ndarray:  # (count,) file dtype
+        out = np.empty(count, dtype=self._file.dtype)
+        if count:
+            self._file.read_into(out, self._start + start)
+        return out
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return TokenArray(self._mm[idx])
-        if isinstance(idx, torch.Tensor):
-            idx = idx.numpy()
-        return torch.from_numpy(np.asarray(self._mm[idx], dtype=np.int64))
+            start, stop, step = idx.indices(self._len)
+            if step != 1:
+                raise ValueError(f"TokenArray slices take step 1, got {step}")
+            return TokenArray(self._file, self._start + start, max(0, stop - start))
+        idx = np.asarray(idx.numpy() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64)
+        if idx.size == 0:
+            return torch.zeros(idx.shape, dtype=torch.int64)
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self._len:
+            raise IndexError(f"token index {lo if lo < 0 else hi} out of range for {self._len} tokens")
+        return torch.from_numpy(self._read(lo, hi - lo + 1)[idx - lo].astype(np.int64))
+
+    def windows(self, offsets: np.ndarray, length: int) -> torch.Tensor:
+        """``(len(offsets), length)`` int64: the ids ``[o, o + length)`` for each offset ``o`` (one
+        positional read per window, straight into the batch's buffer)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if len(offsets) and (int(offsets.min()) < 0 or int(offsets.max()) + length > self._len):
+            raise IndexError(f"a window of {length} tokens at {offsets.tolist()} is past {self._len} tokens")
+        out = np.empty((len(offsets), length), dtype=self._file.dtype)
+        for row, o in zip(out, offsets.tolist()):
+            self._file.read_into(row, self._start + o)
+        return torch.from_numpy(out.astype(np.int64))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self._read(0, self._len)
+        return arr if dtype is None else arr.astype(dtype)
 
     def tolist(self) -> list[int]:
-        return np.asarray(self._mm, dtype=np.int64).tolist()
+        return self._read(0, self._len).astype(np.int64).tolist()
 
     def max(self) -> int:
-        return int(self._mm.max()) if len(self._mm) else -1
+        return int(self._read(0, self._len).max()) if self._len else -1
 
 
 def load_token_corpus(path: str, *, max_tokens: int = 0, val_fraction: float = 0.05):
-    """A :class:`Corpus` over a ``.bin`` (memory-mapped; ``max_tokens`` caps it)."""
+    """A :class:`Corpus` over a ``.bin`` (read on demand; ``max_tokens`` caps it)."""
     info = token_bin_info(path)
-    mm = np.memmap(info.path, dtype=np.dtype(DTYPES[info.dtype]).newbyteorder("<"), mode="r")
+    arr = TokenArray(_TokenFile(info.path, info.dtype))
     if max_tokens:
-        mm = mm[:max_tokens]
-    n_val = int(len(mm) * val_fraction)
-    if len(mm) - n_val < 2 or n_val < 2:
-        raise ValueError(f"token file {path!r} is too small ({len(mm)} tokens) to split into train/val")
-    arr = TokenArray(mm)
+        arr = arr[:max_tokens]
+    n = len(arr)
+    n_val = int(n * val_fraction)
+    if n - n_val < 2 or n_val < 2:
+        raise ValueError(f"token file {path!r} is too small ({n} tokens) to split into train/val")
     return Corpus(
-        train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1,
-        files=((str(info.path), len(mm)),),
+        train=arr[: n - n_val], val=arr[n - n_val :], source=str(info.path), num_files=1,
+        files=((str(info.path), n),),
     )  # fmt: skip
 
 
