@@ -73,8 +73,8 @@ def main() -> None:
         t_new, d_new = per_step_us(pread, args, rank=0)
         t_old, d_old = per_step_us(mm, args, rank=0)
     assert d_new == d_old, "the readers disagree"
-    print(f"{len(stream):,} tokens, seq_len {args.seq_len}, global batch {args.batch_size}, {args.nproc} ranks: "
-          f"per step and rank: pread {t_new:.0f} us, memmap {t_old:.0f} us "
+    print(f"{len(stream):,} tokens, seq_len {args.seq_len}, global batch {args.batch_size}, {args.nproc} "
+          f"ranks: per step and rank: pread {t_new:.0f} us, memmap {t_old:.0f} us "
           f"(difference {t_new - t_old:+.0f} us); same tokens: yes")  # fmt: skip
 
 
