@@ -33,7 +33,8 @@ Kinds (each fires once, at the start of step N unless noted):
   reads it): the first read past the new end is a ``DataError`` naming the file and the offset.
 
 The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to
-``raise``/``exit``/``hang``/``savehang``.
+``raise``/``exit``/``hang``/``savehang``. ``raggedfsdp bench`` honours the step faults (``raise``,
+``exit``, ``hang``, ``sigint``, ``sigterm``) at the start of its repetition N (warm-up ones included).
 Nothing here runs unless the variable (or those flags) is set.
 """
 
