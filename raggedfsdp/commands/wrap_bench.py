@@ -37,6 +37,16 @@ def launch(args) -> int:
             file=sys.stderr,
         )
         return 2
+    from raggedfsdp.models import build_model_config
+
+    try:  # a bad --model / --flavor: one line before the launch, not a traceback per rank
+        build_model_config(args.model, args.flavor)
+    except ValueError as e:
+        print(
+            f"raggedfsdp wrap-bench: error: --model {args.model!r} --flavor {args.flavor!r}: {e}",
+            file=sys.stderr,
+        )
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from raggedfsdp.launch.env import quiet_profiler_logs
 
