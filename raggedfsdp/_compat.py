@@ -8,8 +8,8 @@ inside the functions (``import raggedfsdp`` imports no torch).
 Checked on 2.11.0, 2.13.0, 2.14.1, 2.15.0 (docs/raggedshard.md "torch versions"):
 
 * ``DeviceMesh._get_root_mesh`` and ``DeviceMesh._concatenate`` exist on all of them;
-* ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` exist from 2.13 on; 2.11 (and 2.12) spell
-  them ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same arguments).
+* ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` exist on 2.13 - 2.15; 2.11 has only
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same arguments).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def concatenate_meshes(meshes):
 def single_tensor_collectives():
     """``(all_gather_single, reduce_scatter_single)`` of ``torch.distributed`` under this torch's names.
 
-    torch >= 2.13 names them ``all_gather_single`` / ``reduce_scatter_single`` (the old names emit
-    FutureWarnings there); 2.11 and 2.12 have only ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+    torch 2.13 - 2.15 name them ``all_gather_single`` / ``reduce_scatter_single`` (the old names emit
+    FutureWarnings there); 2.11 has only ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
     """
     import torch.distributed as dist
 

@@ -44,7 +44,7 @@ def test_single_tensor_collectives_by_torch_minor(monkeypatch):
     gather, scatter = _compat.single_tensor_collectives()
     if _compat.torch_minor() >= (2, 13):  # the new names; the old ones emit FutureWarnings there
         assert (gather, scatter) == (dist.all_gather_single, dist.reduce_scatter_single)
-    else:  # 2.11, 2.12: only the old names exist
+    else:  # 2.11: only the old names exist
         assert (gather, scatter) == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)
     old = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
     for name in ("all_gather_single", "reduce_scatter_single"):
