@@ -47,6 +47,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 
 SYSTEMS = {"raggedfsdp": "ragged", "torch": "torch"}
 
@@ -157,7 +158,12 @@ def run(args: argparse.Namespace) -> dict | None:
     times = {n: [] for n in tnames}
     cpu = {n: [] for n in tnames}  # CPU seconds of this process per step (all its threads)
     losses = {n: [] for n in tnames}
+    from raggedfsdp.train.faults import FaultPlan
+
+    faults = FaultPlan.from_env(rank)  # test-only (RAGGEDFSDP_FAULT=raise@step0:rank1): step i = repetition i
     for i in range(args.warmup + args.steps):
+        if faults:
+            faults.inject_step(i, rank)
         tok = batches[i].to(device)
         order = tnames if i % 2 == 0 else tnames[::-1]
         for n in order:
@@ -403,6 +409,7 @@ def _device(args) -> torch.device:
     return torch.device("cpu")
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     from datetime import timedelta
 
@@ -427,12 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(
         "nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout)
     )
+    from raggedfsdp.launch.failures import report_rank_failure
     from raggedfsdp.launch.teardown import shutdown_process_group
 
+    rank, ws = dist.get_rank(), dist.get_world_size()
     ok = False
     try:
         result = run(args)
         ok = True
+    except Exception as e:  # noqa: BLE001 (recorded for the launcher's one last line, exit code 1)
+        return report_rank_failure(e, rank, ws, f"[rank {rank}/{ws}]")
     finally:
         shutdown_process_group(synchronize=ok)
     if result is not None:
