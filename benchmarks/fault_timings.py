@@ -8,7 +8,8 @@ Each case is one real 2-rank launch of the debug model (``RAGGEDFSDP_FAULT``, se
 (``debug: injecting fault KIND@stepN (t=...)``); SIGINT and kill -9 are sent to the launcher by this
 script (``ctrl-c-*``: to the job's whole process group, as a terminal does, while every rank sleeps
 inside the save of step 4: ``slowsave``; ``truncdata*``: the ``--data`` file is truncated the moment
-the launcher prints its ``launching`` line, i.e. after its pre-launch check, before the ranks load).
+the launcher prints its ``launching`` line, i.e. after its pre-launch check, before the ranks load;
+``truncate-bin``: a ``.bin`` ``--data`` cut to half in place by rank 0 at step 3, mid-run).
 Prints one row per case: the time, the exit code, how many ``error:`` lines the user saw (1: one clear
 last line), whether torchrun's failure table or a C++ stack was printed (``noise``), and the last line.
 """
@@ -51,6 +52,7 @@ CASES = {
     "savehang-pg20": ("savehang@step2:rank1", ["--job.pg_timeout_s", "20"]),
     "truncdata-empty": ("", []),
     "truncdata-half": ("", []),
+    "truncate-bin": ("truncate@step3:rank0", []),
     "sigint-launcher": ("", []),
     "kill9-launcher": ("", []),
     "ctrl-c-mid-save": ("slowsave@step4", []),
@@ -112,6 +114,14 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str, st
             "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(4000))
         )
         cmd += ["--data", str(data)]
+    if name == "truncate-bin":  # a 200 kB .bin of byte tokens, cut to half by rank 0 at step 3
+        import numpy as np
+
+        from raggedfsdp.train.data import write_token_bin
+
+        text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000))
+        ids = np.frombuffer(text.encode(), dtype=np.uint8)
+        cmd += ["--data", str(write_token_bin(tmp / f"{name}.bin", [ids], vocab_size=256))]
     if not name.endswith("launcher"):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         lines, t_last, t0 = [], time.time(), None

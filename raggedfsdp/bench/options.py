@@ -158,10 +158,10 @@ def validate(args) -> None:
 
 
 def worker_argv(args) -> list[str]:
-    """The worker's flags reproducing ``args`` (everything but ``--nproc``)."""
+    """The worker's flags reproducing ``args`` (everything but the launcher's ``--nproc``, ``--out``)."""
     out = []
     for key, val in vars(args).items():
-        if key in ("nproc", "func", "command") or val is None:
+        if key in ("nproc", "out", "func", "command") or val is None:
             continue
         flag = "--" + key.replace("_", "-")
         if key in ("foreach", "floor"):

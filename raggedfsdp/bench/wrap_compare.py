@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils._python_dispatch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 __all__ = ["compare_wraps", "format_wrap_report", "recommend"]
 
@@ -339,6 +340,7 @@ def hybrid_wraps(
     return build, wraps
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     from datetime import timedelta
 
@@ -363,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
+    from raggedfsdp.launch.failures import report_rank_failure
     from raggedfsdp.launch.teardown import shutdown_process_group
 
+    rank, ws = dist.get_rank(), dist.get_world_size()
     ok = False
     try:
         build, wraps = hybrid_wraps(
@@ -386,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
         ok = True
+    except Exception as e:  # noqa: BLE001 (recorded for the launcher's one last line, exit code 1)
+        return report_rank_failure(e, rank, ws, f"[rank {rank}/{ws}]")
     finally:
         shutdown_process_group(synchronize=ok)
     if r is not None:

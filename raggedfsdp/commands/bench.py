@@ -15,7 +15,11 @@ table of both systems with ratios, or with ``--json`` one JSON object::
      "throughput_ceiling": torch step / floor step (the best ratio any FSDP could reach here),
      "overhead_seconds": {"raggedfsdp", "torch"} (step - floor), "overhead_ratio": torch's / ours}
 
-Progress lines go to stderr. Exit code 2 for a bad argument (checked before the launch).
+Progress lines go to stderr. Exit code 2 for a bad argument (checked before the launch). A failed run
+ends, like ``raggedfsdp train``, with one line naming the root-cause rank and its error (exit code 1),
+``raggedfsdp bench: [rank R/W] error: Type: message (every rank's report: OUT/failure.log)``; above it
+only the traceback of an unexpected error (once, lines tagged ``[rank R/W]``). ``--out DIR`` chooses
+that folder (default: a fresh one in the system's temporary folder, created only on a failure).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nproc", type=int, default=4, metavar="N", help="ranks to launch (default: 4)")
+    p.add_argument("--out", default=None, metavar="DIR", help=OUT_HELP)
     from raggedfsdp.bench.options import build_arg_parser
 
     build_arg_parser(p)
@@ -65,9 +70,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from raggedfsdp.launch.env import quiet_profiler_logs
 
     quiet_profiler_logs()  # the ranks' CPU peak memory runs torch.profiler: no kineto / c10 log noise
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     if not args.quiet:
         print(
             f"raggedfsdp bench: launching {args.nproc} rank(s) "
@@ -76,22 +78,15 @@ def run_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    try:
-        run(
-            parse_args(
-                [
-                    "--standalone",
-                    f"--nproc-per-node={args.nproc}",
-                    "--module",
-                    "raggedfsdp.bench.worker",
-                    *worker_argv(args),
-                ]
-            )
-        )
-    except ChildFailedError as e:
-        from raggedfsdp.launch.failures import failure_report
+    from raggedfsdp.launch.launcher import default_report_dir, run_reported
 
-        summary, last_line = failure_report(e, args.nproc)
-        print(f"raggedfsdp bench: the {args.nproc}-rank run failed\n{summary}\n{last_line}", file=sys.stderr)
-        return 1
-    return 0
+    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "--module", "raggedfsdp.bench.worker"]
+    return run_reported([*argv, *worker_argv(args)], prog="raggedfsdp bench", world_size=args.nproc,
+                        out_dir=args.out or default_report_dir("bench"), what="bench")  # fmt: skip
+
+
+OUT_HELP = (
+    "folder for the report of a failed run: failure.log (torchrun's failure table, every rank's "
+    "traceback) and launcher.log (torchrun's log lines); created only when there is something to "
+    "write (default: a fresh raggedfsdp-bench-<time>-<pid>/ in the system's temporary folder)"
+)

@@ -25,17 +25,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
-from raggedfsdp.launch.failures import (
-    REPORTED_ENV,
-    STOPPED_CODES,
-    capture_torchrun_logs,
-    failure_report,
-    write_failure_log,
-)
 from raggedfsdp.train.config import add_config_args, load_config, override_argv, overrides_from_args
 
 _TRAIN_EPILOG = """\
@@ -168,10 +160,6 @@ def run_train(args: argparse.Namespace) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(max(1, available_cpus() // args.nproc))
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     torchrun_argv = [
         *node.torchrun_argv(args.nproc),
         "--module",
@@ -192,42 +180,25 @@ def run_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    # One last line per failed job: the ranks print no one-line error of their own (the root cause's
-    # is printed here, last), torchrun's log lines go to OUT/launcher.log, its failure table and every
-    # rank's traceback to OUT/failure.log (launch/failures.py).
-    out_dir = Path(cfg.job.out)
-    os.environ[REPORTED_ENV] = "1"
-    restore_logs = capture_torchrun_logs(out_dir / f"launcher{node_tag}.log")
+    # One last line per failed job (launch/launcher.py): the ranks print no one-line error of their own
+    # (the root cause's is printed there, last), torchrun's log lines go to OUT/launcher.log, its failure
+    # table and every rank's traceback to OUT/failure.log.
+    from raggedfsdp.launch.launcher import run_reported
+
     try:
-        run(parse_args(torchrun_argv))
-    except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
-        name = signal.Signals(e.sigval).name
-        print(f"raggedfsdp train: interrupted by {name}; resume with --resume auto --out {cfg.job.out}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return 128 + int(e.sigval)
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        on = "" if node.nnodes == 1 else f" (node {node.node_rank} of {node.nnodes})"
-        if codes and codes <= set(STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
-            print(f"raggedfsdp train: interrupted (exit code {min(codes)}){on}; resume with --resume auto "
-                  f"--out {cfg.job.out}", file=sys.stderr, flush=True)  # fmt: skip
-            return min(codes)
-        report = out_dir / f"failure{node_tag}.log"
-        summary, last_line = failure_report(e, world, details=str(report))
-        try:
-            write_failure_log(report, e, f"the {world}-rank job failed{on}\n{summary}", last_line)
-        except OSError as err:  # OUT not writable any more: the table goes to stderr instead
-            print(f"{summary}\n(cannot write {report}: {err})", file=sys.stderr)
-            last_line = failure_report(e, world)[1]
-        print(last_line, file=sys.stderr, flush=True)
-        return 2 if "CheckpointError: cannot load" in last_line else 1
+        return run_reported(
+            torchrun_argv,
+            prog="raggedfsdp train",
+            world_size=world,
+            out_dir=cfg.job.out,
+            tag=node_tag,
+            on="" if node.nnodes == 1 else f" (node {node.node_rank} of {node.nnodes})",
+            resume_hint=f"; resume with --resume auto --out {cfg.job.out}",
+        )
     finally:
-        restore_logs()
-        for key in (REPORTED_ENV, REFERENCE_ENV):  # a launcher called in-process leaves nothing behind
-            os.environ.pop(key, None)
+        os.environ.pop(REFERENCE_ENV, None)  # a launcher called in-process leaves nothing behind
         if prepared.lock is not None:
             prepared.lock.release()
-    return 0
 
 
 def _refused(prepared) -> int:

@@ -1,5 +1,6 @@
 """``raggedfsdp wrap-bench``: measure FSDP units side by side (hybrid: layer vs superblock) and
-recommend one; launches :mod:`raggedfsdp.bench.wrap_compare` on ``--nproc`` ranks with torchrun."""
+recommend one; launches :mod:`raggedfsdp.bench.wrap_compare` on ``--nproc`` ranks with torchrun. A failed
+run ends with one line naming the root-cause rank, as ``raggedfsdp bench`` does (its ``--out``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def add_parser(subparsers):
         description=WRAP_BENCH_DESCRIPTION,
     )
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks to launch (default: 2)")
+    from raggedfsdp.commands.bench import OUT_HELP
+
+    p.add_argument("--out", default=None, metavar="DIR", help=OUT_HELP.replace("bench", "wrap-bench"))
     for action in wrap_bench_parser()._actions:
         if action.dest != "help":
             p._add_action(action)
@@ -33,26 +37,27 @@ def launch(args) -> int:
             file=sys.stderr,
         )
         return 2
-    from torch.distributed.run import parse_args, run
+    from raggedfsdp.models import build_model_config
 
+    try:  # a bad --model / --flavor: one line before the launch, not a traceback per rank
+        build_model_config(args.model, args.flavor)
+    except ValueError as e:
+        print(
+            f"raggedfsdp wrap-bench: error: --model {args.model!r} --flavor {args.flavor!r}: {e}",
+            file=sys.stderr,
+        )
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from raggedfsdp.launch.env import quiet_profiler_logs
 
     quiet_profiler_logs()  # the ranks' CPU peak memory runs torch.profiler: no kineto / c10 log noise
     argv = []
     for key, val in vars(args).items():
-        if key in ("nproc", "func", "command") or val is None or val is False:
+        if key in ("nproc", "out", "func", "command") or val is None or val is False:
             continue
         argv += [f"--{key.replace('_', '-')}"] + ([] if val is True else [str(val)])
-    run(
-        parse_args(
-            [
-                "--standalone",
-                f"--nproc-per-node={args.nproc}",
-                "--module",
-                "raggedfsdp.bench.wrap_compare",
-                *argv,
-            ]
-        )
-    )
-    return 0
+    from raggedfsdp.launch.launcher import default_report_dir, run_reported
+
+    torchrun = ["--standalone", f"--nproc-per-node={args.nproc}", "--module", "raggedfsdp.bench.wrap_compare"]
+    return run_reported([*torchrun, *argv], prog="raggedfsdp wrap-bench", world_size=args.nproc,
+                        out_dir=args.out or default_report_dir("wrap-bench"), what="wrap-bench")  # fmt: skip

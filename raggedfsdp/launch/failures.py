@@ -1,10 +1,11 @@
 """A failed job in one line: the root-cause rank and its error (every rank's report in a log file).
 
-Used by the launchers (``raggedfsdp train``, ``raggedfsdp bench``) on torchrun's ``ChildFailedError``
-and by the worker (:mod:`raggedfsdp.launch.worker`), which records its error (:func:`record_failure`:
-torchrun's error file, plus the ranks the error blames) and, when its launcher reports the root cause
-(:data:`REPORTED_ENV`), prints no one-line error of its own: a failed ``raggedfsdp train`` job ends
-with exactly one ``[rank R/W] error: ...`` line, the root cause's. torchrun's own log lines (``Sending
+Used by the launchers (``raggedfsdp train``, ``bench``, ``wrap-bench``: :mod:`raggedfsdp.launch.launcher`)
+on torchrun's ``ChildFailedError`` and by their workers (:mod:`raggedfsdp.launch.worker`, the bench
+workers), which report their error with :func:`report_rank_failure` (torchrun's error file, plus the
+ranks the error blames) and, when their launcher reports the root cause (:data:`REPORTED_ENV`), print
+no one-line error of their own: a failed job ends with exactly one ``[rank R/W] error: ...`` line,
+the root cause's. torchrun's own log lines (``Sending
 process ... closing signal``, ``failed (exitcode: 1)``) go to ``OUT/launcher.log``
 (:func:`capture_torchrun_logs`), its failure table and every rank's traceback to ``OUT/failure.log``
 (:func:`write_failure_log`).
@@ -19,7 +20,7 @@ import time
 
 __all__ = [
     "ONE_LINE", "PEER_FAILURE_HINTS", "REPORTED_ENV", "STOPPED_CODES", "capture_torchrun_logs", "culprits_of",
-    "failure_report", "one_line", "record_failure", "write_failure_log",
+    "failure_report", "one_line", "record_failure", "report_rank_failure", "write_failure_log",
 ]  # fmt: skip
 
 #: Set (to "1") by a launcher that prints the root cause's error line itself, for its ranks.
@@ -116,7 +117,9 @@ def _blamed(failures) -> set[int]:
     return {r for _, f in failures for r in culprits_of(f)}
 
 
-def failure_report(err, world_size: int, *, details: str | None = None) -> tuple[str, str]:
+def failure_report(
+    err, world_size: int, *, details: str | None = None, prog: str = "raggedfsdp train"
+) -> tuple[str, str]:
     """``(summary, last_line)`` for a failed job (a torchrun ``ChildFailedError``).
 
     ``summary`` is torchrun's rank-tagged failure table with each traceback replaced by its one-line
@@ -125,7 +128,7 @@ def failure_report(err, world_size: int, *, details: str | None = None) -> tuple
     exited first), else the first failure that is not a consequence of another (a rank torchrun
     stopped, or a collective that lost its peer), so a rank that timed out in the same second as the
     real failure is not blamed. ``last_line`` names that rank and its error and is meant to be
-    printed last; ``details``: where the full report is (a file), named at its end.
+    printed last, after ``prog:``; ``details``: where the full report is (a file), named at its end.
     """
     import copy
 
@@ -149,7 +152,7 @@ def failure_report(err, world_size: int, *, details: str | None = None) -> tuple
         where = f"traceback {above}in {root.error_file}"
     else:
         where = "see its output above"
-    last_line = f"raggedfsdp train: [rank {root_rank}/{world_size}] error: {root_msg} ({where})"
+    last_line = f"{prog}: [rank {root_rank}/{world_size}] error: {root_msg} ({where})"
     if consequence:
         last_line += "; this usually means another rank failed or hung first"
     return summary, last_line
@@ -160,7 +163,7 @@ def capture_torchrun_logs(path):
     ``Sending process N closing signal SIGTERM``, ``failed (exitcode: 1) local_rank: 1 ...``) to the
     file ``path`` (created at the first record) instead of stderr. Returns ``undo()``, which restores
     the loggers (a launcher called in-process, e.g. by tests, leaves nothing behind)."""
-    handler = logging.FileHandler(path, delay=True)
+    handler = _LazyFileHandler(path, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
     before = [log.propagate for log in logs]
@@ -175,6 +178,14 @@ def capture_torchrun_logs(path):
         handler.close()
 
     return undo
+
+
+class _LazyFileHandler(logging.FileHandler):
+    """A ``FileHandler`` that creates the file, and its folder, at the first record (none: nothing)."""
+
+    def _open(self):
+        os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
+        return super()._open()
 
 
 def write_failure_log(path, err, summary: str, last_line: str) -> None:
@@ -193,5 +204,41 @@ def write_failure_log(path, err, summary: str, last_line: str) -> None:
             tb.rstrip() or "(no traceback recorded)",
             "",
         ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         fh.write("\n".join(parts))
+
+
+def report_rank_failure(e: BaseException, rank: int, world_size: int, tag: str) -> int:
+    """A rank's failure, as every raggedfsdp worker reports it (train, bench, wrap-bench); returns 1.
+
+    The error (with its traceback and the ranks it blames, ``e.culprits``) goes to torchrun's error
+    file (:func:`record_failure`). Under a launcher that prints the root cause's one line last
+    (:data:`REPORTED_ENV`) a rank prints only the traceback of an unexpected error (lines tagged
+    ``tag``); under a bare torchrun (or one process) it also prints its one-line error. An error of
+    the :data:`ONE_LINE` kinds prints no traceback, nor does a collective that failed because a peer
+    went away (:data:`PEER_FAILURE_HINTS`). Call it from the ``except`` block (it formats the
+    exception being handled)."""
+    import sys
+    import traceback
+
+    culprits = getattr(e, "culprits", ())
+    if culprits and rank not in culprits:
+        time.sleep(1.0)  # let a culprit rank record first (its message names its own tensors)
+    record_failure(e, culprits)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
+    reported = os.environ.get(REPORTED_ENV) == "1"
+    peer = world_size > 1 and any(s in str(e) for s in PEER_FAILURE_HINTS)
+    lines = [] if reported else [f"{tag} error: {type(e).__name__}: {e}"]
+    if type(e).__name__ in ONE_LINE:
+        pass
+    elif peer:
+        if not reported:
+            lines.append(
+                f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
+            )
+    else:
+        tb = traceback.format_exc().rstrip("\n").splitlines()
+        lines = [f"{tag} {line}" for line in tb] + lines
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    return 1

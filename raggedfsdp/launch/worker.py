@@ -29,13 +29,12 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from raggedfsdp.launch.env import set_threads
-from raggedfsdp.launch.failures import ONE_LINE, PEER_FAILURE_HINTS, REPORTED_ENV, record_failure
+from raggedfsdp.launch.failures import REPORTED_ENV, record_failure, report_rank_failure
 from raggedfsdp.train import run_dir
 from raggedfsdp.train.config import add_config_args, load_config, overrides_from_args
 
@@ -92,32 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tag} {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
     except Exception as e:  # noqa: BLE001 (recorded, reported, exit code 1)
-        # The error (with its traceback and the ranks it blames) goes to torchrun's error file. Under
-        # `raggedfsdp train` (REPORTED_ENV) the launcher prints the root cause's one line last, so a rank
-        # prints only the traceback of an unexpected error; under a bare torchrun (or one process) it
-        # also prints its one-line error. A consequence of another rank's failure prints no traceback.
-        culprits = getattr(e, "culprits", ())
-        if culprits and rank not in culprits:
-            import time
-
-            time.sleep(1.0)  # let a culprit rank record first (its message names its own tensors)
-        record_failure(e, culprits)  # no-op without torchrun's TORCHELASTIC_ERROR_FILE
-        reported = os.environ.get(REPORTED_ENV) == "1"
-        peer = world_size > 1 and any(s in str(e) for s in PEER_FAILURE_HINTS)
-        lines = [] if reported else [f"{tag} error: {type(e).__name__}: {e}"]
-        if type(e).__name__ in ONE_LINE:
-            pass
-        elif peer:
-            if not reported:
-                lines.append(
-                    f"{tag} (this usually means another rank failed or hung first; see the root cause below)"
-                )
-        else:
-            tb = traceback.format_exc().rstrip("\n").splitlines()
-            lines = [f"{tag} {line}" for line in tb] + lines
-        if lines:
-            print("\n".join(lines), file=sys.stderr, flush=True)
-        return 1
+        return report_rank_failure(e, rank, world_size, tag)
 
 
 def _run(

@@ -23,19 +23,15 @@ Sampling (see ``BatchSampler``): a batch is a set of random windows of ``seq_len
 window offsets of optimizer step ``s`` are a pure function of ``(seed, s)``, so a run can resume at
 any step, and runs at different world sizes see exactly the same global batch.
 
-Pre-tokenized data: a flat ``.bin`` of token ids (nanoGPT / Megatron style), memory-mapped. Format:
-the token ids of the whole corpus, concatenated, as little-endian ``uint16`` (vocabularies up to
-65,536) or ``uint32``, no header -- the file nanoGPT's ``prepare.py`` writes. A sidecar
-``NAME.bin.json`` (written by ``raggedfsdp tokenize``, :mod:`raggedfsdp.commands.tokenize`) records
-``dtype``, ``vocab_size``, ``num_tokens`` and the tokenizer; without it the dtype is ``uint16``. The
-file is opened with ``numpy.memmap``: nothing is read until a batch needs its windows, so corpora
-larger than memory work. Sampling is the byte corpus's (``BatchSampler``); the tail ``val_fraction``
-of the token stream is held out.
+Pre-tokenized data: a flat ``.bin`` of token ids (nanoGPT / Megatron style, uint16 or uint32, a
+``NAME.bin.json`` sidecar from ``raggedfsdp tokenize``), read on demand with checked positional reads
+(:mod:`raggedfsdp.train.tokens`: a file truncated mid-run is a ``DataError`` naming it, not SIGBUS).
+Sampling is the byte corpus's (``BatchSampler``); the tail ``val_fraction`` of the token stream is
+held out.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sysconfig
@@ -44,6 +40,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from raggedfsdp.train.tokens import (  # re-exported: the .bin format and reader live in train/tokens.py
+    TokenArray,
+    _TokenFile,
+    is_token_bin,
+    token_bin_info,
+    write_token_bin,
+)
 
 __all__ = [
     "BatchSampler",
@@ -350,13 +354,20 @@ class BatchSampler:
     def get(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(inputs, targets)`` for ``step``/``micro_step``, both (b, T) int64."""
         offsets = self.global_offsets(step)[self.rows(micro_step).start : self.rows(micro_step).stop]
-        return windows(self.tokens, offsets, self.seq_len)
+        try:
+            return windows(self.tokens, offsets, self.seq_len)
+        except DataError as e:  # a token file truncated since it was opened
+            bid = batch_id(self, step, micro_step, self.rank)
+            raise DataError(f"rank {self.rank}, step {step}: batch {bid}: {e}") from None
 
 
 def windows(tokens: torch.Tensor, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets (both (len(offsets), seq_len) int64) for windows starting at ``offsets``."""
-    idx = torch.as_tensor(offsets, dtype=torch.int64)[:, None] + torch.arange(seq_len + 1)  # (b, T+1)
-    chunk = tokens[idx].long()  # (b, T+1)
+    if isinstance(tokens, TokenArray):  # a token file: one checked read per window
+        chunk = tokens.windows(offsets, seq_len + 1)  # (b, T+1) int64
+    else:
+        idx = torch.as_tensor(offsets, dtype=torch.int64)[:, None] + torch.arange(seq_len + 1)  # (b, T+1)
+        chunk = tokens[idx].long()  # (b, T+1)
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -438,111 +449,23 @@ def reproduce_batch(sampler: BatchSampler, text: str, *, limit: int = 400) -> st
     return "\n".join(out)
 
 
-# -- pre-tokenized .bin corpora ----------------------------------------------------------------
-
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-def is_token_bin(path: str) -> bool:
-    return bool(path) and str(path).endswith(".bin")
-
-
-@dataclass(frozen=True)
-class TokenBinInfo:
-    path: Path
-    dtype: str
-    num_tokens: int
-    vocab_size: int | None
-    tokenizer: str | None
-
-
-def token_bin_info(path: str | os.PathLike) -> TokenBinInfo:
-    """Size, dtype and vocabulary of a ``.bin`` (from its sidecar JSON if any); ``ValueError`` naming
-    the path for a missing, empty or truncated file or a bad sidecar."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ValueError(f"token file {str(path)!r} not found")
-    meta: dict = {}
-    side = Path(f"{p}.json")
-    if side.is_file():
-        try:
-            meta = json.loads(side.read_text())
-        except ValueError as e:
-            raise ValueError(f"token file sidecar {str(side)!r} is not valid JSON ({e})") from None
-    dtype = meta.get("dtype", "uint16")
-    if dtype not in DTYPES:
-        raise ValueError(f"{str(side)!r}: dtype {dtype!r} must be one of {sorted(DTYPES)}")
-    size = p.stat().st_size
-    item = np.dtype(DTYPES[dtype]).itemsize
-    if size == 0 or size % item:
-        raise ValueError(
-            f"token file {str(path)!r} has {size} bytes: not a whole number of {dtype} tokens "
-            f"({item} bytes each){' (empty)' if size == 0 else ''}"
-        )
-    n = size // item
-    if "num_tokens" in meta and int(meta["num_tokens"]) != n:
-        raise ValueError(
-            f"token file {str(path)!r} holds {n} tokens but its sidecar says {meta['num_tokens']}"
-        )
-    vocab = meta.get("vocab_size")
-    return TokenBinInfo(p, dtype, n, int(vocab) if vocab is not None else None, meta.get("tokenizer"))
-
-
-class TokenArray:
-    """A read-only 1-D view of memory-mapped token ids; ``tokens[idx]`` gives an int64 tensor."""
-
-    def __init__(self, mm: np.ndarray) -> None:
-        self._mm = mm
-
-    def __len__(self) -> int:
-        return len(self._mm)
-
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return TokenArray(self._mm[idx])
-        if isinstance(idx, torch.Tensor):
-            idx = idx.numpy()
-        return torch.from_numpy(np.asarray(self._mm[idx], dtype=np.int64))
-
-    def tolist(self) -> list[int]:
-        return np.asarray(self._mm, dtype=np.int64).tolist()
-
-    def max(self) -> int:
-        return int(self._mm.max()) if len(self._mm) else -1
+# -- pre-tokenized .bin corpora (the file format and reader: train/tokens.py) ---------------
 
 
 def load_token_corpus(path: str, *, max_tokens: int = 0, val_fraction: float = 0.05):
-    """A :class:`Corpus` over a ``.bin`` (memory-mapped; ``max_tokens`` caps it)."""
+    """A :class:`Corpus` over a ``.bin`` (read on demand; ``max_tokens`` caps it)."""
     info = token_bin_info(path)
-    mm = np.memmap(info.path, dtype=np.dtype(DTYPES[info.dtype]).newbyteorder("<"), mode="r")
+    arr = TokenArray(_TokenFile(info.path, info.dtype))
     if max_tokens:
-        mm = mm[:max_tokens]
-    n_val = int(len(mm) * val_fraction)
-    if len(mm) - n_val < 2 or n_val < 2:
-        raise ValueError(f"token file {path!r} is too small ({len(mm)} tokens) to split into train/val")
-    arr = TokenArray(mm)
+        arr = arr[:max_tokens]
+    n = len(arr)
+    n_val = int(n * val_fraction)
+    if n - n_val < 2 or n_val < 2:
+        raise ValueError(f"token file {path!r} is too small ({n} tokens) to split into train/val")
     return Corpus(
-        train=arr[: len(mm) - n_val], val=arr[len(mm) - n_val :], source=str(info.path), num_files=1,
-        files=((str(info.path), len(mm)),),
+        train=arr[: n - n_val], val=arr[n - n_val :], source=str(info.path), num_files=1,
+        files=((str(info.path), n),),
     )  # fmt: skip
-
-
-def write_token_bin(out: str | os.PathLike, ids, *, vocab_size: int, tokenizer: str | None = None) -> Path:
-    """Write token ids (an iterable of int sequences) to ``out`` and its sidecar; returns the path."""
-    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with open(out, "wb") as fh:
-        for seq in ids:
-            arr = np.asarray(seq, dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-                raise ValueError(f"token id {int(arr.max())} outside the vocabulary of {vocab_size}")
-            fh.write(arr.astype(np.dtype(DTYPES[dtype]).newbyteorder("<")).tobytes())
-            n += arr.size
-    meta = {"dtype": dtype, "vocab_size": vocab_size, "num_tokens": n, "tokenizer": tokenizer}
-    Path(f"{out}.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
 
 
 # -- raggedfsdp tokenize -----------------------------------------------------------------------
@@ -556,7 +479,11 @@ def batch_checksums(sampler: BatchSampler, step: int, dp_rank: int) -> tuple[int
     sums = []
     for dp in (dp_rank, (dp_rank + 1) % sampler.world_size):
         rows = [r for m in range(sampler.grad_accum) for r in sampler.rows(m, dp)]
-        toks = windows(sampler.tokens, offsets[rows], sampler.seq_len)[0].reshape(-1)  # (rows x T,)
+        try:
+            toks = windows(sampler.tokens, offsets[rows], sampler.seq_len)[0].reshape(-1)  # (rows x T,)
+        except DataError as e:  # a token file truncated since it was opened
+            what = f"rank {dp_rank}, step {step}: the data check of rank {dp}'s batch"
+            raise DataError(f"{what}: {e}") from None
         weights = torch.arange(toks.numel(), dtype=torch.int64) % 1021 + 1
         sums.append(int((toks * weights).sum()) % (1 << 40))
     return sums[0], sums[1]

@@ -12,8 +12,8 @@ stops the job at step 0 with a ``DataError`` naming the ranks, the files and how
 majority; with two ranks and no launcher, both). What the ranks read at each step is checked too,
 in the per-step all-reduce (``data.batch_checksums``, ``guard.StepGuard.reduce(data=)``).
 
-Cost: one pass of BLAKE2b over the corpus in memory (about 5 ms for the 4 MB default); a
-memory-mapped ``.bin`` (possibly larger than memory) is fingerprinted by its length and 64 evenly
+Cost: one pass of BLAKE2b over the corpus in memory (about 5 ms for the 4 MB default); a ``.bin``
+token file (possibly larger than memory, read on demand) is fingerprinted by its length and 64 evenly
 spaced blocks of 4096 tokens, not read whole.
 """
 
@@ -36,7 +36,7 @@ __all__ = [
 ]  # fmt: skip
 
 REFERENCE_ENV = "RAGGEDFSDP_DATA_FINGERPRINT"  # the launcher's fingerprint file, for its ranks
-SAMPLE_BLOCKS, BLOCK = 64, 4096  # a memory-mapped corpus: its length and these evenly spaced blocks
+SAMPLE_BLOCKS, BLOCK = 64, 4096  # a token file (.bin): its length and these evenly spaced blocks
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ def _sampled(arr: np.ndarray) -> list[np.ndarray]:
 
 def fingerprint(corpus: Corpus) -> CorpusFingerprint:
     """The fingerprint of the token stream this rank trains and evaluates on (local, no collective)."""
-    parts = [p._mm if isinstance(p, TokenArray) else p.numpy() for p in (corpus.train, corpus.val)]
+    parts = [p if isinstance(p, TokenArray) else p.numpy() for p in (corpus.train, corpus.val)]
     tokens = sum(len(p) for p in parts)
-    if isinstance(corpus.train, TokenArray):  # memory-mapped: sampled, per part
+    if isinstance(corpus.train, TokenArray):  # a token file (read on demand): sampled, per part
         digest = _digest([b for p in parts for b in _sampled(p)])
         path = corpus.files[0][0] if corpus.files else corpus.source
         return CorpusFingerprint(corpus.source, tokens, digest, ((path, tokens, digest),))

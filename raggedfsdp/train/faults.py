@@ -28,9 +28,13 @@ Kinds (each fires once, at the start of step N unless noted):
   ``@stepN``, N > 0, from step N on (the step's batch checksums find it);
 - ``nanparam``: after step N's optimizer step, one element of this rank's first non-empty parameter
   shard becomes NaN (a poisoned shard: found by step N+1's guard, or after the last step).
+- ``truncate``: at the start of step N this rank cuts the ``--data`` token file (a ``.bin``) to half
+  of its size when the job opened it, in place (a file cut on a shared file system while the job
+  reads it): the first read past the new end is a ``DataError`` naming the file and the offset.
 
 The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to
-``raise``/``exit``/``hang``/``savehang``.
+``raise``/``exit``/``hang``/``savehang``. ``raggedfsdp bench`` honours the step faults (``raise``,
+``exit``, ``hang``, ``sigint``, ``sigterm``) at the start of its repetition N (warm-up ones included).
 Nothing here runs unless the variable (or those flags) is set.
 """
 
@@ -45,7 +49,7 @@ __all__ = ["ENV", "Fault", "FaultPlan", "parse_faults"]
 ENV = "RAGGEDFSDP_FAULT"
 KINDS = (
     "nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc", "eacces",
-    "slowsave", "oom", "nangrad", "nanparam", "swapdata", "savehang",
+    "slowsave", "oom", "nangrad", "nanparam", "swapdata", "savehang", "truncate",
 )  # fmt: skip
 SLEEP_ENV = "RAGGEDFSDP_FAULT_SLEEP_S"
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
@@ -138,6 +142,17 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
                 continue
             raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank/fail_step)")
+
+
+def truncate_token_file(tokens) -> None:
+    """``truncate``: cut the token file behind ``tokens`` (a ``data.TokenArray``) to half of its size
+    when it was opened, in whole tokens (idempotent: every rank may do it). ``ValueError`` for a text
+    corpus, which is read into memory at the start (nothing to cut)."""
+    from raggedfsdp.train.data import TokenArray
+
+    if not isinstance(tokens, TokenArray):
+        raise ValueError(f"{ENV}=truncate@stepN needs a .bin --data (a text corpus is read into memory)")
+    os.truncate(tokens.path, tokens.file_bytes // 2 // 4 * 4)
 
 
 def fault_writer(path, inject: str):

@@ -44,7 +44,7 @@ from raggedfsdp.train.data import (
     windows,
 )
 from raggedfsdp.train.data_identity import check_same_corpus, fingerprint, reference_fingerprint
-from raggedfsdp.train.faults import FaultPlan
+from raggedfsdp.train.faults import FaultPlan, truncate_token_file
 from raggedfsdp.train.guard import (
     StepGuard,
     check_params,
@@ -286,6 +286,8 @@ class Trainer:
             self.faults.inject_step(step, self.rank)
             if self.faults.take("swapdata", step):  # other data from this step on (found by the step's check)
                 self.sampler.tokens = self.sampler.tokens.flip(0).contiguous()
+            if self.faults.take("truncate", step):  # the .bin cut in place: its next read past the end fails
+                truncate_token_file(self.corpus.train)
         self.straggler.start_step()
         if self._slow_s:  # --debug.slow_rank without --debug.slow_unit: late from the step's start
             time.sleep(self._slow_s)

@@ -98,3 +98,5 @@ def test_wrap_bench_cli_rejects_bad_arguments(capsys):
 
     assert main(["wrap-bench", "--wrap", "layer"]) == 2
     assert "at least two units" in capsys.readouterr().err
+    assert main(["wrap-bench", "--model", "nope"]) == 2  # before the launch: not a traceback per rank
+    assert "error: --model 'nope' --flavor 'tiny': unknown model 'nope'" in capsys.readouterr().err

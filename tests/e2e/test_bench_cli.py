@@ -77,6 +77,15 @@ def test_bench_json_smoke_moe_two_ranks():
         assert r["non_comm_overhead_seconds"][n] == pytest.approx(
             sysr["step_seconds_median"] - fl - sysr["comm_only_seconds"]
         )
+        assert sysr["comm_only_cpu_seconds"] > 0  # the same split in CPU time
+        assert r["non_comm_overhead_cpu_seconds"][n] == pytest.approx(
+            sysr["cpu_seconds_median"]
+            - r["local_floor"]["cpu_seconds_median"]
+            - sysr["comm_only_cpu_seconds"]
+        )
+    nc = r["non_comm_overhead_cpu_seconds"]
+    want = nc["raggedfsdp"] / nc["torch"] if nc["torch"] > 0 else float("inf")
+    assert r["non_comm_overhead_cpu_ratio"] == pytest.approx(want)
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)
@@ -152,3 +161,31 @@ def test_bench_bad_arguments_fail_before_launch(argv, match, capsys):
         rc = e.code
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_failed_bench_ends_with_one_line_and_the_report_in_out(tmp_path):
+    """A rank that raises inside the bench (``RAGGEDFSDP_FAULT=raise@step0:rank1``: its first warm-up
+    step) ends the run as a failed ``raggedfsdp train`` does (the same launcher, launch/launcher.py):
+    one error line, the last, naming rank 1 and the report; the traceback once, rank-tagged; torchrun's
+    failure table, log lines and every rank's traceback in ``--out`` (failure.log), not on the console."""
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--flavor", "moe-debug",
+           "--nproc", "2", "--steps", "1", "--warmup", "1", "--seq", "16", "--no-floor",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAGGEDFSDP_FAULT": "raise@step0:rank1"}
+    env.pop("RANK", None)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert [ln for ln in lines if " error: " in ln] == [lines[-1]], res.stderr
+    assert lines[-1] == (
+        "raggedfsdp bench: [rank 1/2] error: RuntimeError: injected failure on rank 1 at step 0 "
+        f"(debug.fail_rank/fail_step) (every rank's report: {out / 'failure.log'})"
+    ), lines[-1]
+    for noise in ("FAILED", "Root Cause", "closing signal", "exitcode", "frame #"):
+        assert noise not in res.stderr, res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+    assert "[rank 1/2]     raise RuntimeError(" in res.stderr
+    report = (out / "failure.log").read_text()
+    assert "the 2-rank bench failed" in report and "Root Cause" in report and lines[-1] in report, report
+    assert "rank      : 1 (local_rank: 1)" in report and "    raise RuntimeError(" in report, report

@@ -1,7 +1,7 @@
 """Faults in training (issue 11): non-finite steps, strict and verified loads, foreign checkpoints,
 full disks, interrupts, orphans and hung ranks.
 
-Two kinds of tests: one ``run_distributed`` call at 2 gloo ranks drives ``Trainer`` directly through
+Two kinds of tests: one 2-rank gloo spawn (``SharedSpawns``) drives ``Trainer`` directly through
 many sub-cases (cheap: one spawn), and a few real ``raggedfsdp train`` launches for what only a
 launcher shows (signals, the launcher's death, a hung rank's name, the last line the user sees).
 Faults are injected with ``RAGGEDFSDP_FAULT`` (see ``raggedfsdp/train/faults.py``).
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from raggedfsdp.cli import main as cli_main
-from _dist import run_distributed
+from _cases import SharedSpawns, case_tmpdir
 
 TINY = {
     "model.flavor": "debug",
@@ -371,6 +371,50 @@ def _nonfinite_cases(rank, world, tmp):
     tr.close()
 
     _straggler_case(rank, world, tmp)  # 14. issue 23 item 7, in this spawn
+    _truncated_token_file_case(rank, world, tmp)  # 15. a .bin cut mid-run, in this spawn
+
+
+def _truncated_token_file_case(rank, world, tmp):
+    """A ``.bin`` cut to half its size in place between two steps (``truncate@stepN``, every rank: as a
+    shared file system shows it to all) is a ``DataError`` on every rank, naming the rank, step, batch,
+    file, token and byte offsets, the sizes and the fix, before any collective of that step (a
+    memory-mapped read past the new end used to kill the rank with SIGBUS, nothing recorded)."""
+    import re
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from raggedfsdp.train.data import BatchSampler, DataError, load_corpus, write_token_bin
+
+    path = Path(tmp) / "tokens.bin"
+    ids = np.frombuffer("".join(f"line {i}: the quick brown fox\n" for i in range(600)).encode(), np.uint8)
+    if rank == 0:
+        write_token_bin(path, [ids], vocab_size=256)
+    dist.barrier()
+    size = path.stat().st_size
+    half = size // 2 // 4 * 4 // 2  # tokens left by the fault
+    cfg = _cfg(Path(tmp) / "tbin", data__path=str(path), training__steps=20)
+    corpus = load_corpus(str(path), max_bytes=cfg.data.max_bytes, val_fraction=cfg.data.val_fraction)
+    # the batches are a function of (seed, step): the first step whose batch reads past the cut on every rank
+    s = BatchSampler(corpus.train, seq_len=32, global_batch_size=4, world_size=world, seed=cfg.job.seed)
+    t = s.seq_len + 1
+
+    def past(step, r):  # the first window of rank r's batch that crosses the new end, or None
+        return next((o for o in s.global_offsets(step)[s.rows(0, r).start : s.rows(0, r).stop] if o + t > half),
+                    None)  # fmt: skip
+
+    step = next(n for n in range(2, 20) if all(past(n, r) is not None for r in range(world)))
+    tr = _trainer(cfg, f"truncate@step{step}")
+    for n in range(1, step):
+        tr.train_step(n)
+    o = int(past(step, rank))
+    _raises(DataError, rf"^rank {rank}, step {step}: batch step{step}:rows\d+-\d+ \(rank {rank}, micro-step 0\): "
+            rf"token file '{re.escape(str(path))}' was truncated while the job read it: tokens {o}-{o + t - 1} \(bytes {2 * o}-"
+            rf"{2 * (o + t) - 1}\) are past its end \({2 * half} bytes now, {size} when the job opened it\); a file "
+            r"must not change while a job reads it: restore it \(or write a new one under another name\) and "
+            r"resume with --resume auto$", lambda: tr.train_step(step))  # fmt: skip
+    assert path.stat().st_size == 2 * half
+    tr.close()
 
 
 def _straggler_case(rank, world, tmp):
@@ -442,12 +486,28 @@ def _flag_at(train_step, ints, rank):
     return step
 
 
-def test_trainer_faults_at_two_ranks(tmp_path):
-    run_distributed(_cases, 2, str(tmp_path))
+def _trainer_faults(rank, world):
+    _cases(rank, world, case_tmpdir())
 
 
-def test_nonfinite_gradient_and_parameter_named_by_rank_at_two_ranks(tmp_path):
-    run_distributed(_nonfinite_cases, 2, str(tmp_path))
+def _nonfinite(rank, world):
+    _nonfinite_cases(rank, world, case_tmpdir())
+
+
+# The Trainer sub-cases above share one 2-rank spawn (tests/_cases.py); each test asserts on its own part.
+SPAWN = SharedSpawns(
+    {"trainer_faults": "test_train_faults._trainer_faults", "nonfinite": "test_train_faults._nonfinite"},
+    {2: [("trainer_faults", ()), ("nonfinite", ())]},
+    timeout=600,
+)
+
+
+def test_trainer_faults_at_two_ranks():
+    SPAWN.check(2, "trainer_faults")
+
+
+def test_nonfinite_gradient_and_parameter_named_by_rank_at_two_ranks():
+    SPAWN.check(2, "nonfinite")
 
 
 # -- real launches -------------------------------------------------------------------------------
