@@ -154,4 +154,10 @@ def test_code_does_not_read_files_of_this_machine():
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and "/work/" in node.value:
                     if node.value.lstrip().startswith(("/work/", "file:///work/")):
                         bad.append(f"{path.relative_to(repo)}:{node.lineno} {node.value[:60]!r}")
+    for path in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:  # commands a user copies
+        bad += [
+            f"{path.relative_to(repo)}:{i}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if "/work/" in line
+        ]
     assert not bad, f"paths that exist only on the project's machine: {bad}"
