@@ -6,6 +6,7 @@ the ranks, so several test modules can share one registry without import circles
 ``spawns.check(ws, name)`` spawns world size
 ``ws`` once with every case registered for it (``spawns.plan``), then fails the calling test unless
 ``name`` passed; a case that did not run because an earlier one failed reports that failure.
+A case that needs a folder on disk takes ``case_tmpdir()``.
 Cases run in registration order on every rank; a failure stops the group (a half-run collective
 would otherwise desynchronise the next case), so every case after it is reported as not run.
 """
@@ -21,8 +22,21 @@ import torch.distributed as dist
 from _dist import run_distributed
 
 
+_CASE_DIR: str | None = None
+
+
+def case_tmpdir() -> str:
+    """A fresh folder for the running case, the same path on every rank (under the spawn's temporary
+    directory, removed after the spawn); only for cases run by ``SharedSpawns``."""
+    assert _CASE_DIR is not None, "case_tmpdir() is for cases run by SharedSpawns"
+    return _CASE_DIR
+
+
 def _run_cases(rank, ws, fns, cases, done_path):
-    for name, args in cases:
+    global _CASE_DIR
+    for i, (name, args) in enumerate(cases):
+        _CASE_DIR = os.path.join(os.path.dirname(done_path), f"case-{i}")
+        os.makedirs(_CASE_DIR, exist_ok=True)
         mod, _, attr = fns[name].rpartition(".")
         getattr(importlib.import_module(mod), attr)(rank, ws, *args)
         dist.barrier()
@@ -54,4 +68,8 @@ class SharedSpawns:
         assert (name, tuple(args)) in [(n, tuple(a)) for n, a in self.plan[ws]], (ws, name, args)
         done, err = self._spawn(ws)
         if repr((name, tuple(args))) not in done:
-            raise AssertionError(f"case {name}{tuple(args)} at world size {ws} failed or did not run:\n{err}")
+            # cases run in plan order and the first failure stops the group: it is the first one not done
+            first = next(f"{n}{tuple(a)}" for n, a in self.plan[ws] if repr((n, tuple(a))) not in done)
+            this = f"{name}{tuple(args)}"
+            why = "failed" if first == this else f"did not run: case {first} failed before it"
+            raise AssertionError(f"case {this} at world size {ws} {why}:\n{err}")

@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from torch import nn
 
 INF = float("inf")
@@ -146,7 +146,7 @@ def _cases(rank, ws):
 
 @pytest.mark.parametrize("ws", [2, 3, 5])
 def test_torch_clip_grad_norm_on_ragged_grads(ws):
-    run_distributed(_cases, ws)
+    SPAWNS.check(ws, "clip_grad_norm")
 
 
 def _mixed_mesh_case(rank, ws):
@@ -218,4 +218,4 @@ def _mixed_mesh_case(rank, ws):
 
 
 def test_hsdp_and_mixed_mesh_clip_grad_norm():
-    run_distributed(_mixed_mesh_case, 4)
+    SPAWNS.check(4, "clip_grad_norm_mixed_mesh")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _cases import SharedSpawns
 from _dist import run_distributed
 
 STEPS = 5
@@ -120,8 +121,18 @@ def test_compile_whole_model_and_blocks_match_torch_fully_shard():
     run_distributed(_cases, 2, timeout=900)
 
 
+def _in_process_inductor():
+    """Compile in the rank's own process: the default on a 2-core box is a pool of 2 compile workers per
+    rank, each a fresh interpreter importing torch (seconds of CPU apiece), for kernels this small."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+
+
 def _inductor(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
+
+    _in_process_inductor()
 
     mesh = init_device_mesh("cpu", (ws,))
     for mode in ("whole", "block"):
@@ -130,9 +141,17 @@ def _inductor(rank, ws):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=0, msg=f"{mode} inductor")
 
 
-@pytest.mark.slow  # inductor C++ builds: minutes on a loaded 2-core machine
+# The two inductor cases (slow: C++ builds, minutes on a loaded 2-core machine) share one 2-rank spawn.
+INDUCTOR = SharedSpawns(
+    {"inductor": "test_compile._inductor", "snippet": "test_compile._snippet"},
+    {2: [("inductor", ()), ("snippet", ())]},
+    timeout=2400,
+)
+
+
+@pytest.mark.slow
 def test_compile_inductor_matches_torch_fully_shard():
-    run_distributed(_inductor, 2, timeout=1800)
+    INDUCTOR.check(2, "inductor")
 
 
 def _snippet(rank, ws):
@@ -141,6 +160,7 @@ def _snippet(rank, ws):
     import re
     from contextlib import redirect_stdout
 
+    _in_process_inductor()
     doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md"
     m = re.search(
         r"<!-- snippet: compose-compile\b[^>]*-->\s*```python\n(.*?)```", doc.read_text(), re.DOTALL
@@ -155,4 +175,4 @@ def _snippet(rank, ws):
 
 @pytest.mark.slow  # inductor compiles the Llama block
 def test_docs_compile_snippet_runs():
-    run_distributed(_snippet, 2, timeout=1800)
+    INDUCTOR.check(2, "snippet")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import ToyLM, batches, lm_loss, shard_model
 from raggedfsdp.bench.copy_accounting import CopyCounter
 
@@ -98,4 +98,4 @@ def _accounting(rank, ws):
 
 
 def test_copies_around_collectives_vs_fsdp2():
-    run_distributed(_accounting, 2)
+    SPAWNS.check(2, "copy_accounting")

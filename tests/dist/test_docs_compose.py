@@ -9,7 +9,7 @@ import pathlib
 import re
 from contextlib import redirect_stdout
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "fsdp.md"
 
@@ -18,6 +18,14 @@ def snippet(name: str) -> str:
     text = DOC.read_text()
     m = re.search(r"<!-- snippet: " + re.escape(name) + r"\b[^>]*-->\s*```python\n(.*?)```", text, re.S)
     assert m, f"snippet {name!r} not found in {DOC}"
+    return m.group(1)
+
+
+def _claimed_tp_placement() -> str:
+    """The placement the prose after the TP snippet says it prints (it once said ``dims=(0,)`` while the
+    snippet printed ``dims=(0, 1)``)."""
+    m = re.search(r"The weight prints `(RaggedShard\([^`]*\))`", DOC.read_text())
+    assert m, f"the TP placement claim is not found in {DOC}"
     return m.group(1)
 
 
@@ -32,12 +40,16 @@ def _run(rank, ws, snippets):
         assert len(losses) == 3 and losses[2] < losses[0], out
 
 
-def test_compose_tp_and_ep_snippets_run():
-    run_distributed(
-        _run,
-        4,
+def _snippets(rank, ws):
+    _run(
+        rank,
+        ws,
         [
-            (snippet("compose-tp"), ("('dp', 'tp') (RaggedShard(", "Shard(dim=1))")),
+            (snippet("compose-tp"), ("('dp', 'tp') (RaggedShard(", "Shard(dim=1))", _claimed_tp_placement())),
             (snippet("compose-ep"), ("('dp', 'ep') (RaggedShard(", "Shard(dim=0))")),
         ],
     )
+
+
+def test_compose_tp_and_ep_snippets_run():
+    SPAWNS.check(4, "docs_compose")

@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from torch import nn
 
 
@@ -260,4 +260,4 @@ def _case(rank, ws):
 
 
 def test_dropin_vs_torch_fully_shard():
-    run_distributed(_case, 3)
+    SPAWNS.check(3, "dropin")

@@ -14,7 +14,7 @@ import copy
 
 import torch
 import torch.nn as nn
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import full_params
 
 FROZEN = ("base.weight", "base.bias", "norm.bias")
@@ -155,8 +155,8 @@ def _frozen_cases(rank, ws, mesh_shape=None):
 
 
 def test_frozen_params_parity_ws3():
-    run_distributed(_frozen_cases, 3)
+    SPAWNS.check(3, "frozen")
 
 
 def test_frozen_params_parity_ws5():
-    run_distributed(_frozen_cases, 5)
+    SPAWNS.check(5, "frozen")

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import DIM, VOCAB, Block, Boom
 
 MODES = ("off", "always", "random")  # Note [early free] off; is_done() always True; random per rank
@@ -649,7 +649,7 @@ def _cases_hsdp(rank, ws):
 
 
 def test_grad_fold_hsdp_2x2():
-    run_distributed(_cases_hsdp, 4)
+    SPAWNS.check(4, "grad_fold_hsdp")
 
 
 def _accum_body(skip_unit2, use_extra):
@@ -697,4 +697,4 @@ def test_grad_fold_ws3():
     retain_graph, no-sync windows (unit skipped in the synced micro-batch, requires_grad toggled,
     frozen params, bf16/fp32 and bf16/bf16 vs torch's fully_shard), create_graph, sparse grads,
     reset_iter_state after an exception, a hand-set .grad, CPU offload, one unit of two modules."""
-    run_distributed(_cases_ws3, 3)
+    SPAWNS.check(3, "grad_fold")

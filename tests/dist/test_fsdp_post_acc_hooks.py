@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import ToyLM, batches, full_params, lm_loss, shard_model
 
 
@@ -61,4 +61,4 @@ def _case(rank, ws):
 
 
 def test_post_accumulate_grad_hooks_optimizer_in_backward():
-    run_distributed(_case, 3)
+    SPAWNS.check(3, "post_acc_hooks")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import Boom, ToyLM, batches, full_params, lm_loss, shard_model
 
 GRAD_NAMES = ("unsharded grads", "reduce-scatter input", "reduce_dtype accumulated grads")
@@ -320,7 +320,7 @@ def _debug_invariant(rank, ws, mesh):
 def test_runtime_mechanics():
     """Bounded grad memory (K=1, 2), forward prefetch order, rank-local used flags, ZeRO-1 with a
     rank-local optimizer step, reset_iter_state after an exception, debug invariant; 3 ranks."""
-    run_distributed(_runtime_cases, 3)
+    SPAWNS.check(3, "runtime")
 
 
 def _runtime_cases(rank, ws, only=None):
@@ -381,4 +381,4 @@ def _bf16_grads(rank, ws):
 def test_bf16_gradients_and_no_sync_accumulation_match_torch_fsdp():
     """param_dtype=bf16, reduce_dtype=fp32: gradients after one backward and after 4 micro-batches
     (no-sync accumulation in fp32) equal torch's fully_shard (so a 2x scale or bf16 accumulation fails)."""
-    run_distributed(_bf16_grads, 3)
+    SPAWNS.check(3, "runtime_bf16_grads")

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 
 STEPS = 3
 B, T = 4, 16  # global batch rows, sequence length
@@ -194,7 +194,7 @@ def _run(rank, ws):
 
 
 def test_fsdp_tp_parity_dp2_tp2():
-    run_distributed(_run, 4)
+    SPAWNS.check(4, "fsdp_tp")
 
 
 def test_block_cut_by_tp_raises():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from _dist import run_distributed
+from _spawns import SPAWNS  # the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import full_params
 
 
@@ -71,7 +72,7 @@ def _requires_grad_after_wrap(rank, ws):
 
 
 def test_requires_grad_changed_after_fully_shard_is_honoured():
-    run_distributed(_requires_grad_after_wrap, 3)
+    SPAWNS.check(3, "user_requires_grad_after_wrap")
 
 
 class Routed(nn.Module):
@@ -118,7 +119,7 @@ def _units_some_ranks_run(rank, ws):
 
 
 def test_unit_run_by_some_ranks_only_raises_in_debug_mode():
-    run_distributed(_units_some_ranks_run, 2)
+    SPAWNS.check(2, "user_units_some_ranks_debug")
 
 
 def _units_some_ranks_run_no_debug(rank, ws):
@@ -166,7 +167,7 @@ def _units_some_ranks_run_no_debug(rank, ws):
 
 
 def test_unit_run_by_some_ranks_only_raises_naming_the_unit():
-    run_distributed(_units_some_ranks_run_no_debug, 2)
+    SPAWNS.check(2, "user_units_some_ranks")
 
 
 class RoutedUneven(Routed):
@@ -268,4 +269,4 @@ def _order_mismatch(rank, ws):
 
 
 def test_unit_order_mismatch_immediate_and_deferred_check():
-    run_distributed(_order_mismatch, 2)
+    SPAWNS.check(2, "user_order_mismatch")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,4 +78,4 @@ def _hf(rank, ws):
 
 @pytest.mark.parametrize("ws", [3])
 def test_hf_llama_matches_torch_fully_shard(ws):
-    run_distributed(_hf, ws)
+    SPAWNS.check(ws, "hf_llama")

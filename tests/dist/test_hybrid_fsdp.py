@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 
 STEPS = 2
 
@@ -113,4 +113,4 @@ def _all(rank, ws):
 @pytest.mark.parametrize("ws", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_hybrid_fsdp_parity_layer_and_superblock(ws):
     """ws=3 also trains an HF LlamaForCausalLM built by name (hf:LlamaForCausalLM) the same way."""
-    run_distributed(_all, ws)
+    SPAWNS.check(ws, "hybrid")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import full_params
 
 STEPS = 3
@@ -96,4 +96,4 @@ def _moe_parity(rank, ws):
 
 
 def test_moe_fsdp_parity_ws3_unrouted_experts():
-    run_distributed(_moe_parity, WS)
+    SPAWNS.check(WS, "moe_parity")

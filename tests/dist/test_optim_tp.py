@@ -14,7 +14,7 @@ single-device optimizers on the full tensors with the same gradients:
 from __future__ import annotations
 
 import torch
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _optim_cases import layout
 
 LR, WD = 0.02, 0.1
@@ -148,4 +148,4 @@ def _run(rank, ws):
 
 
 def test_optimizers_on_fsdp_tp_dtensors():
-    run_distributed(_run, 4)
+    SPAWNS.check(4, "optim_tp")

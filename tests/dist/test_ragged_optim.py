@@ -6,7 +6,7 @@ Every check compares against the same operation on full (unsharded) tensors.
 import pytest
 import torch
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 
 SHAPES = [(6, 3), (5,), (4, 2, 3), (2, 1, 2, 3), (1, 7)]
 
@@ -147,8 +147,8 @@ def _optim_hsdp(rank, ws):
 
 @pytest.mark.parametrize("ws", [1, 3])
 def test_optim_1d(ws):
-    run_distributed(_optim_1d, ws)
+    SPAWNS.check(ws, "ragged_optim_1d")
 
 
 def test_optim_hsdp_2x2():
-    run_distributed(_optim_hsdp, 4)
+    SPAWNS.check(4, "ragged_optim_hsdp")

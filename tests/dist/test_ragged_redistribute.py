@@ -6,7 +6,7 @@ Every result is compared with the same operation on the full tensor.
 import pytest
 import torch
 
-from _dist import run_distributed
+from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 
 SHAPES = [(7,), (6, 3), (4, 2, 3), (2, 3, 2, 2), (0, 3), (3, 0)]
 
@@ -196,7 +196,7 @@ def _autograd(rank, ws, mesh):
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 5])
 def test_redistribute_1d(ws):
-    run_distributed(_cases_1d, ws, ws > 3)
+    SPAWNS.check(ws, "redistribute_1d", ws > 3)
 
 
 def _cases_2d(rank, ws):
@@ -274,4 +274,4 @@ def _cases_2d(rank, ws):
 
 
 def test_redistribute_2d_and_4_ranks():
-    run_distributed(_cases_2d, 4)
+    SPAWNS.check(4, "redistribute_2d")

@@ -1,7 +1,7 @@
 """Faults in training (issue 11): non-finite steps, strict and verified loads, foreign checkpoints,
 full disks, interrupts, orphans and hung ranks.
 
-Two kinds of tests: one ``run_distributed`` call at 2 gloo ranks drives ``Trainer`` directly through
+Two kinds of tests: one 2-rank gloo spawn (``SharedSpawns``) drives ``Trainer`` directly through
 many sub-cases (cheap: one spawn), and a few real ``raggedfsdp train`` launches for what only a
 launcher shows (signals, the launcher's death, a hung rank's name, the last line the user sees).
 Faults are injected with ``RAGGEDFSDP_FAULT`` (see ``raggedfsdp/train/faults.py``).
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from raggedfsdp.cli import main as cli_main
-from _dist import run_distributed
+from _cases import SharedSpawns, case_tmpdir
 
 TINY = {
     "model.flavor": "debug",
@@ -486,12 +486,28 @@ def _flag_at(train_step, ints, rank):
     return step
 
 
-def test_trainer_faults_at_two_ranks(tmp_path):
-    run_distributed(_cases, 2, str(tmp_path))
+def _trainer_faults(rank, world):
+    _cases(rank, world, case_tmpdir())
 
 
-def test_nonfinite_gradient_and_parameter_named_by_rank_at_two_ranks(tmp_path):
-    run_distributed(_nonfinite_cases, 2, str(tmp_path))
+def _nonfinite(rank, world):
+    _nonfinite_cases(rank, world, case_tmpdir())
+
+
+# The Trainer sub-cases above share one 2-rank spawn (tests/_cases.py); each test asserts on its own part.
+SPAWN = SharedSpawns(
+    {"trainer_faults": "test_train_faults._trainer_faults", "nonfinite": "test_train_faults._nonfinite"},
+    {2: [("trainer_faults", ()), ("nonfinite", ())]},
+    timeout=600,
+)
+
+
+def test_trainer_faults_at_two_ranks():
+    SPAWN.check(2, "trainer_faults")
+
+
+def test_nonfinite_gradient_and_parameter_named_by_rank_at_two_ranks():
+    SPAWN.check(2, "nonfinite")
 
 
 # -- real launches -------------------------------------------------------------------------------
