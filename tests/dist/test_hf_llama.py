@@ -1,5 +1,6 @@
 """A HF transformers LlamaForCausalLM (small config, no weights downloaded) trains under
-raggedfsdp.fully_shard with the same losses as under torch's fully_shard and as unsharded."""
+raggedfsdp.fully_shard with the same losses as under torch's fully_shard and as unsharded, and the same
+first-step gradients as unsharded (under both)."""
 
 from __future__ import annotations
 
