@@ -183,11 +183,14 @@ def host_all_gather(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]
     return [o.cpu() for o in outs]
 
 
-def replay_collectives(trace, device, reps: int = 3) -> float:
-    """Median wall seconds of running ``trace`` (a :class:`StepCounter` ``trace``) alone, one blocking
-    collective after another on the default group with fresh buffers: the communication a step's
-    collectives cost without any compute, hook or copy around them. Collective: every rank calls it
-    with the same trace. Ops other than all-gather / reduce-scatter / all-reduce are skipped."""
+def replay_collectives(trace, device, reps: int = 3) -> tuple[float, float]:
+    """Run ``trace`` (a :class:`StepCounter` ``trace``) alone, one blocking collective after another on
+    the default group with fresh buffers: the communication a step's collectives cost without any
+    compute, hook or copy around them. Returns ``(wall, cpu)`` seconds, medians over ``reps``: wall is
+    the slowest rank's, cpu is this process's CPU time (``time.process_time``: all its threads,
+    gloo's workers included), this rank's own (the caller averages over ranks as it does the steps').
+    Collective: every rank calls it with the same trace. Ops other than all-gather / reduce-scatter /
+    all-reduce are skipped."""
     import statistics
     import time
 
@@ -203,10 +206,10 @@ def replay_collectives(trace, device, reps: int = 3) -> float:
         )
         for op, n0, d0, n1, d1 in trace
     ]
-    times = []
+    times, cpus = [], []
     for _ in range(reps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for op, out, inp in bufs:
             if op.startswith("_allgather_base"):
                 _all_gather_single(out, inp)
@@ -216,8 +219,9 @@ def replay_collectives(trace, device, reps: int = 3) -> float:
                 dist.all_reduce(out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        cpus.append(time.process_time() - c0)
         t = host_all_reduce(
             torch.tensor([time.perf_counter() - t0], dtype=torch.float64), device, dist.ReduceOp.MAX
         )
         times.append(float(t))
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpus)

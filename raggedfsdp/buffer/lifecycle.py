@@ -242,9 +242,9 @@ class UnitBuffers:
         )
 
     def sharded_grad_buffer(self, zero: bool = True) -> DBuffer:
-        """The persistent ``(Sg,)`` sharded grads (orig dtype, storage device), created zeroed on first use;
-        ``zero=False``: a re-grown buffer is left unwritten (the caller overwrites all of it: a fresh
-        reduce-scatter output)."""
+        """The persistent ``(Sg,)`` sharded grads (orig dtype, storage device), created (or re-grown)
+        zeroed; ``zero=False``: a new or re-grown buffer is left unwritten (the caller overwrites all of
+        it: a fresh reduce-scatter output, which after ``hand_off_sharded_grads`` is every step's case)."""
         if self.sharded_grads is None:
             self.sharded_grads = DBuffer(
                 self.grad_layout,
@@ -256,7 +256,8 @@ class UnitBuffers:
                 pin_memory=self.pin,
                 name="sharded grads",
             )
-            self.sharded_grads.zero_()
+            if zero:
+                self.sharded_grads.zero_()
         elif self.sharded_grads.alloc() and zero:  # released by release_sharded_grads(): re-grown, zeroed
             self.sharded_grads.zero_()
         return self.sharded_grads

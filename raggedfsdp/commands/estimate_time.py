@@ -200,8 +200,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             return 0
         args.cluster = args.save or args.cluster
-    if not args.model or not args.world_size:
+    if not args.model or args.world_size is None:
         return _error("give --model and --world-size (or --calibrate alone)")
+    if args.world_size < 1:  # 0 used to read as "not given"
+        return _error(f"--world-size {args.world_size}: must be >= 1 (ranks in all), e.g. --world-size 8")
     try:
         cluster = _load_cluster(args.cluster)
         units, cfg = resolve_model(args.model, args.unit)

@@ -12,6 +12,7 @@ Each rank processes ``global_batch_size // (world_size * grad_accum)`` sequences
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,6 +287,19 @@ class TrainConfig:
     def validate(self, world_size: int | None = None) -> None:
         """Cross-field checks; with ``world_size`` also the batch split. Raises ``ValueError``."""
         t, o, f, m = self.training, self.optimizer, self.fsdp, self.metrics
+        # NaN passes every `value < 0` check below and reached the ranks (--lr nan: torch's error from
+        # each rank after the launch; --training.max_norm nan: silently no clipping): refuse it here.
+        for section in dataclasses.fields(self):
+            for fld in dataclasses.fields(getattr(self, section.name)):
+                value = getattr(getattr(self, section.name), fld.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(
+                        f"{section.name}.{fld.name} must be a finite number, got {value}; "
+                        f"pass a number such as --{section.name}.{fld.name} {fld.default}"
+                    )
+        for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{key} must be in [0, 1), got {value}; e.g. --{key} 0.9")
         positive = {
             "training.steps": t.steps,
             "training.global_batch_size": t.global_batch_size,
@@ -300,6 +314,7 @@ class TrainConfig:
         nonneg = {
             "training.max_norm": t.max_norm,
             "optimizer.lr": o.lr,
+            "optimizer.eps": o.eps,
             "optimizer.warmup_steps": o.warmup_steps,
             "optimizer.weight_decay": o.weight_decay,
             "metrics.eval_every": m.eval_every,

@@ -21,6 +21,14 @@ def snippet(name: str) -> str:
     return m.group(1)
 
 
+def _claimed_tp_placement() -> str:
+    """The placement the prose after the TP snippet says it prints (it once said ``dims=(0,)`` while the
+    snippet printed ``dims=(0, 1)``)."""
+    m = re.search(r"The weight prints `(RaggedShard\([^`]*\))`", DOC.read_text())
+    assert m, f"the TP placement claim is not found in {DOC}"
+    return m.group(1)
+
+
 def _run(rank, ws, snippets):
     for code, placements in snippets:
         buf = io.StringIO()
@@ -37,7 +45,7 @@ def _snippets(rank, ws):
         rank,
         ws,
         [
-            (snippet("compose-tp"), ("('dp', 'tp') (RaggedShard(", "Shard(dim=1))")),
+            (snippet("compose-tp"), ("('dp', 'tp') (RaggedShard(", "Shard(dim=1))", _claimed_tp_placement())),
             (snippet("compose-ep"), ("('dp', 'ep') (RaggedShard(", "Shard(dim=0))")),
         ],
     )

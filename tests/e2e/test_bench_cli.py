@@ -77,6 +77,15 @@ def test_bench_json_smoke_moe_two_ranks():
         assert r["non_comm_overhead_seconds"][n] == pytest.approx(
             sysr["step_seconds_median"] - fl - sysr["comm_only_seconds"]
         )
+        assert sysr["comm_only_cpu_seconds"] > 0  # the same split in CPU time
+        assert r["non_comm_overhead_cpu_seconds"][n] == pytest.approx(
+            sysr["cpu_seconds_median"]
+            - r["local_floor"]["cpu_seconds_median"]
+            - sysr["comm_only_cpu_seconds"]
+        )
+    nc = r["non_comm_overhead_cpu_seconds"]
+    want = nc["raggedfsdp"] / nc["torch"] if nc["torch"] > 0 else float("inf")
+    assert r["non_comm_overhead_cpu_ratio"] == pytest.approx(want)
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)

@@ -156,6 +156,14 @@ def test_override_argv_round_trip(tmp_path):
         ({"model.n_kv_heads": "3"}, "n_kv_heads must divide n_heads"),
         ({"training.seq_len": "100000"}, "exceeds the model's max_seq_len"),
         ({"data.val_fraction": "1.5"}, "val_fraction"),
+        # NaN slipped past every `< 0` check: --lr nan failed on each rank after the launch and
+        # --training.max_norm nan trained silently unclipped; beta/eps were torch's errors, per rank
+        ({"optimizer.lr": "nan"}, r"optimizer.lr must be a finite number, got nan; .*--optimizer.lr 0.003"),
+        ({"training.max_norm": "nan"}, "training.max_norm must be a finite number, got nan"),
+        ({"job.hang_timeout_s": "inf"}, "job.hang_timeout_s must be a finite number, got inf"),
+        ({"optimizer.beta1": "1.5"}, r"optimizer.beta1 must be in \[0, 1\), got 1.5"),
+        ({"optimizer.beta2": "-0.1"}, r"optimizer.beta2 must be in \[0, 1\)"),
+        ({"optimizer.eps": "-1"}, "optimizer.eps must be >= 0, got -1.0"),
         ({"model.name": "moe", "parallel.ep": "2", "parallel.tp": "2"}, "EP x TP is not supported"),
         ({"model.name": "moe", "parallel.ep": "2", "parallel.dp_replicate": "2"}, "EP x HSDP"),
     ],

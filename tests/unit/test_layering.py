@@ -138,3 +138,26 @@ def test_tests_do_not_import_the_tests_folder_as_a_package():
             where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
             bad += [f"{where} {n}" for n in names if n.split(".")[0] == "tests"]
     assert not bad, f"import the helper by its module name (conftest puts tests/ on sys.path): {bad}"
+
+
+def test_code_does_not_read_files_of_this_machine():
+    """No test or library module names a path of the project's own machine (``/work/...``: the shared
+    data, the venv, other checkouts). test_tokens read ``/work/shared/data/tinyshakespeare.txt``: it
+    passed here and failed with FileNotFoundError on any other machine. Build inputs in ``tmp_path``."""
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    bad = []
+    for folder in ("raggedfsdp", "tests"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            if path == pathlib.Path(__file__).resolve():
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and "/work/" in node.value:
+                    if node.value.lstrip().startswith(("/work/", "file:///work/")):
+                        bad.append(f"{path.relative_to(repo)}:{node.lineno} {node.value[:60]!r}")
+    for path in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:  # commands a user copies
+        bad += [
+            f"{path.relative_to(repo)}:{i}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if "/work/" in line
+        ]
+    assert not bad, f"paths that exist only on the project's machine: {bad}"

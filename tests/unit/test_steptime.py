@@ -133,6 +133,14 @@ def test_bad_input():
         estimate_time(units, cfg, cluster="h100", parallel=Parallel(4), batch=1, seq_len=8, layout="x")
 
 
+def test_cli_world_size_zero_is_named(capsys):
+    """``--world-size 0`` was read as "not given" ("give --model and --world-size")."""
+    from raggedfsdp.cli import main
+
+    assert main(["estimate-time", "--model", "llama:debug", "--cluster", "h100", "--world-size", "0"]) == 2
+    assert "--world-size 0: must be >= 1" in capsys.readouterr().err
+
+
 def test_rank_configs_sorted_and_complete():
     cfg, units = _llama(2)
     rows = rank_configs({"layer": units}, cfg, cluster="h100", world=16, batch=1, seq_len=2048)

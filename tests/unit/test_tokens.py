@@ -15,7 +15,27 @@ import torch
 from raggedfsdp.train.data import BatchSampler, check_data, load_corpus
 from raggedfsdp.train.data import token_bin_info, write_token_bin
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+
+def _text_corpus(tmp_path: Path, min_bytes: int = 400_000) -> Path:
+    """One text file of Python standard-library sources (present wherever Python is). The test used a
+    file under /work/shared, which exists only on the project's own machine: a clean checkout elsewhere
+    failed with FileNotFoundError."""
+    from raggedfsdp.train.data import stdlib_source_files
+
+    parts, size = [], 0
+    for f in stdlib_source_files():
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(text)
+        size += len(text.encode())
+        if size >= min_bytes:
+            break
+    assert size >= min_bytes, f"only {size} bytes of stdlib sources found"
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(parts), encoding="utf-8")
+    return path
 
 
 @pytest.mark.parametrize("vocab", [1000, 100_000])
@@ -73,18 +93,19 @@ def test_tokenize_and_train(tmp_path):
     from raggedfsdp.cli import main
     from raggedfsdp.train.config import load_config
 
+    corpus = _text_corpus(tmp_path)
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train([str(SHAKESPEARE)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
+    tok.train([str(corpus)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
     tok.save(str(tmp_path / "tokenizer.json"))
     del tokenizers
-    out = tmp_path / "shakespeare.bin"
+    out = tmp_path / "corpus.bin"
     assert (
         main(
             [
                 "tokenize",
-                str(SHAKESPEARE),
+                str(corpus),
                 "--tokenizer",
                 str(tmp_path),
                 "--out",
@@ -98,7 +119,7 @@ def test_tokenize_and_train(tmp_path):
     info = token_bin_info(out)
     assert info.vocab_size == 300 and info.num_tokens > 100_000
     ids = np.fromfile(out, dtype="<u2")
-    text = SHAKESPEARE.read_text()
+    text = corpus.read_text(encoding="utf-8")
     assert ids[-1] == tok.token_to_id("<eos>")
     assert tok.decode(ids[:-1].tolist()) == text  # byte-level BPE is lossless: the file is the one document
     # the vocabulary check names the fix, then a short run trains on the .bin
