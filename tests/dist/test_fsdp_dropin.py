@@ -20,6 +20,8 @@ import torch
 from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from torch import nn
 
+from raggedfsdp._compat import torch_minor
+
 
 class MLP(nn.Module):
     def __init__(self, d: int = 6):
@@ -254,6 +256,12 @@ def _case(rank, ws):
     for name, te in errs["torch"].items():
         oe = errs["ours"][name]
         assert te is not None and oe is not None, (name, te, oe)
+        if name == "bad_placement_fn" and isinstance(te, AttributeError) and torch_minor() < (2, 13):
+            # torch 2.11 does not check the result (2.13+ raise ValueError in _fsdp_common.py: "Invalid
+            # shard_placement_fn result") and fails inside _fsdp_param.py with AttributeError("'float' object
+            # has no attribute 'dim'"); ours raises the ValueError naming the parameter, as on 2.13+.
+            assert isinstance(oe, ValueError) and "'0.in_proj.weight'" in str(oe), oe
+            continue
         assert isinstance(oe, type(te)), (name, type(te), te, type(oe), oe)
     assert "'0.in_proj.weight'" in str(errs["ours"]["meta_forward"]), errs["ours"]["meta_forward"]
     assert "stride" in str(errs["ours"]["channels_last"]) and "'weight'" in str(errs["ours"]["channels_last"])
