@@ -1,5 +1,16 @@
-"""Version facts of the installed torch (no torch internals touched here; the patches of torch's
-internals live in one module, ``raggedfsdp/placement/_patches.py``)."""
+"""Version facts of the installed torch, and the private torch names raggedfsdp reads whose spelling
+differs between (or may vanish after) the supported minors 2.11 - 2.15. Each reader below names the
+torch internal it uses and raises ``RuntimeError`` naming this file when that internal is gone, so an
+upgrade fails loudly here instead of somewhere downstream. Nothing here changes torch (the patches of
+torch's internals live in one module, ``raggedfsdp/placement/_patches.py``) and torch is imported only
+inside the functions (``import raggedfsdp`` imports no torch).
+
+Checked on 2.11.0, 2.13.0, 2.14.1, 2.15.0 (docs/raggedshard.md "torch versions"):
+
+* ``DeviceMesh._get_root_mesh`` and ``DeviceMesh._concatenate`` exist on all of them;
+* ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` exist on 2.13 - 2.15; 2.11 has only
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same arguments).
+"""
 
 from __future__ import annotations
 
@@ -12,3 +23,53 @@ def torch_minor(version: str | None = None) -> tuple[int, int]:
         version = torch.__version__
     v = version.split("+")[0].split(".")
     return int(v[0]), int(v[1])
+
+
+def _gone(what: str) -> RuntimeError:
+    import torch
+
+    return RuntimeError(
+        f"raggedfsdp: torch {torch.__version__} has no {what}, which raggedfsdp reads on torch 2.11 - 2.15; "
+        "port raggedfsdp/_compat.py to this torch (or use torch 2.11 - 2.15)"
+    )
+
+
+def root_mesh(mesh):
+    """The root ``DeviceMesh`` that ``mesh`` was sliced from (``mesh`` itself for a root). Local.
+
+    torch internal: ``DeviceMesh._get_root_mesh`` (torch/distributed/device_mesh.py). Raises
+    ``RuntimeError`` if this torch lacks it.
+    """
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is None:
+        raise _gone("DeviceMesh._get_root_mesh")
+    return get()
+
+
+def concatenate_meshes(meshes):
+    """One ``DeviceMesh`` over the dims of ``meshes`` (sub-meshes of one root), in order. Local.
+
+    torch internal: ``DeviceMesh._concatenate`` (what FSDP2's ``_fsdp_param.py: _spmd_mesh`` uses).
+    Raises ``RuntimeError`` if this torch lacks it.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concat = getattr(DeviceMesh, "_concatenate", None)
+    if concat is None:
+        raise _gone("DeviceMesh._concatenate")
+    return concat(list(meshes))
+
+
+def single_tensor_collectives():
+    """``(all_gather_single, reduce_scatter_single)`` of ``torch.distributed`` under this torch's names.
+
+    torch 2.13 - 2.15 name them ``all_gather_single`` / ``reduce_scatter_single`` (the old names emit
+    FutureWarnings there); 2.11 has only ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+    """
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single"):
+        return dist.all_gather_single, dist.reduce_scatter_single
+    if hasattr(dist, "all_gather_into_tensor") and hasattr(dist, "reduce_scatter_tensor"):
+        return dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+    raise _gone("torch.distributed.all_gather_single / all_gather_into_tensor")

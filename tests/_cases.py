@@ -5,8 +5,9 @@ which ones passed, so several tests (each asserting on its own case) share one ~
 the ranks, so several test modules can share one registry without import circles) is a memo:
 ``spawns.check(ws, name)`` spawns world size
 ``ws`` once with every case registered for it (``spawns.plan``), then fails the calling test unless
-``name`` passed; a case that did not run because an earlier one failed reports that failure.
-A case that needs a folder on disk takes ``case_tmpdir()``.
+``name`` passed; a case that did not run because an earlier one failed names the one that failed.
+A case that needs a folder on disk takes ``case_tmpdir()`` (or ``case_tmpdir(key)``, a folder shared
+across world sizes).
 Cases run in registration order on every rank; a failure stops the group (a half-run collective
 would otherwise desynchronise the next case), so every case after it is reported as not run.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import tempfile
+import weakref
 
 import torch.distributed as dist
 
@@ -23,17 +26,25 @@ from _dist import run_distributed
 
 
 _CASE_DIR: str | None = None
+_ROOT: str | None = None
 
 
-def case_tmpdir() -> str:
-    """A fresh folder for the running case, the same path on every rank (under the spawn's temporary
-    directory, removed after the spawn); only for cases run by ``SharedSpawns``."""
-    assert _CASE_DIR is not None, "case_tmpdir() is for cases run by SharedSpawns"
-    return _CASE_DIR
+def case_tmpdir(key: str | None = None) -> str:
+    """A folder on disk for the running case, the same path on every rank; only for cases run by
+    ``SharedSpawns``. Without ``key``: a fresh folder of this case, removed after the spawn. With
+    ``key``: ``spawns.scratch(key)``, shared by every spawn of that ``SharedSpawns`` and the parent test
+    (a checkpoint saved at one world size, loaded at another); removed when the test process exits."""
+    assert _CASE_DIR is not None and _ROOT is not None, "case_tmpdir() is for cases run by SharedSpawns"
+    if key is None:
+        return _CASE_DIR
+    path = os.path.join(_ROOT, key)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
-def _run_cases(rank, ws, fns, cases, done_path):
-    global _CASE_DIR
+def _run_cases(rank, ws, fns, cases, done_path, root):
+    global _CASE_DIR, _ROOT
+    _ROOT = root
     for i, (name, args) in enumerate(cases):
         _CASE_DIR = os.path.join(os.path.dirname(done_path), f"case-{i}")
         os.makedirs(_CASE_DIR, exist_ok=True)
@@ -49,6 +60,16 @@ class SharedSpawns:
     def __init__(self, fns: dict, plan: dict[int, list[tuple[str, tuple]]], timeout: float = 300.0):
         self.fns, self.plan, self.timeout = fns, plan, timeout
         self._results: dict[int, tuple[set, str | None]] = {}
+        self._root: str | None = None
+
+    def scratch(self, key: str = "") -> str:
+        """The folder ``case_tmpdir(key)`` names in the ranks (created on first use, removed at exit)."""
+        if self._root is None:
+            self._root = tempfile.mkdtemp(prefix="shared-spawns-")
+            weakref.finalize(self, shutil.rmtree, self._root, True)
+        path = os.path.join(self._root, key)
+        os.makedirs(path, exist_ok=True)
+        return path
 
     def _spawn(self, ws: int) -> tuple[set, str | None]:
         if ws not in self._results:
@@ -56,7 +77,15 @@ class SharedSpawns:
                 done_path = os.path.join(tmp, "done")
                 err = None
                 try:
-                    run_distributed(_run_cases, ws, self.fns, self.plan[ws], done_path, timeout=self.timeout)
+                    run_distributed(
+                        _run_cases,
+                        ws,
+                        self.fns,
+                        self.plan[ws],
+                        done_path,
+                        self.scratch(),
+                        timeout=self.timeout,
+                    )
                 except BaseException as e:  # noqa: BLE001 - reported by every test of this spawn
                     err = f"{type(e).__name__}: {e}"
                 done = set(open(done_path).read().splitlines()) if os.path.exists(done_path) else set()

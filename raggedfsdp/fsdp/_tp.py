@@ -31,16 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from raggedfsdp._compat import concatenate_meshes, root_mesh
 from raggedfsdp.placement import RaggedShard
 
 
 def _root(mesh: DeviceMesh) -> DeviceMesh:
-    get = getattr(mesh, "_get_root_mesh", None)
-    if get is not None:
-        return get()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.12 names
-
-    return _mesh_resources.get_root_mesh(mesh)
+    return root_mesh(mesh)  # DeviceMesh._get_root_mesh, read through raggedfsdp/_compat.py
 
 
 def tp_spec_of(p: nn.Parameter, fqn: str, dp_mesh: DeviceMesh) -> DTensorSpec | None:
@@ -121,11 +117,7 @@ def _twin_submesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of a sharded TP parameter: the dp dims then the TP dims (FSDP2's ``_spmd_mesh``). Local."""
-    concat = getattr(DeviceMesh, "_concatenate", None)
-    if concat is not None:
-        return concat([dp_mesh, tp_mesh])
-    names = tuple(dp_mesh.mesh_dim_names) + tuple(tp_mesh.mesh_dim_names)  # pragma: no cover - older torch
-    return _root(dp_mesh)[names]
+    return concatenate_meshes([dp_mesh, tp_mesh])  # DeviceMesh._concatenate (raggedfsdp/_compat.py)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

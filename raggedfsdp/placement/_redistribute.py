@@ -27,15 +27,12 @@ import torch.distributed as dist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from raggedfsdp._compat import single_tensor_collectives
 from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
-try:  # torch >= 2.13 names; older aliases emit FutureWarnings
-    _all_gather_single = dist.all_gather_single
-    _reduce_scatter_single = dist.reduce_scatter_single
-except AttributeError:  # pragma: no cover - exercised only on other torch versions
-    _all_gather_single = dist.all_gather_into_tensor
-    _reduce_scatter_single = dist.reduce_scatter_tensor
+# torch >= 2.13 names (all_gather_single, ...); 2.11 / 2.12 spell them *_into_tensor / *_tensor
+_all_gather_single, _reduce_scatter_single = single_tensor_collectives()
 
 
 # ---------------------------------------------------------------------------------------------

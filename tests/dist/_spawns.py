@@ -85,3 +85,38 @@ SPAWNS = SharedSpawns(
     },
     timeout=1500,
 )  # fmt: skip
+
+# The checkpoint tests: every save at world size 4 in one spawn, the loads at 3, 2 and 1 in one spawn
+# each, through folders shared across the spawns (``case_tmpdir(key)``; the tests call the save first).
+# Replaced 11 spawns (30 ranks) with 4 (10 ranks).
+CHECKPOINTS = SharedSpawns(
+    {
+        "fsdp_save": "test_fsdp_checkpoint._save_shared",
+        "fsdp_load": "test_fsdp_checkpoint._load_shared",
+        "optim_save": "test_optim_checkpoint._save_shared",
+        "optim_load": "test_optim_checkpoint._load_shared",
+        "ragged_save": "test_ragged_checkpoint._save_shared",
+        "ragged_load": "test_ragged_checkpoint._load_shared",
+        "tp_save": "test_fsdp_tp_checkpoint._save_shared",
+        "tp_load": "test_fsdp_tp_checkpoint._load_shared",
+    },
+    {
+        4: [("fsdp_save", ()), ("optim_save", ()), ("ragged_save", ()), ("tp_save", ())],
+        3: [("fsdp_load", ()), ("optim_load", ()), ("ragged_load", ())],
+        2: [("tp_load", (1, 2, "dp1tp2"))],
+        1: [("fsdp_load", ()), ("optim_load", ()), ("tp_load", (1, 1, "single"))],
+    },
+    timeout=900,
+)
+
+# The slow 4-rank cases (still run in CI; ``-m 'not slow'`` skips them all): one spawn instead of 4.
+SLOW = SharedSpawns(
+    {
+        "moe_ep": "test_moe_ep._ep_parity_ws4",
+        "moe_ep_fsdp": "test_moe_ep_fsdp._ep_fsdp",
+        "moe_ep_ckpt": "test_moe_ep_checkpoint._ckpt_shared",
+        "fake_streams": "test_fake_streams._cases",
+    },
+    {4: [("moe_ep", ()), ("moe_ep_fsdp", ()), ("moe_ep_ckpt", ()), ("fake_streams", ())]},
+    timeout=1500,
+)

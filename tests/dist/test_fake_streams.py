@@ -22,7 +22,7 @@ import copy
 
 import pytest
 import torch
-from _dist import run_distributed
+from _spawns import SLOW  # the slow 4-rank cases share one spawn (tests/dist/_spawns.py)
 from _toy_models import Boom, ToyLM, batches, full_params, lm_loss, shard_model
 
 WS = 4
@@ -181,4 +181,4 @@ def _cases(rank, ws):
 def test_stream_ordering_under_the_fake_stream_model():
     """AG / RS / HSDP all-reduce / offload / accumulation / reset under the stream model, parity with
     single-process training, and two positive controls; 4 ranks."""
-    run_distributed(_cases, WS)
+    SLOW.check(WS, "fake_streams")

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from _dist import run_distributed
+from _cases import case_tmpdir
+from _spawns import CHECKPOINTS  # one spawn per world size for the 4 checkpoint tests
 from _toy_models import ToyLM, batches, full_params, lm_loss, shard_model
 
 STEPS_BEFORE, STEPS_AFTER = 2, 2
@@ -91,12 +92,18 @@ def _reference():
     return losses[STEPS_BEFORE:], {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
-def test_dcp_save_at_4_resume_at_3_and_1(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_distributed(_save, 4, path)
-    losses, params = _reference()
-    run_distributed(_load_and_resume, 3, path, losses, params)
-    run_distributed(_load_and_resume, 1, path, losses, params)
+def _save_shared(rank, ws):
+    _save(rank, ws, case_tmpdir("fsdp"))
+
+
+def _load_shared(rank, ws):
+    _load_and_resume(rank, ws, case_tmpdir("fsdp"), *_reference())  # the reference: single-process, per rank
+
+
+def test_dcp_save_at_4_resume_at_3_and_1():
+    CHECKPOINTS.check(4, "fsdp_save")
+    CHECKPOINTS.check(3, "fsdp_load")
+    CHECKPOINTS.check(1, "fsdp_load")
     _ = copy
 
 

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from _dist import run_distributed
+from _cases import case_tmpdir
+from _spawns import CHECKPOINTS  # one spawn per world size for the 4 checkpoint tests
 from test_fsdp_tp import B, _batches, _loss, _model
 
 BEFORE, AFTER = 2, 2
@@ -113,11 +114,19 @@ def _load_at(rank, ws, tmp, dp, tp, name):
             json.dump(out, f)
 
 
-def test_tp_checkpoint_across_layouts(tmp_path):
-    tmp = str(tmp_path)
-    run_distributed(_save_2x2, 4, tmp)
-    run_distributed(_load_at, 2, tmp, 1, 2, "dp1tp2")
-    run_distributed(_load_at, 1, tmp, 1, 1, "single")
+def _save_shared(rank, ws):
+    _save_2x2(rank, ws, case_tmpdir("tp"))
+
+
+def _load_shared(rank, ws, dp, tp, name):
+    _load_at(rank, ws, case_tmpdir("tp"), dp, tp, name)
+
+
+def test_tp_checkpoint_across_layouts():
+    tmp = CHECKPOINTS.scratch("tp")
+    CHECKPOINTS.check(4, "tp_save")
+    CHECKPOINTS.check(2, "tp_load", 1, 2, "dp1tp2")
+    CHECKPOINTS.check(1, "tp_load", 1, 1, "single")
     with open(os.path.join(tmp, "res4.json")) as f:
         res = json.load(f)
     for name in ("dp1tp2", "single"):

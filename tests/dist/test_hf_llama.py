@@ -1,5 +1,6 @@
 """A HF transformers LlamaForCausalLM (small config, no weights downloaded) trains under
-raggedfsdp.fully_shard with the same losses as under torch's fully_shard and as unsharded."""
+raggedfsdp.fully_shard with the same losses as under torch's fully_shard and as unsharded, and the same
+first-step gradients as unsharded (under both)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,16 @@ def _build():
 
 def _train(model, data, rank, ws, sharded):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
+    losses, first_grads = [], {}
     for tok in data:
         if sharded:
             per = tok.shape[0] // ws
             tok = tok[rank * per : (rank + 1) * per]
         loss = model(input_ids=tok, labels=tok).loss
         loss.backward()
+        if not first_grads:  # AdamW's step hides a gradient scale: compare the first gradients too
+            for n, p in model.named_parameters():
+                first_grads[n] = p.grad.full_tensor() if sharded else p.grad.clone()
         opt.step()
         opt.zero_grad()
         loss = loss.detach()
@@ -48,7 +52,7 @@ def _train(model, data, rank, ws, sharded):
             dist.all_reduce(loss)
             loss /= ws
         losses.append(loss.item())
-    return losses
+    return losses, first_grads
 
 
 def _hf(rank, ws):
@@ -61,14 +65,18 @@ def _hf(rank, ws):
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 67, (2 * ws, 12), generator=g) for _ in range(4)]
     base = _build()
-    ref_losses = _train(copy.deepcopy(base), data, 0, 1, sharded=False)
+    ref_losses, ref_grads = _train(copy.deepcopy(base), data, 0, 1, sharded=False)
     out = {}
     for name, fs in (("ragged", raggedfsdp.fully_shard), ("torch", torch_fully_shard)):
         model = copy.deepcopy(base)
         for layer in model.model.layers:
             fs(layer, mesh=mesh)
         fs(model, mesh=mesh)
-        out[name] = _train(model, data, rank, ws, sharded=True)
+        out[name], grads = _train(model, data, rank, ws, sharded=True)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(
+                grads[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n, name=name: f"{name} first grad {n}: {m}"
+            )
     for i, (a, b, c) in enumerate(zip(out["ragged"], out["torch"], ref_losses)):
         # every rank sees equal-length sequences, so the mean of per-rank means is the global mean
         assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: ragged {a} vs torch fully_shard {b}"

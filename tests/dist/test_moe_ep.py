@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_distributed
+from _spawns import SLOW  # the slow 4-rank cases share one spawn (tests/dist/_spawns.py)
 
 CASES = ("random", "sparse", "one_expert")
 
@@ -124,7 +125,11 @@ def _ep_parity(rank, ws, n_experts, meshes):
 
 @pytest.mark.slow
 def test_moe_ep_parity_ws4_ep4_and_dp2xep2():
-    run_distributed(_ep_parity, 4, 8, [(1, 4), (2, 2)])
+    SLOW.check(4, "moe_ep")
+
+
+def _ep_parity_ws4(rank, ws):
+    _ep_parity(rank, ws, 8, [(1, 4), (2, 2)])
 
 
 def test_moe_ep_parity_ws3_ep3():

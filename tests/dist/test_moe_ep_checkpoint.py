@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import run_distributed
+from _spawns import SLOW  # the slow 4-rank cases share one spawn (tests/dist/_spawns.py)
 from _toy_models import full_params
 
 
@@ -91,5 +91,13 @@ def _ckpt(rank, ws, path):
 
 
 @pytest.mark.slow
-def test_moe_ep_checkpoint_dp2xep2_to_dp4_ep4_and_single_process(tmp_path):
-    run_distributed(_ckpt, 4, str(tmp_path / "ckpt"))
+def test_moe_ep_checkpoint_dp2xep2_to_dp4_ep4_and_single_process():
+    SLOW.check(4, "moe_ep_ckpt")
+
+
+def _ckpt_shared(rank, ws):
+    import os
+
+    from _cases import case_tmpdir
+
+    _ckpt(rank, ws, os.path.join(case_tmpdir(), "ckpt"))

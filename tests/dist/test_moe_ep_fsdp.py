@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_distributed
+from _spawns import SLOW  # the slow 4-rank cases share one spawn (tests/dist/_spawns.py)
 from _toy_models import full_params
 
 STEPS = 3
@@ -257,4 +257,4 @@ def _ep_fsdp(rank, ws):
 
 @pytest.mark.slow
 def test_moe_ep_fsdp_dp2xep2_vs_single_process_and_torch():
-    run_distributed(_ep_fsdp, WS)
+    SLOW.check(WS, "moe_ep_fsdp")

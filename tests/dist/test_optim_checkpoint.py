@@ -7,7 +7,8 @@ reshards on load. The oracle is the single-device run of all 4 steps.
 """
 
 import torch
-from _dist import run_distributed
+from _cases import case_tmpdir
+from _spawns import CHECKPOINTS  # one spawn per world size for the 4 checkpoint tests
 
 M_SHAPES = [(64, 48), (2, 32, 24), (48,)]  # Muon: matrix, expert stack, and a vector for the AdamW group
 Q_SHAPES = [(64, 80), (96, 65), (300,)]  # AdamW8bit: two tiled matrices and an fp32-state vector
@@ -165,7 +166,15 @@ def _load(rank, ws, path):
             assert torch.equal(full(p), r), (which, i, (full(p) - r).abs().max())
 
 
-def test_optimizer_state_reshards_4_to_3_and_1(tmp_path):
-    run_distributed(_save, 4, str(tmp_path))
-    run_distributed(_load, 3, str(tmp_path))
-    run_distributed(_load, 1, str(tmp_path))
+def _save_shared(rank, ws):
+    _save(rank, ws, case_tmpdir("optim"))
+
+
+def _load_shared(rank, ws):
+    _load(rank, ws, case_tmpdir("optim"))
+
+
+def test_optimizer_state_reshards_4_to_3_and_1():
+    CHECKPOINTS.check(4, "optim_save")
+    CHECKPOINTS.check(3, "optim_load")
+    CHECKPOINTS.check(1, "optim_load")

@@ -4,9 +4,12 @@ Saved at 4 ranks in one ragged layout (model + AdamW state), loaded exactly at 3
 ragged layouts, Shard(0), Replicate, and into plain tensors in a single process.
 """
 
+import os
+
 import torch
 
-from _dist import run_distributed
+from _cases import case_tmpdir
+from _spawns import CHECKPOINTS  # one spawn per world size for the 4 checkpoint tests
 
 SHAPES = [(8, 3), (5,), (4, 2, 3), (2, 3, 1, 2), (6, 1)]
 UNITS4 = [
@@ -160,10 +163,18 @@ def _load(rank, ws, path):
     assert isinstance(osd, dict)
 
 
-def test_dcp_save_4_load_3_and_plain(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_distributed(_save, 4, path)
-    run_distributed(_load, 3, path)
+def _save_shared(rank, ws):
+    _save(rank, ws, os.path.join(case_tmpdir("ragged"), "ckpt"))
+
+
+def _load_shared(rank, ws):
+    _load(rank, ws, os.path.join(case_tmpdir("ragged"), "ckpt"))
+
+
+def test_dcp_save_4_load_3_and_plain():
+    path = os.path.join(CHECKPOINTS.scratch("ragged"), "ckpt")
+    CHECKPOINTS.check(4, "ragged_save")
+    CHECKPOINTS.check(3, "ragged_load")
     # into plain tensors, no process group (single process)
     import torch.distributed.checkpoint as dcp
 

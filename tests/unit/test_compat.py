@@ -1,0 +1,55 @@
+"""raggedfsdp/_compat.py: the private torch names raggedfsdp reads exist on the installed torch and give
+what the public mesh API gives; a torch without them fails loudly naming the file to port (monkeypatched
+absence), instead of an AttributeError deep inside fully_shard."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from raggedfsdp import _compat
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
+    yield 6
+    dist.destroy_process_group()
+
+
+def test_mesh_readers_match_the_mesh_they_slice(fake_world):
+    root = init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp", "tp"))
+    assert _compat.root_mesh(root["dp"]) is root and _compat.root_mesh(root) is root
+    both = _compat.concatenate_meshes([root["dp"], root["tp"]])
+    assert both.mesh_dim_names == ("dp", "tp") and both.mesh.tolist() == root.mesh.tolist()
+    flipped = _compat.concatenate_meshes([root["tp"], root["dp"]])
+    assert flipped.mesh_dim_names == ("tp", "dp") and flipped.mesh.tolist() == root.mesh.T.tolist()
+
+
+def test_missing_torch_internals_raise_naming_the_port(monkeypatch):
+    class NoRoot:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"DeviceMesh\._get_root_mesh.*raggedfsdp/_compat\.py"):
+        _compat.root_mesh(NoRoot())
+    monkeypatch.delattr(DeviceMesh, "_concatenate")
+    with pytest.raises(RuntimeError, match=r"DeviceMesh\._concatenate.*raggedfsdp/_compat\.py"):
+        _compat.concatenate_meshes([])
+
+
+def test_single_tensor_collectives_by_torch_minor(monkeypatch):
+    gather, scatter = _compat.single_tensor_collectives()
+    if _compat.torch_minor() >= (2, 13):  # the new names; the old ones emit FutureWarnings there
+        assert (gather, scatter) == (dist.all_gather_single, dist.reduce_scatter_single)
+    else:  # 2.11: only the old names exist
+        assert (gather, scatter) == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)
+    old = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        monkeypatch.delattr(dist, name, raising=False)
+    assert _compat.single_tensor_collectives() == old
+    monkeypatch.delattr(dist, "all_gather_into_tensor")
+    with pytest.raises(RuntimeError, match=r"all_gather_single.*raggedfsdp/_compat\.py"):
+        _compat.single_tensor_collectives()
