@@ -35,6 +35,28 @@ from raggedfsdp.fsdp._state import FSDPState
 _cls_cache: dict[type, type] = {}
 
 
+def _picklable_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """Make this unit's state-dict DTensors ``torch.save``-able, in place (nothing is copied).
+
+    A RaggedShard parameter's local piece is a view into the unit's flat shard (the DBuffer), so it
+    starts at a storage offset, and DTensor's wrapper copies that offset: its ``data_ptr()`` is then
+    non-zero although it has no storage, ``Tensor.__reduce_ex__`` takes the plain-tensor path and
+    ``torch.save(model.state_dict())`` raised "Attempted to access the data pointer on an invalid python
+    storage" (torch's ``fully_shard`` keeps its local shards at offset 0; a ``DTensor.from_local`` of a
+    view at an offset fails the same way in torch 2.13). The entry is re-wrapped with offset 0 around
+    the same local view, as torch FSDP2 itself re-points ``_local_tensor`` (``_fsdp_param.py``:
+    ``reset_sharded_param``).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
+            local = value._local_tensor
+            out = DTensor(local.new_empty(0), value._spec, requires_grad=value.requires_grad)
+            out._local_tensor = local
+            state_dict[key] = out
+
+
 def _after_load(group: FSDPParamGroup) -> None:
     group.adopt_registered_params()  # load_state_dict(assign=True) replaced the sharded params
     group.mark_master_changed()
@@ -229,6 +251,7 @@ def fully_shard(
         if group is not None:
             # state dicts hold the sharded RaggedShard DTensors; loading invalidates a kept gather
             m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars, g=group: g.reshard(free=False))
+            m.register_state_dict_post_hook(_picklable_state_dict)
             m.register_load_state_dict_pre_hook(_make_load_pre_hook(m, group))
             m.register_load_state_dict_post_hook(lambda mod, keys, g=group: _after_load(g))
         m.__class__ = _fsdp_class(type(m))

@@ -60,6 +60,7 @@ SPAWNS = SharedSpawns(
         "user_units_some_ranks_debug": _U + "_units_some_ranks_run",
         "user_units_some_ranks": _U + "_units_some_ranks_run_no_debug",
         "user_order_mismatch": _U + "_order_mismatch",
+        "torch_save": "test_fsdp_checkpoint._torch_save_case",
     },
     {
         1: [("fp32", ()), ("muon_1d", ()), ("redistribute_1d", (False,)), ("ragged_optim_1d", ())],
@@ -71,7 +72,8 @@ SPAWNS = SharedSpawns(
         3: [("fp32", ()), ("bf16", ()), ("accum", ()), ("bf16_default", ()), ("muon_1d", ()),
             ("requires_grad_change", ()), ("features", ()), ("divide_factor", ()),
             ("frozen", ()), ("user_requires_grad_after_wrap", ()), ("runtime", ()),
-            ("runtime_bf16_grads", ()), ("post_acc_hooks", ()), ("dropin", ()), ("grad_fold", ()),
+            ("runtime_bf16_grads", ()), ("torch_save", ()), ("post_acc_hooks", ()), ("dropin", ()),
+            ("grad_fold", ()),
             ("ragged_optim_1d", ()),
             ("clip_grad_norm", ()), ("redistribute_1d", (False,)), ("moe_parity", ()), ("hybrid", ()),
             ("hf_llama", ())],

@@ -105,3 +105,42 @@ def test_dcp_save_at_4_resume_at_3_and_1():
     CHECKPOINTS.check(3, "fsdp_load")
     CHECKPOINTS.check(1, "fsdp_load")
     _ = copy
+
+
+def _torch_save_case(rank, ws):
+    """``torch.save(model.state_dict())`` per rank, as with torch's ``fully_shard``: a RaggedShard
+    piece is a view at a storage offset into the unit's flat shard, and pickling such a DTensor raised
+    "Attempted to access the data pointer on an invalid python storage". The saved shards load into a
+    fresh model (its full parameters equal), train on exactly like the original, and the state dict
+    stays views of the live shards (no copy)."""
+    import io
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    tok, tgt = batches(2, 2 * ws)[0]
+    ref = ToyLM()
+    shard_model(ref, torch_fully_shard, init_device_mesh("cpu", (ws,)))  # torch's: the same API call works
+    torch.save(ref.state_dict(), io.BytesIO())
+    model, opt = _make(ws, rank)
+    _step(model, opt, tok, tgt, rank, ws)
+    sd = model.state_dict()
+    live = {n: p._local_tensor.data_ptr() for n, p in model.named_parameters()}
+    assert all(sd[n]._local_tensor.data_ptr() == live[n] for n in live), "the state dict copied the shards"
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    other, opt2 = _make(ws, rank)
+    other.load_state_dict(torch.load(buf, weights_only=False))
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # else both share the moment tensors
+    assert all(torch.equal(a, b) for a, b in zip(full_params(model).values(), full_params(other).values()))
+    _step(model, opt, tok, tgt, rank, ws)
+    _step(other, opt2, tok, tgt, rank, ws)
+    assert all(torch.equal(a, b) for a, b in zip(full_params(model).values(), full_params(other).values()))
+
+
+def test_torch_save_of_the_sharded_state_dict():
+    from _spawns import SPAWNS
+
+    SPAWNS.check(3, "torch_save")
