@@ -271,6 +271,19 @@ class FSDPModule(torch_fsdp.FSDPModule):
         """Not supported (raises ``NotImplementedError``): no symmetric-memory all-gather yet."""
         _unsupported("set_symm_mem_for_comm", "no symmetric-memory all-gather yet")
 
+    # torch 2.15 added these three to FSDPModule; without them here torch's code would run on our state.
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Not supported (``NotImplementedError``; torch 2.15 API): unsharded storage is freed."""
+        _unsupported("set_keep_unsharded_storage", "the unsharded flat buffer's storage is freed at reshard")
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Not supported (``NotImplementedError``; torch 2.15 API): backward finalizes itself."""
+        _unsupported("set_manual_backward_finalization", "the final backward callback finalizes")
+
+    def finalize_backward(self, *, async_op: bool = False) -> None:
+        """Not supported (``NotImplementedError``; torch 2.15 API): backward finalizes itself."""
+        _unsupported("finalize_backward", "the final backward callback finalizes")
+
     def _apply(self, *args, **kwargs):
         # `.to()`, `.to_empty()`, `.float()` replace local tensors: reshard, then re-point sharded params
         # at a fresh flat buffer (torch's FSDP2 does the same via reset_sharded_param)

@@ -236,6 +236,9 @@ def _case(rank, ws):
     for call in (
         lambda: m.set_custom_all_gather(None),
         lambda: m.set_symm_mem_for_comm(),
+        lambda: m.set_keep_unsharded_storage(True),  # these three: torch 2.15's FSDPModule API
+        lambda: m.set_manual_backward_finalization(True),
+        lambda: m.finalize_backward(),
         lambda: m.set_allocate_memory_from_process_group_for_comm(True),
     ):
         with pytest.raises(NotImplementedError, match="raggedfsdp"):
