@@ -26,6 +26,8 @@ passed in, which first waits on the compute stream (Note [stream invariant] in `
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -172,20 +174,20 @@ class UnitBuffers:
                 into.zero_()
         else:
             into, fresh = self.grads, self.grads.alloc()  # zero-filled below: only what the copy leaves
-        dsts, srcs = [], []
         compact = self.compact_grads
-        views = None if compact else self._flat_views(into)
-        for i, g in grads:
-            flat = (g if g.layout is torch.strided else g.to_dense()).reshape(
-                -1
-            )  # sparse: nn.Embedding(sparse=True)
-            if views is not None:
-                dsts.append(views[i])
-                srcs.append(flat)
-                continue
-            for a, b, off in self.grad_layout.segments(i):
-                dsts.append(into.data.narrow(0, off, b - a))
-                srcs.append(flat[a:b])
+        idx = [i for i, _ in grads]
+        gs = [g for _, g in grads]
+        if not all(map(operator.is_, map(_LAYOUT, gs), itertools.repeat(torch.strided))):
+            gs = [g if g.layout is torch.strided else g.to_dense() for g in gs]  # nn.Embedding(sparse=True)
+        flats = list(map(torch.Tensor.reshape, gs, itertools.repeat(-1)))
+        if not compact:  # the per-step case: one flat view per tensor, the loops in C
+            dsts, srcs = list(map(self._flat_views(into).__getitem__, idx)), flats
+        else:
+            dsts, srcs = [], []
+            for i, flat in zip(idx, flats):
+                for a, b, off in self.grad_layout.segments(i):
+                    dsts.append(into.data.narrow(0, off, b - a))
+                    srcs.append(flat[a:b])
         with torch.no_grad():
             if fresh:
                 if into is self.grads:  # a fresh unsharded grad buffer: zero what the copy does not write
@@ -412,5 +414,7 @@ def all_reduce_(buf: DBuffer, group, *, op=dist.ReduceOp.SUM, stream=None) -> Co
         work = dist.all_reduce(buf.data, op=op, group=group, async_op=True)
     return CommHandle(work, [buf], stream, "all-reduce")
 
+
+_LAYOUT = operator.attrgetter("layout")
 
 __all__ = ["UnitBuffers", "all_reduce_"]

@@ -36,8 +36,11 @@ Note [FSDP tensors]
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
+import itertools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -203,20 +206,72 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def register_on_owners(fps: list[FSDPParam], which: str) -> None:
-    """Put each param's ``which`` (``"sharded"`` / ``"unsharded"``) tensor on every module that owns it:
-    ``FSDPParam.set_on_owners`` inlined in one loop, no per-parameter Python call (unshard / reshard hot
-    path). Local."""
-    for fp in fps:
-        value = getattr(fp, which)
-        for module, name in fp.owners:
-            module._parameters[name] = value
+# C-level getters for the per-step hot path (issue 22 item 4: an MoE layer holds hundreds of params):
+# ``map(getter, tensors)`` runs the loop in C, with no Python frame or bytecode per parameter
+REQUIRES_GRAD = operator.attrgetter("requires_grad")
+GRAD = operator.attrgetter("grad")
+VERSION = operator.attrgetter("_version")
+POST_ACCUMULATE_GRAD_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
-def requires_grad_unchanged(fps: list[FSDPParam]) -> bool:
-    """True if no sharded or unsharded param's ``requires_grad`` differs from its recorded one (the
-    per-step case of ``FSDPParamGroup.refresh_requires_grad``: three list comprehensions). Local."""
-    rgs = [fp.requires_grad for fp in fps]
-    return rgs == [fp.sharded.requires_grad for fp in fps] and (
-        rgs == [fp.unsharded.requires_grad for fp in fps]
-    )
+def all_none(values) -> bool:
+    """True if every item of ``values`` is ``None``, by identity, the loop in C (``list.count(None)``
+    would call ``Tensor.__eq__`` on every tensor: a dispatch each, DTensor's sharding propagation). Local."""
+    return not any(map(operator.is_not, values, itertools.repeat(None)))
+
+
+def assign_each(objs, attr: str, values) -> None:
+    """``setattr(o, attr, v)`` for each ``o`` of ``objs`` and ``v`` of ``values`` (an iterable, e.g.
+    ``itertools.repeat(None)``), the loop in C. A write of ``attr`` for the one-writer rule
+    (``tests/unit/test_fsdp_one_writer.py`` counts it as one). Local."""
+    collections.deque(map(setattr, objs, itertools.repeat(attr), values), maxlen=0)
+
+
+class ParamTensors:
+    """A unit's param tensors as flat lists, for the hooks' per-step work as C-level loops.
+
+    ``sharded`` / ``unsharded``: each :class:`FSDPParam`'s tensors in unit order; ``recorded``: their
+    recorded ``requires_grad``. Built by ``FSDPParamGroup._init_unsharded`` -- the one place (after
+    ``_init_sharded``, and again after ``reset_sharded_storage`` / ``adopt_registered_params``) where a
+    unit's sharded or unsharded params are (re)created -- and only read elsewhere. Owner slots hold each
+    owning module's ``_parameters`` dict (one per tied owner), as FSDP2's ``unsafe_setattr_param``
+    writes it. Local.
+    """
+
+    def __init__(self, fps: list[FSDPParam]):
+        self.sharded = [fp.sharded for fp in fps]
+        self.unsharded = [fp.unsharded for fp in fps]
+        self.recorded = [fp.requires_grad for fp in fps]
+        slots = [(module._parameters, name, i) for i, fp in enumerate(fps) for module, name in fp.owners]
+        self._dicts = [d for d, _, _ in slots]
+        self._names = [n for _, n, _ in slots]
+        self._on_owners = {
+            "sharded": [self.sharded[i] for _, _, i in slots],
+            "unsharded": [self.unsharded[i] for _, _, i in slots],
+        }
+
+    def register(self, which: str) -> None:
+        """Put the ``which`` (``"sharded"`` / ``"unsharded"``) tensors on every owning module
+        (``FSDPParam.set_on_owners`` for all, one C-level loop). Local."""
+        collections.deque(map(operator.setitem, self._dicts, self._names, self._on_owners[which]), maxlen=0)
+
+    def requires_grad_unchanged(self) -> bool:
+        """True if no sharded or unsharded param's ``requires_grad`` differs from the recorded one (the
+        per-step case of ``FSDPParamGroup.refresh_requires_grad``). Local."""
+        rec = self.recorded
+        return rec == list(map(REQUIRES_GRAD, self.sharded)) and rec == list(
+            map(REQUIRES_GRAD, self.unsharded)
+        )
+
+    def any_requires_grad(self) -> bool:
+        """True if some sharded param requires grad now (short-circuits). Local."""
+        return any(map(REQUIRES_GRAD, self.sharded))
+
+    def sharded_version(self) -> int:
+        """Sum of the sharded params' version counters (in-place writes to the master). Local."""
+        return sum(map(VERSION, self.sharded))
+
+    def clear_unsharded_grads(self) -> None:
+        """``.grad = None`` on every unsharded param that holds one. Local."""
+        if not all_none(map(GRAD, self.unsharded)):
+            assign_each(self.unsharded, "grad", itertools.repeat(None))

@@ -61,12 +61,24 @@ Note [sharded grad lifetime]
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.fsdp._common import FSDPParam, GradState, check, labelled
+from raggedfsdp._compat import dtensor_wrapper
+from raggedfsdp.fsdp._common import (
+    POST_ACCUMULATE_GRAD_HOOKS,
+    all_none,
+    FSDPParam,
+    GradState,
+    assign_each,
+    check,
+    labelled,
+)
 from raggedfsdp.fsdp._reduce import launch_reduce
 
 if TYPE_CHECKING:
@@ -85,7 +97,7 @@ class UnitGrads:
         self.group = group
         self.grad_state = GradState.NONE
         self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
-        self._local_spans: tuple = (None, {})  # (grad layout, {id(fp): (offset, numel)}) for attach_sharded
+        self._local_spans: tuple = (None, [], (), (), (), None)  # attach_sharded's plan (_attach_plan)
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
@@ -218,24 +230,27 @@ class UnitGrads:
         part in its reduce-scatter)."""
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
         compact = self.group.bufs.compact_grads
-        stray = [
-            fp
-            for fp in self.grad_fps
-            if fp.unsharded.grad is not None and (compact or fp.unsharded.grad is not fp.grad_view)
-        ]
+        grads = list(map(_UNSHARDED_GRAD, self.grad_fps))
+        if all_none(grads):
+            stray = []
+        elif compact:
+            stray = [(fp, g) for fp, g in zip(self.grad_fps, grads) if g is not None]
+        else:
+            stray = [
+                (fp, g) for fp, g in zip(self.grad_fps, grads) if g is not None and g is not fp.grad_view
+            ]
         if stray:
             if self.grad_state is GradState.REDUCING:  # a second backward through this unit
                 self.group.comm.reduces.complete_group(self.group)
             if self.grad_state is GradState.NONE:
                 self.grad_state = GradState.ACCUMULATING
 
-            folded = []
+            fps = [fp for fp, _ in stray]
             index = self.group._index
-            for fp in stray:
-                g = fp.unsharded.grad
-                folded.append((index[id(fp)], fp.local_grad(g) if isinstance(g, DTensor) else g))
-                fp.unsharded.grad = None
-                fp.got_grad = True
+            folded = [(index[id(fp)], fp.local_grad(g) if isinstance(g, DTensor) else g) for fp, g in stray]
+            del stray, grads
+            assign_each(list(map(_UNSHARDED, fps)), "grad", itertools.repeat(None))
+            assign_each(fps, "got_grad", itertools.repeat(True))
             with labelled(f"raggedfsdp::fold_grads ({self.group.unit_name})"):
                 self.group.bufs.fold_grads(folded)
             del folded  # autograd's tensors are freed here
@@ -299,9 +314,8 @@ class UnitGrads:
 
     def take_used_flags(self) -> tuple[bool, ...]:
         """This rank's used bits of the trainable params since the last reduce (and reset them)."""
-        flags = tuple([fp.got_grad for fp in self.grad_fps])
-        for fp in self.grad_fps:
-            fp.got_grad = False
+        flags = tuple(map(_GOT_GRAD, self.grad_fps))
+        assign_each(self.grad_fps, "got_grad", itertools.repeat(False))
         if self.partial_flags is not None:  # micro-batches whose replicate all-reduce was deferred
             flags = tuple(f or self.partial_flags.get(id(fp), False) for f, fp in zip(flags, self.grad_fps))
             self.partial_flags = None
@@ -326,6 +340,9 @@ class UnitGrads:
         """
         if self.sg_pending:
             return False
+        held = list(map(_SHARDED_PARAM_GRAD, self.grad_fps))
+        if all_none(held):
+            return True  # the per-step case (zero_grad(set_to_none=True)): no per-parameter Python
         fresh = True
         for fp in self.grad_fps:
             if fp.sharded.grad is None:
@@ -355,38 +372,74 @@ class UnitGrads:
         run the sharded param's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``, e.g.
         an optimizer step in backward), as FSDP2 does after its reduce
         (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); here at the end of backward,
-        where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local."""
+        where ``.grad`` is set (the lazy part of Note [bounded gradient memory]). Local.
+
+        The per-step case -- every grad member attached, no hooks, the ``.grad`` views built afresh on a
+        new buffer (Note [sharded grad lifetime]) -- runs as C-level loops over per-layout lists (no
+        Python per parameter); anything else takes the per-parameter path."""
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
-        layout, spans = self._local_spans  # {id(fp): (offset, numel)} of the local pieces, per grad layout
-        if layout is not buf.layout:
-            spans = {}
-            self._local_spans = (buf.layout, spans)
-        for fp, u in used:
+        todo = [fp for fp, u in used if u or fp.sharded.grad is not None]
+        plan = self._attach_plan(buf)
+        shardeds = list(map(_SHARDED, todo))
+        hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
+        if _same(todo, plan[1]) and all_none(hooks) and _no_sharded_grads(todo):
+            views = map(base.narrow, itertools.repeat(0), plan[2], plan[3])
+            sgs = list(map(_dtensor_wrap(), views, plan[4]))
+            assign_each(shardeds, "grad", sgs)
+            if not self.group.bufs.hand_off_sharded_grads():  # pinned: the unit keeps the views
+                assign_each(todo, "sharded_grad", sgs)
+                assign_each(todo, "sharded_grad_base", itertools.repeat(base))
+                return
+        else:
+            self._attach_each(todo, buf, base)
+            if not self.group.bufs.hand_off_sharded_grads():
+                return
+        # Note [sharded grad lifetime]: the .grad views own the storage from here on
+        assign_each(self.group.fsdp_params, "sharded_grad", itertools.repeat(None))
+        assign_each(self.group.fsdp_params, "sharded_grad_base", itertools.repeat(None))
+
+    def _attach_plan(self, buf) -> tuple:
+        """``(layout, grad members, local offsets, local numels, specs, param tensors)`` of the sharded
+        grad buffer's layout, rebuilt when the layout, the members or the params (``ParamTensors``, new
+        after ``reset_sharded_storage``) change. Local."""
+        plan = self._local_spans
+        if (
+            plan[0] is not buf.layout
+            or plan[5] is not self.group.tensors
+            or not _same(plan[1], self.grad_fps)
+        ):
+            fps = list(self.grad_fps)
+            index = self.group._index
+            pieces = [buf.layout.piece(index[id(fp)], buf.rank) for fp in fps]
+            offs = [buf.layout.shard_offset(index[id(fp)], buf.rank) for fp in fps]
+            numels = [b - a for a, b in pieces]
+            plan = (buf.layout, fps, offs, numels, [fp.spec for fp in fps], self.group.tensors)
+            self._local_spans = plan
+        return plan
+
+    def _attach_each(self, todo: list[FSDPParam], buf, base: torch.Tensor) -> None:
+        """The per-parameter ``.grad`` install (hooks, kept or partial views). Local."""
+        plan = self._attach_plan(buf)
+        spans = {id(fp): (o, n) for fp, o, n in zip(plan[1], plan[2], plan[3])}
+        for fp in todo:
             sharded = fp.sharded
-            if not u and sharded.grad is None:
-                continue
             sg = fp.sharded_grad
             if sg is None or fp.sharded_grad_base is not base:  # built once per sharded grad buffer
                 span = spans.get(id(fp))
-                if span is None:  # once per param and grad layout: no per-param Python calls per step
+                if span is None:  # not a grad member of this layout (it left the set with its .grad)
                     i = self.group._index[id(fp)]
                     a, b = buf.layout.piece(i, buf.rank)
-                    span = spans[id(fp)] = (buf.layout.shard_offset(i, buf.rank), b - a)
+                    span = (buf.layout.shard_offset(i, buf.rank), b - a)
                 view = base.narrow(0, *span)  # buf.local_view(i)
                 if sg is None or sg._local_tensor.data_ptr() != view.data_ptr():
-                    sg = fp.sharded_grad = DTensor(view, fp.spec, requires_grad=False)
+                    sg = fp.sharded_grad = _dtensor_wrap()(view, fp.spec)
                 fp.sharded_grad_base = base
             sharded.grad = sg
             hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
             if hooks:
                 for hook in hooks.values():
                     hook(sharded)
-        # Note [sharded grad lifetime]: the .grad views own the storage from here on
-        if self.group.bufs.hand_off_sharded_grads():
-            for fp in self.group.fsdp_params:
-                fp.sharded_grad = None
-                fp.sharded_grad_base = None
 
     def reset(self) -> None:
         """reset_iter_state for this unit's gradients: drop unsharded grads, free their buffer, clear every
@@ -401,3 +454,28 @@ class UnitGrads:
         self.sg_pending = False
         self.partial_reduce = None
         self.partial_flags = None
+
+
+_GOT_GRAD = operator.attrgetter("got_grad")
+_UNSHARDED = operator.attrgetter("unsharded")
+_SHARDED_PARAM_GRAD = operator.attrgetter("sharded.grad")
+_UNSHARDED_GRAD = operator.attrgetter("unsharded.grad")
+_SHARDED = operator.attrgetter("sharded")
+_SHARDED_GRAD = operator.attrgetter("sharded_grad")
+
+
+@functools.cache
+def _dtensor_wrap():
+    return dtensor_wrapper()  # resolved at first use: importing raggedfsdp reads no torch internal
+
+
+def _same(a: list, b: list) -> bool:
+    """``a`` and ``b`` hold the same objects in the same order (identity: FSDPParam's ``==`` compares
+    tensors)."""
+    return len(a) == len(b) and list(map(id, a)) == list(map(id, b))
+
+
+def _no_sharded_grads(fps: list[FSDPParam]) -> bool:
+    """True if no param of ``fps`` holds a sharded grad view of an earlier buffer (the per-step case)."""
+    sgs = list(map(_SHARDED_GRAD, fps))
+    return all_none(sgs)

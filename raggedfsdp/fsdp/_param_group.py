@@ -37,7 +37,7 @@ from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.streams import current_stream
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
-from raggedfsdp.fsdp._common import register_on_owners, requires_grad_unchanged
+from raggedfsdp.fsdp._common import ParamTensors
 from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
@@ -247,12 +247,12 @@ class FSDPParamGroup:
 
     @property
     def any_trainable(self) -> bool:
-        return any([fp.sharded.requires_grad for fp in self.fsdp_params])
+        return self.tensors.any_requires_grad()
 
     def refresh_requires_grad(self) -> None:
         """Copy each sharded param's current ``requires_grad`` onto its unsharded param (as FSDP2 does at
         each unshard), so freezing or unfreezing after ``fully_shard`` is honoured. Local."""
-        if requires_grad_unchanged(self.fsdp_params):
+        if self.tensors.requires_grad_unchanged():
             return  # the per-step case: no per-parameter branches
         changed = False
         for fp in self.fsdp_params:
@@ -270,6 +270,7 @@ class FSDPParamGroup:
                     self._register_grad_hook(fp)
         if changed:
             self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
+            self.tensors.recorded = [fp.requires_grad for fp in self.fsdp_params]
 
     def compute_stream(self):
         return current_stream(self.device)
@@ -330,6 +331,7 @@ class FSDPParamGroup:
                 self._register_grad_hook(fp)
         self.bufs.params.free()
         grads.free()
+        self.tensors = ParamTensors(self.fsdp_params)  # the hot path's lists (sharded params set just before)
 
     def _register_grad_hook(self, fp: FSDPParam) -> None:
         # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
@@ -453,11 +455,7 @@ class FSDPParamGroup:
         self._master_changes += 1
 
     def _master_version(self) -> int:
-        return (
-            self._master_changes
-            + self.bufs.sharded.data._version
-            + sum([fp.sharded._version for fp in self.fsdp_params])
-        )
+        return self._master_changes + self.bufs.sharded.data._version + self.tensors.sharded_version()
 
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
@@ -510,7 +508,7 @@ class FSDPParamGroup:
             self._version_guard.__exit__(None, None, None)
             self._unshard, self._version_guard = None, None
         self.refresh_requires_grad()
-        register_on_owners(self.fsdp_params, "unsharded")
+        self.tensors.register("unsharded")
         self.param_state = ParamState.UNSHARDED
 
     # ---- int reshard_after_forward: keep a 1/k slice, re-gather within k ranks ----------------
@@ -560,7 +558,7 @@ class FSDPParamGroup:
             self.wait_for_unshard()
         if self.param_state is ParamState.UNSHARDED:
             self.refresh_requires_grad()  # a change made on the registered unsharded params carries over
-            register_on_owners(self.fsdp_params, "sharded")
+            self.tensors.register("sharded")
             self.param_state = ParamState.SHARDED
         if free and self.bufs.params.is_allocated:
             check(self._unshard is None, "free of the unsharded params while their all-gather is pending")

@@ -255,12 +255,18 @@ class ReduceQueue:
         if not attach:  # no-sync / deferred micro-batch: no communication; the hash carries to the next check
             return
         used = self.agreement.exchange_used_flags(attach)
-        groups: dict[int, tuple[FSDPParamGroup, dict]] = {}
+        groups: dict[int, tuple[FSDPParamGroup, list]] = {}
         for r in attach:
-            _, acc = groups.setdefault(id(r.group), (r.group, {}))
-            for fp in r.params:
-                acc[id(fp)] = (fp, used[id(fp)])
-        for g, acc in groups.values():
+            groups.setdefault(id(r.group), (r.group, []))[1].append(r)
+        for g, rs in groups.values():
+            if len(rs) == 1:  # the per-step case: one reduction of the unit
+                params = rs[0].params
+                g.grads.attach_sharded(list(zip(params, map(used.__getitem__, map(id, params)))))
+                continue
+            acc: dict[int, tuple] = {}
+            for r in rs:
+                for fp in r.params:
+                    acc[id(fp)] = (fp, used[id(fp)])
             g.grads.attach_sharded(list(acc.values()))
 
     def reset(self) -> None:
@@ -307,9 +313,7 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
             if direct
             else group.bufs.sharded_output(group.reduce_dtype)
         )
-        for fp in group.fsdp_params:
-            if fp.unsharded is not None and fp.unsharded.grad is not None:
-                fp.unsharded.grad = None
+        group.tensors.clear_unsharded_grads()
         params = tuple(grads.grad_fps)
         flags = grads.take_used_flags()
         if queue.options.debug_on():

@@ -11,7 +11,7 @@ Optimizers: AdamW (losses and final parameters vs both references), Muon (every 
 orthogonalised exactly once per step, on one rank, owners balanced over all 4 ranks; counted from
 ``last_step_stats["ns_matrices"]`` of every rank), AdamW8bit (32x32 tiles from
 ``AdamW8bit.shard_placement_fn``, vs the single-process AdamW8bit). First-step gradients (full_tensor) equal
-the single process's (rel 1e-5); parameters after 3 steps atol 1e-4 (5e-4 8-bit: lr 1e-2; Adam turns fp
+the single process's (rel 1e-5); parameters after 3 steps atol 1e-4 (8-bit: ``_close_8bit``; Adam turns fp
 noise in ~0 gradients into sign flips of size ~lr*1e-3, or flips an 8-bit code).
 
 Muon is checked twice: fp32 Newton-Schulz vs our single-process Muon, and bf16 Newton-Schulz (the default)
@@ -222,6 +222,17 @@ def _close_bf16(got, want, tag, lr=0.02):
     assert d.max() <= 0.25 * lr and d.mean() <= 3e-2 * lr, f"{tag}: max {d.max():.3g} mean {d.mean():.3g}"
 
 
+def _close_8bit(got, want, tag, lr=1e-2):
+    """Block-wise 8-bit AdamW: a gradient differing in its last fp32 bits (reduction order) can move one
+    moment across an 8-bit code boundary, which changes that element's update by a few % of lr (seen: one
+    element of 8192 off by 6.3e-4 = 6.3% of lr after 3 steps, on one machine and not another). So: every
+    element within 10% of lr, and at most 0.1% of the elements beyond the fp32 tolerance (1e-4); a wrong
+    gradient or state (losses and first-step gradients are checked sharply too) moves far more of them."""
+    d = (got - want).abs()
+    off = int((d > 1e-4 + 1e-5 * want.abs()).sum())
+    assert d.max() <= 0.1 * lr and off <= max(1, d.numel() // 1000), f"{tag}: max {d.max():.3g}, {off} off"
+
+
 def _ep_fsdp(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -243,13 +254,15 @@ def _ep_fsdp(rank, ws):
             for i, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{tag}: step {i} loss {a} != single process {b}"
             got = full_params(model)
-            atol = 5e-4 if opt_name == "adamw8bit" else 1e-4  # an 8-bit code flipped by fp noise
             for k, v in want.items():
                 if opt_name == "muon_bf16":  # see _close_bf16
                     _close_bf16(got[k], v, f"{tag} {k}")
                     continue
+                if opt_name == "adamw8bit":  # see _close_8bit
+                    _close_8bit(got[k], v, f"{tag} {k}")
+                    continue
                 torch.testing.assert_close(
-                    got[k], v, rtol=1e-5, atol=atol, msg=lambda m, k=k, tag=tag: f"{tag} {k}: {m}"
+                    got[k], v, rtol=1e-5, atol=1e-4, msg=lambda m, k=k, tag=tag: f"{tag} {k}: {m}"
                 )
             if opt_name.startswith("muon"):
                 _check_muon_once_per_expert(model, ns, world)

@@ -86,6 +86,14 @@ def test_bench_json_smoke_moe_two_ranks():
     nc = r["non_comm_overhead_cpu_seconds"]
     want = nc["raggedfsdp"] / nc["torch"] if nc["torch"] > 0 else float("inf")
     assert r["non_comm_overhead_cpu_ratio"] == pytest.approx(want)
+    # the training thread's CPU above the floor's (paired per step): the runtime's own host work
+    m = r["non_comm_overhead_main_thread_cpu_seconds"]
+    for n, sysr in (("raggedfsdp", a), ("torch", b)):
+        assert 0 < sysr["main_thread_cpu_seconds_median"] <= sysr["cpu_seconds_median"] * 1.05
+        assert abs(m[n]) < sysr["main_thread_cpu_seconds_median"]
+    assert r["non_comm_overhead_main_thread_cpu_ratio"] == pytest.approx(
+        m["raggedfsdp"] / m["torch"] if m["torch"] > 0 else float("inf")
+    )
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)

@@ -53,3 +53,38 @@ def test_single_tensor_collectives_by_torch_minor(monkeypatch):
     monkeypatch.delattr(dist, "all_gather_into_tensor")
     with pytest.raises(RuntimeError, match=r"all_gather_single.*raggedfsdp/_compat\.py"):
         _compat.single_tensor_collectives()
+
+
+def test_dtensor_wrapper_builds_what_the_constructor_builds(fake_world):
+    """The sharded-grad install skips ``DTensor.__init__``: on this torch that must build the very
+    tensor ``DTensor(local, spec, requires_grad=False)`` builds (same spec and local tensor objects,
+    metadata, no extra state), or a torch whose ``__init__`` does real work would be missed."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from raggedfsdp.placement import RaggedShard
+
+    mesh = init_device_mesh("cpu", (6,))
+    for placement in (Shard(0), RaggedShard((0,), (1, 0, 2, 1, 1, 1))):
+        ref = distribute_tensor(torch.zeros(12, 5), mesh, [Shard(0)])
+        spec = (
+            ref._spec
+            if isinstance(placement, Shard)
+            else ref._spec.__class__(mesh, (placement,), tensor_meta=ref._spec.tensor_meta)
+        )
+        local = torch.arange(10.0)
+        a = DTensor(local, spec, requires_grad=False)
+        b = _compat.dtensor_wrapper()(local, spec)
+        assert type(b) is DTensor and b._spec is spec and b._local_tensor is local
+        for attr in ("shape", "dtype", "device", "requires_grad", "layout"):
+            assert getattr(a, attr) == getattr(b, attr), attr
+        assert a.stride() == b.stride() and a.placements == b.placements
+        slots = lambda t: {k: getattr(t, k, None) for k in DTensor.__slots__}  # noqa: E731
+        assert slots(a) == slots(b) and vars(a) == vars(b)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.delattr(DTensor, "__new__")
+    try:
+        with pytest.raises(RuntimeError, match=r"DTensor\.__new__.*raggedfsdp/_compat\.py"):
+            _compat.dtensor_wrapper()
+    finally:
+        monkeypatch.undo()

@@ -1,7 +1,8 @@
 """One writer per runtime state (docs: Note [FSDP tensors] in ``raggedfsdp/fsdp/_common.py``).
 
 Parses every module of ``raggedfsdp/fsdp`` and checks that each state field of an FSDP unit is
-assigned (``x.f = ...``, ``x.f += ...``, tuple targets, ``setattr(x, "f", ...)``) only inside the
+assigned (``x.f = ...``, ``x.f += ...``, tuple targets, ``setattr(x, "f", ...)``,
+``assign_each(xs, "f", ...)``) only inside the
 methods of the one class that owns it: :class:`FSDPParamGroup` (the ``ParamState`` machine and its
 gather fields), :class:`UnitGrads` (the ``GradState`` machine and the gradient fields) and
 :class:`FSDPState` (its ``TrainingState``). The reduce records of ``_reduce.py`` must go through the
@@ -58,7 +59,7 @@ def _writes(tree: ast.AST):
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
-            and node.func.id == "setattr"
+            and node.func.id in ("setattr", "assign_each")  # assign_each(objs, "f", values): C-level setattr
             and len(node.args) >= 2
             and isinstance(node.args[1], ast.Constant)
         ):
