@@ -283,6 +283,7 @@ def run(args: argparse.Namespace) -> dict | None:
             step_seconds=st,
             cpu_seconds_median=statistics.median(c[a].tolist()),
             main_thread_cpu_seconds_median=statistics.median(h[a].tolist()),
+            main_thread_cpu_seconds=h[a].tolist(),
             tokens_per_second=ws * args.batch * args.seq / med,
             peak_memory_bytes=max(per_rank),
             peak_memory_bytes_per_rank=per_rank,
@@ -303,6 +304,7 @@ def run(args: argparse.Namespace) -> dict | None:
             local_floor=dict(
                 step_seconds_median=fl,
                 cpu_seconds_median=fl_cpu,
+                main_thread_cpu_seconds=h[2].tolist(),
                 step_seconds=t[2].tolist(),
             ),
             throughput_ceiling=tt["step_seconds_median"] / fl,

@@ -264,10 +264,16 @@ class _AllReduceScatterWork:
             self._work.wait()
             self._work = None
             with torch.no_grad():
-                if self._out.data_ptr() != self._src.data_ptr():
+                if self._out.data_ptr() == self._src.data_ptr():
+                    if self._divisor is not None:
+                        self._out.div_(self._divisor)
+                elif self._divisor is not None and self._out.dtype == self._src.dtype:
+                    # copy and divide in one pass: the same values as copy_ then div_ in this dtype
+                    torch.div(self._src, self._divisor, out=self._out)
+                else:
                     self._out.copy_(self._src)
-                if self._divisor is not None:
-                    self._out.div_(self._divisor)
+                    if self._divisor is not None:
+                        self._out.div_(self._divisor)
             self._src = self._out = None
         return True
 
