@@ -196,6 +196,8 @@ class UnitGrads:
             or self.group.bufs.has_grads()
             or self.partial_reduce is not None
         )
+        if not held and _same(self.grad_fps, self.group.trainable):
+            return  # the per-step case: the members are the trainable params (refreshed at each unshard)
         have = {id(fp) for fp in self.grad_fps}
         want = [fp for fp in self.group.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
         if {id(fp) for fp in want} == have:
@@ -327,7 +329,7 @@ class UnitGrads:
     def release_unused_sharded(self) -> None:
         """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
         iteration wrote it (called by the root before forward). Local."""
-        if self.sg_pending or any([fp.sharded.grad is not None for fp in self.group.fsdp_params]):
+        if self.sg_pending or not all_none(map(_SHARDED_PARAM_GRAD, self.group.fsdp_params)):
             return
         self.group.bufs.release_sharded_grads()
 
