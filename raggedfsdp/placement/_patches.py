@@ -10,6 +10,8 @@ When patches apply
 own ``fully_shard`` run on unmodified torch. :func:`apply` runs on the first construction of a
 :class:`~raggedfsdp.placement.RaggedShard` (which every RaggedShard DTensor, every raggedfsdp
 ``fully_shard`` and every unpickled RaggedShard goes through) and is idempotent and thread-safe.
+Besides the patches it registers ``RaggedShard`` as a ``torch.load(weights_only=True)`` safe global
+(public API, as torch registers its own placements).
 
 How they apply: at the code object, so every alias is patched
 -------------------------------------------------------------
@@ -297,6 +299,19 @@ def _install_handlers() -> None:
                 _HANDLERS.append(tag)
 
 
+def _allow_in_weights_only_load() -> None:
+    """Let ``torch.load`` (``weights_only=True``, its default since 2.6) rebuild ``RaggedShard``, as torch
+    lets it rebuild its own placements (``torch/distributed/tensor/__init__.py`` registers ``Shard``,
+    ``Replicate``, ``Partial``, ``DTensorSpec`` with ``torch.serialization.add_safe_globals``): a
+    ``torch.save``'d state dict of a raggedfsdp model then loads like FSDP2's. ``RaggedShard`` holds only
+    tuples of ints."""
+    import torch.serialization
+
+    from raggedfsdp.placement.ragged_shard import RaggedShard
+
+    torch.serialization.add_safe_globals([RaggedShard])
+
+
 def is_applied() -> bool:
     """Whether :func:`apply` has installed the patches in this process."""
     return _APPLIED
@@ -320,6 +335,7 @@ def apply() -> None:
             for module, qualname, params, factory in TARGETS:
                 _swap(module, qualname, params, factory)
             _install_handlers()
+            _allow_in_weights_only_load()
             if not known:
                 self_check()
             _APPLIED = True

@@ -354,3 +354,39 @@ def test_module_docstring_lists_every_target():
         assert qualname.split(".")[-1] in doc, qualname
     assert re.search(r"2\.11 - 2\.15", doc)
     importlib.import_module("raggedfsdp.placement._api")
+
+
+def test_torch_load_weights_only_rebuilds_ragged_shard(tmp_path):
+    """A ``torch.save``'d state dict of a raggedfsdp model loads with ``torch.load``'s default
+    ``weights_only=True`` once raggedfsdp is in use (``fully_shard`` or any ``RaggedShard``), as FSDP2's
+    do: ``apply`` registers RaggedShard as a safe global, the way torch registers its placements. Before
+    any RaggedShard exists nothing is registered (importing raggedfsdp changes nothing), and
+    ``weights_only`` refuses it naming the class."""
+    path = tmp_path / "sd.pt"
+    out = _run(f"""
+        import os, torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        import raggedfsdp
+        from raggedfsdp.placement import _patches as tp
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor
+        assert not tp.is_applied()
+        t = distribute_tensor(torch.arange(12.0).view(4, 3), init_device_mesh("cpu", (1,)),
+                              [raggedfsdp.RaggedShard((0,), (4,))])
+        torch.save({{"w": t}}, {str(path)!r})
+        back = torch.load({str(path)!r})  # weights_only=True by default
+        assert back["w"].placements == t.placements and torch.equal(back["w"].to_local(), t.to_local())
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+    refused = _run(f"""
+        import torch, pickle
+        import torch.distributed.tensor  # torch's own DTensor globals
+        import raggedfsdp  # no RaggedShard built in this process: nothing registered
+        try:
+            torch.load({str(path)!r}, weights_only=True)
+        except pickle.UnpicklingError as e:
+            print("refused" if "RaggedShard" in str(e) else str(e))
+    """)
+    assert refused.strip() == "refused"
