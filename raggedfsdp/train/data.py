@@ -433,7 +433,9 @@ def check_batch(
 
 
 def reproduce_batch(sampler: BatchSampler, text: str, *, limit: int = 400) -> str:
-    """The samples named by a batch id (``parse_batch_id``), one block per row, for humans."""
+    """The samples named by a batch id (``parse_batch_id``), one block per row, for humans: the text of a
+    byte-level corpus (ids < 256, the default), else the token ids (a tokenized ``.bin``: decode them with
+    the tokenizer it was made with). At most ``limit`` tokens per row."""
     step, rows = parse_batch_id(text)
     if rows.stop > sampler.global_batch_size:
         raise ValueError(
@@ -444,8 +446,12 @@ def reproduce_batch(sampler: BatchSampler, text: str, *, limit: int = 400) -> st
     out = []
     for r in rows:
         o = int(offsets[r])
-        chunk = bytes(sampler.tokens[o : o + min(sampler.seq_len + 1, limit)].tolist())
-        out.append(f"--- step {step}, global row {r}, corpus offset {o}:\n{chunk.decode('utf-8', 'replace')}")
+        ids = [int(i) for i in sampler.tokens[o : o + min(sampler.seq_len + 1, limit)].tolist()]
+        if max(ids, default=0) < 256:
+            body = bytes(ids).decode("utf-8", "replace")
+        else:
+            body = f"token ids ({len(ids)}): {ids}"
+        out.append(f"--- step {step}, global row {r}, corpus offset {o}:\n{body}")
     return "\n".join(out)
 
 

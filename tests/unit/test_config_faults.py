@@ -120,6 +120,16 @@ def test_batch_checks_name_rank_step_sample_and_offset():
     assert text.startswith(f"--- step 5, global row 7, corpus offset {off}:")
     with pytest.raises(ValueError, match="bad batch id"):
         reproduce_batch(s, "rows7")
+    # the rows' own bytes: the text of the byte-level corpus at that offset
+    assert text.split("\n", 1)[1] == bytes((tokens[off : off + 9]).tolist()).decode("utf-8", "replace")
+    # a tokenized corpus (.bin, ids up to the vocab): the ids themselves, not bytes
+    big = BatchSampler(
+        torch.arange(1000) * 7, seq_len=8, global_batch_size=8, world_size=2, rank=1, grad_accum=2
+    )
+    o7 = int(big.global_offsets(5)[7])
+    assert reproduce_batch(big, "step5:rows7-7").split("\n", 1)[1] == (
+        f"token ids (9): {[7 * i for i in range(o7, o7 + 9)]}"
+    )
 
 
 def test_compare_keys():
