@@ -247,12 +247,24 @@ class UnitGrads:
             if self.grad_state is GradState.NONE:
                 self.grad_state = GradState.ACCUMULATING
 
-            fps = [fp for fp, _ in stray]
             index = self.group._index
-            folded = [(index[id(fp)], fp.local_grad(g) if isinstance(g, DTensor) else g) for fp, g in stray]
-            del stray, grads
-            assign_each(list(map(_UNSHARDED, fps)), "grad", itertools.repeat(None))
-            assign_each(fps, "got_grad", itertools.repeat(True))
+            if any(issubclass(t, DTensor) for t in set(map(type, grads))):
+                # TP grads autograd left Partial: redistribute one at a time, freeing autograd's as we go
+                fps = [fp for fp, _ in stray]
+                del stray, grads
+                folded = []
+                for fp in fps:
+                    g = fp.unsharded.grad
+                    folded.append((index[id(fp)], fp.local_grad(g) if isinstance(g, DTensor) else g))
+                    fp.unsharded.grad = None
+                    fp.got_grad = True
+                del g
+            else:  # plain tensors: the loops in C; the fold below drops autograd's tensors
+                fps = [fp for fp, _ in stray]
+                folded = [(index[id(fp)], g) for fp, g in stray]
+                del stray, grads
+                assign_each(list(map(_UNSHARDED, fps)), "grad", itertools.repeat(None))
+                assign_each(fps, "got_grad", itertools.repeat(True))
             with labelled(f"raggedfsdp::fold_grads ({self.group.unit_name})"):
                 self.group.bufs.fold_grads(folded)
             del folded  # autograd's tensors are freed here
@@ -378,14 +390,15 @@ class UnitGrads:
 
         The per-step case -- every grad member attached, no hooks, the ``.grad`` views built afresh on a
         new buffer (Note [sharded grad lifetime]) -- runs as C-level loops over per-layout lists (no
-        Python per parameter); anything else takes the per-parameter path."""
+        Python per parameter); anything else takes the per-parameter path (so does a pinned / offload
+        unit, which keeps its views across steps)."""
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
         todo = [fp for fp, u in used if u or fp.sharded.grad is not None]
         plan = self._attach_plan(buf)
         shardeds = list(map(_SHARDED, todo))
         hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
-        if _same(todo, plan[1]) and all_none(hooks) and _no_sharded_grads(todo):
+        if _same(todo, plan[1]) and not any(hooks) and _no_sharded_grads(todo):  # {} after a removed hook
             views = map(base.narrow, itertools.repeat(0), plan[2], plan[3])
             sgs = list(map(_dtensor_wrap(), views, plan[4]))
             assign_each(shardeds, "grad", sgs)

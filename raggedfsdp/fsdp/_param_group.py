@@ -447,6 +447,7 @@ class FSDPParamGroup:
             fp.set_on_owners(new)  # every owner of a tied parameter
             changed = True
         if changed:
+            self.tensors = ParamTensors(self.fsdp_params)  # current even if the reset below raises
             self.reset_sharded_storage()
 
     # ---- unshard / reshard ---------------------------------------------------------------
