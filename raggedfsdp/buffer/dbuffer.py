@@ -93,7 +93,7 @@ class DBuffer:
         self.layout = layout
         self.sharded = sharded
         self.rank = rank
-        self.shapes = [torch.Size(s) for s in shapes]
+        self.shapes = list(map(torch.Size, shapes))
         numel = layout.shard_size if sharded else layout.total_size
         self.data = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin_memory)  # 1D flat
         self.alloc_stream_key = stream_key(current_stream(self.data.device))

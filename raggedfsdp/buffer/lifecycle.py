@@ -175,8 +175,7 @@ class UnitBuffers:
         else:
             into, fresh = self.grads, self.grads.alloc()  # zero-filled below: only what the copy leaves
         compact = self.compact_grads
-        idx = [i for i, _ in grads]
-        gs = [g for _, g in grads]
+        idx, gs = map(list, zip(*grads))
         if not all(map(operator.is_, map(_LAYOUT, gs), itertools.repeat(torch.strided))):
             gs = [g if g.layout is torch.strided else g.to_dense() for g in gs]  # nn.Embedding(sparse=True)
         flats = list(map(torch.Tensor.reshape, gs, itertools.repeat(-1)))

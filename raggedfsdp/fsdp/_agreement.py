@@ -29,6 +29,8 @@ Note [unit agreement]
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,8 @@ from raggedfsdp._release import hold_until_released, use_count
 
 from raggedfsdp.buffer import CommHandle
 from raggedfsdp.fsdp._common import CollectiveMismatchError, RuntimeOptions
+
+_SHARDED_REQUIRES_GRAD = operator.attrgetter("sharded.requires_grad")
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
@@ -136,8 +140,12 @@ class Agreement:
         self.check_pending()  # the previous backward's deferred check first
         local_or: dict[int, bool] = {}
         for r in recs:
-            for fp, f in zip(r.params, r.flags):
-                local_or[id(fp)] = local_or.get(id(fp), False) or bool(f)
+            ids = list(map(id, r.params))
+            if local_or.keys().isdisjoint(ids):  # the per-step case: one reduction per unit
+                local_or.update(zip(ids, map(bool, r.flags)))
+                continue
+            for i, f in zip(ids, r.flags):
+                local_or[i] = local_or.get(i, False) or bool(f)
         units = list(self.units) or list({id(r.group): r.group for r in recs}.values())
         by_mesh: dict[tuple, list] = {}
         for g in units:
@@ -148,8 +156,9 @@ class Agreement:
         hash_differs = False
         for gs in by_mesh.values():
             g = gs[0]
-            params = [fp for u in gs for fp in u.fsdp_params]
-            local = [local_or.get(id(fp), False) for fp in params]
+            params = list(itertools.chain.from_iterable(u.fsdp_params for u in gs))
+            ids = list(map(id, params))
+            local = list(map(local_or.get, ids, itertools.repeat(False)))
             if g.shard_world * g.replicate_world > 1:
                 counts = [self.counts.get(u.unit_id, 0) for u in gs]
                 t = torch.tensor(
@@ -176,7 +185,7 @@ class Agreement:
                 # only trainable params need their flags read (frozen ones never get a .grad, and
                 # requires_grad must agree across ranks); a trainable one no local reduction carried
                 # (its unit's backward did not run here) still needs them
-                carried = all([local_or.get(id(fp), not fp.sharded.requires_grad) for fp in params])
+                carried = all(map(local_or.get, ids, map(operator.not_, map(_SHARDED_REQUIRES_GRAD, params))))
                 if carried and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):
                     # every carried param got a grad, so their OR is all-true: only the agreement needs
                     # reading, and that can wait for the next check (no host sync in the step)
@@ -192,9 +201,8 @@ class Agreement:
                     h, d = _mismatches(vals, gs, counts)
                     hash_differs |= h
                     differ += d
-                    local = [bool(v) for v in vals[2 + 2 * len(gs) :]]
-            for fp, f in zip(params, local):
-                used[id(fp)] = f
+                    local = list(map(bool, vals[2 + 2 * len(gs) :]))
+            used.update(zip(ids, local))
         ran = self.ran()
         self.clear_sequence()
         for d in deferred:

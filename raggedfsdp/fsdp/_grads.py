@@ -139,21 +139,23 @@ class UnitGrads:
         point a ``.grad`` that is ``None`` at its view, so autograd adds into it in place; otherwise
         autograd keeps the gradient as its own tensor until ``post_backward`` folds it in (Note [grad
         fold]). Local."""
-        g = self.group
         fp.got_grad = True
-        reduces = g.comm.reduces
-        if reduces.inflight:  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
-            reduces.poll()
-        bufs = g.bufs
-        if (
-            bufs.grads.data.untyped_storage().nbytes()  # allocated (a no-sync window holds the buffer)
-            and fp.unsharded.grad is None
+        g = self.group
+        if g.comm.reduces.inflight:  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
+            g.comm.reduces.poll()
+        # per step the grad buffer is not allocated here (the fold allocates it): one test, then done
+        if g.bufs.grads.data.untyped_storage().nbytes() and self._may_view(fp):  # a no-sync window holds it
+            fp.unsharded.grad = fp.grad_view
+
+    def _may_view(self, fp: FSDPParam) -> bool:
+        bufs = self.group.bufs
+        return (
+            fp.unsharded.grad is None
             and self.grad_state in (GradState.ACCUMULATING, GradState.HELD)
             and bufs.grads.is_allocated
             and not bufs.compact_grads
             and not torch.is_grad_enabled()
-        ):
-            fp.unsharded.grad = fp.grad_view
+        )
 
     def prepare(self) -> None:
         """Open the unit for gradients (pre-backward). Autograd keeps each gradient as its own tensor and
@@ -176,7 +178,7 @@ class UnitGrads:
         views = not torch.is_grad_enabled()  # create_graph=True: autograd replaces .grad, never adds into it
         allocated = self.group.bufs.grads.is_allocated
         trainable = self.group.trainable
-        if not (views and allocated) and not any([fp.unsharded.grad is not None for fp in trainable]):
+        if not (views and allocated) and all_none(map(_UNSHARDED_GRAD, trainable)):
             return  # the per-step case: no .grad to fold or view to pre-set
         for fp in trainable:
             g = fp.unsharded.grad
@@ -232,15 +234,16 @@ class UnitGrads:
         part in its reduce-scatter)."""
         any_grad = self.grad_state in (GradState.HELD, GradState.ACCUMULATING)
         compact = self.group.bufs.compact_grads
-        grads = list(map(_UNSHARDED_GRAD, self.grad_fps))
+        fps_all = self.grad_fps
+        grads = list(map(_UNSHARDED_GRAD, fps_all))
         if all_none(grads):
             stray = []
-        elif compact:
-            stray = [(fp, g) for fp, g in zip(self.grad_fps, grads) if g is not None]
-        else:
-            stray = [
-                (fp, g) for fp, g in zip(self.grad_fps, grads) if g is not None and g is not fp.grad_view
-            ]
+        else:  # a grad autograd kept as its own tensor (not a pre-set view of the buffer), in C loops
+            keep = map(operator.is_not, grads, itertools.repeat(None))
+            if not compact:
+                keep = map(operator.and_, keep, map(operator.is_not, grads, map(_GRAD_VIEW, fps_all)))
+            keep = list(keep)
+            stray = list(zip(itertools.compress(fps_all, keep), itertools.compress(grads, keep)))
         if stray:
             if self.grad_state is GradState.REDUCING:  # a second backward through this unit
                 self.group.comm.reduces.complete_group(self.group)
@@ -260,9 +263,9 @@ class UnitGrads:
                     fp.got_grad = True
                 del g
             else:  # plain tensors: the loops in C; the fold below drops autograd's tensors
-                fps = [fp for fp, _ in stray]
-                folded = [(index[id(fp)], g) for fp, g in stray]
-                del stray, grads
+                fps, gs = map(list, zip(*stray))
+                folded = list(zip(map(index.__getitem__, map(id, fps)), gs))
+                del stray, grads, gs
                 assign_each(list(map(_UNSHARDED, fps)), "grad", itertools.repeat(None))
                 assign_each(fps, "got_grad", itertools.repeat(True))
             with labelled(f"raggedfsdp::fold_grads ({self.group.unit_name})"):
@@ -394,7 +397,17 @@ class UnitGrads:
         unit, which keeps its views across steps)."""
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
-        todo = [fp for fp, u in used if u or fp.sharded.grad is not None]
+        fps, us = zip(*used) if used else ((), ())
+        todo = list(
+            itertools.compress(
+                fps,
+                map(
+                    operator.or_,
+                    us,
+                    map(operator.is_not, map(_SHARDED_PARAM_GRAD, fps), itertools.repeat(None)),
+                ),
+            )
+        )
         plan = self._attach_plan(buf)
         shardeds = list(map(_SHARDED, todo))
         hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
@@ -473,6 +486,7 @@ class UnitGrads:
 
 _GOT_GRAD = operator.attrgetter("got_grad")
 _UNSHARDED = operator.attrgetter("unsharded")
+_GRAD_VIEW = operator.attrgetter("grad_view")
 _SHARDED_PARAM_GRAD = operator.attrgetter("sharded.grad")
 _UNSHARDED_GRAD = operator.attrgetter("unsharded.grad")
 _SHARDED = operator.attrgetter("sharded")

@@ -23,6 +23,7 @@ Notes [grad fold] and [frozen parameters] are in ``_grads.py`` (the gradient sid
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
 from collections.abc import Callable
@@ -52,14 +53,16 @@ _padding_warned: set = set()
 def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
     """Global ``torch.optim`` step post-hook: bump the master version of exactly the units whose sharded
     params this optimizer holds. Local, O(params of the optimizer)."""
+    refs: dict[int, object] = {}  # the weakref to its unit set on each sharded param (one object per unit),
+    for pg in optimizer.param_groups:  # by id: a dead unit's weakref may not be hashable
+        got = list(map(getattr, pg["params"], itertools.repeat("_raggedfsdp_unit"), itertools.repeat(None)))
+        refs.update(zip(map(id, got), got))
     seen: set[int] = set()
-    for pg in optimizer.param_groups:
-        for p in pg["params"]:
-            ref = getattr(p, "_raggedfsdp_unit", None)  # a weakref to the unit, set on each sharded param
-            g = ref() if ref is not None else None
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                g.mark_master_changed()
+    for ref in refs.values():
+        g = ref() if ref is not None else None
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            g.mark_master_changed()
 
 
 class FSDPParamGroup:

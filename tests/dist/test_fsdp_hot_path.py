@@ -8,6 +8,12 @@ block, on torch's fake process group (world size 2, one process). The difference
 extra parameters is the per-parameter Python cost of the hot path (hooks, unshard / reshard, grad
 fold, reduce-scatter prep, sharded ``.grad`` install). torch's own ``fully_shard`` is counted the same
 way (its ``torch/distributed/fsdp`` and DTensor code) as the reference it is compared against.
+
+Calls miss loops: a list comprehension over the unit's params is one call however many params it
+visits. So the same step is also traced with ``sys.settrace`` counting ``line`` events (each
+Python line executed, loop iterations included) inside the runtime: per extra parameter that is the
+per-parameter Python the interpreter runs, where C-level loops (``map`` over ``operator`` getters,
+``fsdp/_common.py: ParamTensors``) count nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from _memory import run_fake_rank
 BUDGET_PER_PARAM = 3.0
 
 
-def _count_step(backend: str, n_experts: int):
+def _count_step(backend: str, n_experts: int, events: str = "call"):
     import torch
 
     from raggedfsdp.models import apply_fsdp, build_model
@@ -47,24 +53,42 @@ def _count_step(backend: str, n_experts: int):
     where = "/raggedfsdp/" if backend == "ragged" else "/torch/distributed/"
     calls: collections.Counter = collections.Counter()
 
-    def prof(frame, event, _arg):
-        if event == "call":
-            f = frame.f_code.co_filename
-            if where in f and "/models/" not in f and "/tests/" not in f:
-                calls[f"{f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+    def ours(frame) -> bool:
+        f = frame.f_code.co_filename
+        return where in f and "/models/" not in f and "/tests/" not in f
 
-    sys.setprofile(prof)
+    def key(frame) -> str:
+        f = frame.f_code.co_filename
+        return f"{f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+
+    def prof(frame, event, _arg):
+        if event == "call" and ours(frame):
+            calls[key(frame)] += 1
+
+    def lines(frame, event, _arg):
+        if event == "line":
+            calls[key(frame)] += 1
+        return lines
+
+    def trace(frame, event, _arg):  # a local tracer only in the runtime's own frames
+        return lines if event == "call" and ours(frame) else None
+
+    if events == "call":
+        sys.setprofile(prof)
+    else:
+        sys.settrace(trace)
     try:
         step()
     finally:
         sys.setprofile(None)
+        sys.settrace(None)
     return sum(1 for _ in model.parameters()), calls
 
 
-def _per_param(rank, ws):
+def _per_param(rank, ws, events="call"):
     out = {}
     for backend in ("ragged", "torch"):
-        (p1, c1), (p2, c2) = _count_step(backend, 4), _count_step(backend, 20)
+        (p1, c1), (p2, c2) = _count_step(backend, 4, events), _count_step(backend, 20, events)
         extra = {k: (c2[k] - c1[k]) / (p2 - p1) for k in c2 if c2[k] > c1[k]}
         out[backend] = ((sum(c2.values()) - sum(c1.values())) / (p2 - p1), extra, p2 - p1)
     return out
@@ -81,4 +105,22 @@ def test_fsdp_python_calls_per_step_do_not_scale_with_parameters():
         f"torch's fully_shard {torch_per_param:.1f}): a per-parameter loop is back in the hot path: {top}"
     )
     # the reference: torch's FSDP2 does per-parameter Python work in its copy-in / copy-out / reduce prep
+    assert torch_per_param > 4 * ours, (ours, torch_per_param)
+
+
+# per extra parameter and step: the gradient pre-hook's lines (UnitGrads.on_grad, 4-5) and the early-free
+# poll's while a reduce-scatter is in flight (~3); measured 8 (torch's fully_shard: 289). Before the C-level
+# loops (main at d10ca2f, 2026-12-02) raggedfsdp ran 112 lines per parameter per step.
+LINE_BUDGET_PER_PARAM = 8.5
+
+
+def test_fsdp_python_lines_per_step_do_not_scale_with_parameters():
+    res = run_fake_rank(_per_param, 2, 0, "line")
+    ours, ours_by_fn, _ = res["ragged"]
+    torch_per_param = res["torch"][0]
+    top = sorted(ours_by_fn.items(), key=lambda kv: -kv[1])[:8]
+    assert ours <= LINE_BUDGET_PER_PARAM, (
+        f"raggedfsdp runs {ours:.1f} Python lines per parameter per step (budget {LINE_BUDGET_PER_PARAM}; "
+        f"torch's fully_shard {torch_per_param:.1f}): a per-parameter Python loop is back: {top}"
+    )
     assert torch_per_param > 4 * ours, (ours, torch_per_param)
