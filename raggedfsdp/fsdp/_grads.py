@@ -64,7 +64,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -97,7 +97,7 @@ class UnitGrads:
         self.group = group
         self.grad_state = GradState.NONE
         self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
-        self._local_spans: tuple = (None, [], (), (), (), None)  # attach_sharded's plan (_attach_plan)
+        self._plan = _AttachPlan(None, [], [], [], [], None)  # attach_sharded's per-layout lists
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
@@ -411,9 +411,9 @@ class UnitGrads:
         plan = self._attach_plan(buf)
         shardeds = list(map(_SHARDED, todo))
         hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
-        if _same(todo, plan[1]) and not any(hooks) and _no_sharded_grads(todo):  # {} after a removed hook
-            views = map(base.narrow, itertools.repeat(0), plan[2], plan[3])
-            sgs = list(map(_dtensor_wrap(), views, plan[4]))
+        if _same(todo, plan.fps) and not any(hooks) and _no_sharded_grads(todo):  # {} after a removed hook
+            views = map(base.narrow, itertools.repeat(0), plan.offsets, plan.numels)
+            sgs = list(map(_dtensor_wrap(), views, plan.specs))
             assign_each(shardeds, "grad", sgs)
             if not self.group.bufs.hand_off_sharded_grads():  # pinned: the unit keeps the views
                 assign_each(todo, "sharded_grad", sgs)
@@ -427,29 +427,29 @@ class UnitGrads:
         assign_each(self.group.fsdp_params, "sharded_grad", itertools.repeat(None))
         assign_each(self.group.fsdp_params, "sharded_grad_base", itertools.repeat(None))
 
-    def _attach_plan(self, buf) -> tuple:
-        """``(layout, grad members, local offsets, local numels, specs, param tensors)`` of the sharded
-        grad buffer's layout, rebuilt when the layout, the members or the params (``ParamTensors``, new
-        after ``reset_sharded_storage``) change. Local."""
-        plan = self._local_spans
+    def _attach_plan(self, buf) -> _AttachPlan:
+        """The sharded grad buffer's per-member local pieces, rebuilt when the layout, the members or the
+        params (``ParamTensors``, new after ``reset_sharded_storage``) change. Local."""
+        plan = self._plan
         if (
-            plan[0] is not buf.layout
-            or plan[5] is not self.group.tensors
-            or not _same(plan[1], self.grad_fps)
+            plan.layout is not buf.layout
+            or plan.tensors is not self.group.tensors
+            or not _same(plan.fps, self.grad_fps)
         ):
             fps = list(self.grad_fps)
             index = self.group._index
             pieces = [buf.layout.piece(index[id(fp)], buf.rank) for fp in fps]
             offs = [buf.layout.shard_offset(index[id(fp)], buf.rank) for fp in fps]
             numels = [b - a for a, b in pieces]
-            plan = (buf.layout, fps, offs, numels, [fp.spec for fp in fps], self.group.tensors)
-            self._local_spans = plan
+            plan = self._plan = _AttachPlan(
+                buf.layout, fps, offs, numels, [fp.spec for fp in fps], self.group.tensors
+            )
         return plan
 
     def _attach_each(self, todo: list[FSDPParam], buf, base: torch.Tensor) -> None:
         """The per-parameter ``.grad`` install (hooks, kept or partial views). Local."""
         plan = self._attach_plan(buf)
-        spans = {id(fp): (o, n) for fp, o, n in zip(plan[1], plan[2], plan[3])}
+        spans = {id(fp): (o, n) for fp, o, n in zip(plan.fps, plan.offsets, plan.numels)}
         for fp in todo:
             sharded = fp.sharded
             sg = fp.sharded_grad
@@ -482,6 +482,18 @@ class UnitGrads:
         self.sg_pending = False
         self.partial_reduce = None
         self.partial_flags = None
+
+
+class _AttachPlan(NamedTuple):
+    """``attach_sharded``'s lists for one sharded grad layout: each grad member's local piece of the
+    ``(Sg,)`` buffer (``offsets`` / ``numels`` in elements) and its DTensor spec."""
+
+    layout: Any  # the GradLayout / Layout these pieces belong to
+    fps: list  # the grad members, in order
+    offsets: list
+    numels: list
+    specs: list
+    tensors: Any  # the unit's ParamTensors when built (a new one: params re-created)
 
 
 _GOT_GRAD = operator.attrgetter("got_grad")
