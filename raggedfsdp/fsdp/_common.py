@@ -86,8 +86,9 @@ class RuntimeOptions:
     """Knobs of the FSDP runtime, one object per root (on its ``CommContext``); set them with
     :func:`raggedfsdp.fsdp.set_runtime_options` (every rank the same values).
 
-    * ``early_free``: complete finished reduce-scatters at every gradient hook and free their inputs
-      early (Note [early free] in ``_reduce.py``); ``False`` is the slow-network worst case.
+    * ``early_free``: complete finished reduce-scatters at the gradient hooks (up to 8 per unit) and
+      free their inputs early (Note [early free] in ``_reduce.py``); ``False`` is the slow-network
+      worst case.
     * ``agreement_check``: when the unit-agreement result is read (Note [unit agreement] in
       ``_agreement.py``): ``"auto"`` (deferred on CUDA when no flag is needed), ``"immediate"``, or
       ``"deferred"`` (always defer; the CPU tests of the late error use it).
@@ -161,7 +162,7 @@ class FSDPParam:
     sharded_grad_base: torch.Tensor | None = None  # the buffer ``sharded_grad`` was checked against
     spec: DTensorSpec | None = None
     got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
-    hooked: bool = False  # the unsharded param's gradient pre-hook is registered
+    hooked: bool = False  # the unsharded param's gradient pre-hook is registered (Note [grad hooks])
     tp_spec: DTensorSpec | None = None  # the param's own DTensor spec (TP/EP mesh) before fully_shard
 
     @property

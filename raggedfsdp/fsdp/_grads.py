@@ -48,6 +48,18 @@ Note [frozen parameters]
     set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
     left the set keeps its ``.grad`` as its own tensor).
 
+Note [grad hooks]
+    Per step nothing runs per parameter in Python: autograd keeps each gradient as its own tensor and
+    the fold (Note [grad fold]) finds them (``.grad`` set) and marks them used, in C-level loops. A
+    tensor pre-hook (:meth:`UnitGrads.on_grad`) sits on at most ``POLL_HOOKS_PER_UNIT`` (8) of a
+    unit's unsharded params, spread evenly over them, as the points where backward polls the
+    in-flight reduce-scatters (Note [early free] in ``_reduce.py``). Only while ``.grad`` views are
+    pre-set (a no-sync window holding ``param_dtype`` grads), where a gradient is added into its view
+    and leaves no trace the fold can see, does every trainable param get the hook (``_hook_all``,
+    removed when views are no longer pre-set). Until 2026-12 every param had it: on the 128-expert
+    MoE bench (785 params) the hook machinery and ``on_grad`` cost ~5 ms of host time per step, more
+    than the hook-free FSDP2 (issue 22 item 4).
+
 Note [sharded grad lifetime]
     Once backward has set a unit's sharded ``.grad`` views (``attach_sharded``), the unit drops its own
     reference to that ``(Sg,)`` storage (``UnitBuffers.hand_off_sharded_grads``): the ``.grad`` views
@@ -84,6 +96,8 @@ from raggedfsdp.fsdp._reduce import launch_reduce
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
 
+POLL_HOOKS_PER_UNIT = 8  # gradient pre-hooks per unit that poll the reduce-scatters (Note [grad hooks])
+
 
 class UnitGrads:
     """The gradient state of one FSDP unit and its transitions (see the module notes).
@@ -101,6 +115,7 @@ class UnitGrads:
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
+        self._view_hooks: list = []  # (fp, its unsharded param, handle): pre-hooks while .grad views are set
 
     # ---- transitions used by the reduce records (_reduce.py) ----------------------------------
     def reduce_started(self) -> None:
@@ -133,12 +148,41 @@ class UnitGrads:
         self.sg_pending = False
 
     # ---- backward ------------------------------------------------------------------------------
+    def hook(self, fp: FSDPParam) -> None:
+        """Register :meth:`on_grad` as ``fp``'s unsharded-param tensor pre-hook if ``fp`` is one of the
+        unit's poll points: at most ``POLL_HOOKS_PER_UNIT`` params, spread evenly over the unit (Note
+        [grad hooks]). Local."""
+        n = len(self.group.fsdp_params)
+        p = min(n, POLL_HOOKS_PER_UNIT)
+        i = self.group._index[id(fp)]
+        if (i * p) // n != ((i + 1) * p) // n:  # i is the first index of one of p equal runs of params
+            fp.unsharded.register_hook(functools.partial(self.on_grad, fp))  # C partial: 1 Python frame
+            fp.hooked = True
+
+    def _hook_all(self) -> None:
+        """``.grad`` views are pre-set (Note [grad hooks]): every trainable param gets the pre-hook,
+        so that a gradient added into a view still marks its param used. Local."""
+        for fp in self.group.trainable:
+            if not fp.hooked:
+                handle = fp.unsharded.register_hook(functools.partial(self.on_grad, fp))
+                self._view_hooks.append((fp, fp.unsharded, handle))
+                fp.hooked = True
+
+    def _unhook_views(self) -> None:
+        """Remove the pre-hooks :meth:`_hook_all` added (views no longer pre-set). Local."""
+        for fp, t, handle in self._view_hooks:
+            handle.remove()
+            if fp.unsharded is t:  # not re-created since (a new param got its own hooks)
+                fp.hooked = False
+        self._view_hooks = []
+
     def on_grad(self, fp: FSDPParam, _grad: torch.Tensor | None = None) -> None:
-        """A gradient is about to be accumulated into ``fp`` (its tensor pre-hook): mark it used. While
-        the unit's grad buffer is allocated (a no-sync window holds it, views pre-set by ``prepare``)
-        point a ``.grad`` that is ``None`` at its view, so autograd adds into it in place; otherwise
-        autograd keeps the gradient as its own tensor until ``post_backward`` folds it in (Note [grad
-        fold]). Local."""
+        """A gradient is about to be accumulated into ``fp`` (its tensor pre-hook, Note [grad hooks]):
+        mark it used and poll the in-flight reduce-scatters (Note [early free]). While the unit's grad
+        buffer is allocated (a no-sync window holds it, views pre-set by ``prepare``) point a ``.grad``
+        that is ``None`` at its view, so autograd adds into it in place; otherwise autograd keeps the
+        gradient as its own tensor until ``post_backward`` folds it in (Note [grad fold]) and marks it
+        used there. Local."""
         fp.got_grad = True
         g = self.group
         if g.comm.reduces.inflight:  # free finished reduce-scatter inputs (Note [early free] in _reduce.py)
@@ -170,6 +214,8 @@ class UnitGrads:
         check(self.grad_state is not GradState.REDUCING, "grads begun while their reduce-scatter is pending")
         self._sync_members()
         if self.group.bufs.compact_grads:  # autograd owns the unsharded grads until post_backward folds them
+            if self._view_hooks:
+                self._unhook_views()
             if self.grad_state is GradState.NONE:
                 self.grad_state = GradState.ACCUMULATING
             return
@@ -179,6 +225,8 @@ class UnitGrads:
         allocated = self.group.bufs.grads.is_allocated
         trainable = self.group.trainable
         if not (views and allocated) and all_none(map(_UNSHARDED_GRAD, trainable)):
+            if self._view_hooks:
+                self._unhook_views()
             return  # the per-step case: no .grad to fold or view to pre-set
         for fp in trainable:
             g = fp.unsharded.grad
@@ -189,6 +237,10 @@ class UnitGrads:
                 fp.unsharded.grad = fp.grad_view if views else None
             elif g is None and views and allocated:
                 fp.unsharded.grad = fp.grad_view
+        if views and allocated:
+            self._hook_all()
+        elif self._view_hooks:
+            self._unhook_views()
 
     def _sync_members(self) -> None:
         """Choose the grad layout for the current ``requires_grad`` (Note [frozen parameters]). Within an
@@ -478,6 +530,8 @@ class UnitGrads:
                 fp.unsharded.grad = None
             fp.got_grad = False
         g.bufs.free_grads()
+        if self._view_hooks:
+            self._unhook_views()
         self.grad_state = GradState.NONE
         self.sg_pending = False
         self.partial_reduce = None

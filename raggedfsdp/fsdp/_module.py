@@ -328,7 +328,7 @@ def set_runtime_options(module, *, early_free=_UNSET, agreement_check=_UNSET, de
     one options object, so any of them sets it for all). Arguments left out keep their values.
 
     Args:
-        early_free: bool, free finished reduce-scatter inputs at each gradient (Note [early free] in
+        early_free: bool, free finished reduce-scatter inputs at the gradient hooks (Note [early free] in
             ``raggedfsdp/fsdp/_reduce.py``; default ``True``).
         agreement_check: ``"auto"`` | ``"immediate"`` | ``"deferred"``: when the unit-agreement result
             is read (Note [unit agreement] in ``raggedfsdp/fsdp/_agreement.py``; default ``"auto"``).

@@ -22,7 +22,6 @@ Notes [grad fold] and [frozen parameters] are in ``_grads.py`` (the gradient sid
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import weakref
@@ -270,7 +269,7 @@ class FSDPParamGroup:
                 fp.requires_grad = rg
                 changed = True
                 if rg and not fp.hooked:
-                    self._register_grad_hook(fp)
+                    self.grads.hook(fp)
         if changed:
             self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]
             self.tensors.recorded = [fp.requires_grad for fp in self.fsdp_params]
@@ -331,16 +330,10 @@ class FSDPParamGroup:
             )  # for every param: requires_grad may change
             fp.hooked = False
             if fp.requires_grad:
-                self._register_grad_hook(fp)
+                self.grads.hook(fp)
         self.bufs.params.free()
         grads.free()
         self.tensors = ParamTensors(self.fsdp_params)  # the hot path's lists (sharded params set just before)
-
-    def _register_grad_hook(self, fp: FSDPParam) -> None:
-        # one tensor pre-hook per unsharded param: autograd runs it just before it accumulates the
-        # param's gradient, so the unit's grad buffer is allocated at its first gradient
-        fp.unsharded.register_hook(functools.partial(self.grads.on_grad, fp))  # C partial: 1 Python frame
-        fp.hooked = True
 
     def reset_sharded_storage(self) -> None:
         """Re-point sharded params at a fresh sharded DBuffer after ``module._apply`` (``to``, ``to_empty``,

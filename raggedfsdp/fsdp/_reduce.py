@@ -21,9 +21,9 @@ Note [bounded gradient memory]
 
 Note [early free]
     K bounds the reduce-scatter inputs alive when communication is slow. When it keeps up, an input
-    need not live until the next unit's post-backward (where FSDP2 releases it): every gradient that
-    reaches a unit (the tensor pre-hook, ``UnitGrads.on_grad``) and every pre-backward call
-    :meth:`ReduceQueue.poll`,
+    need not live until the next unit's post-backward (where FSDP2 releases it): up to 8 gradients of
+    each unit, spread over its params (the tensor pre-hook ``UnitGrads.on_grad``, Note [grad hooks] in
+    ``_grads.py``), and every pre-backward call :meth:`ReduceQueue.poll`,
     which completes, oldest first, the in-flight reduce-scatters whose work already reports
     ``is_completed()`` (a non-blocking query; on CUDA an event query, no host sync) and frees their
     inputs then. So while unit i's gradients are computed, unit i+1's reduce-scatter input is alive

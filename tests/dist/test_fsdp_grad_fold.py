@@ -336,6 +336,19 @@ def _cases_accum(rank, ws):
     _scenario(
         "no-sync-unused-on-one-rank", rank, ws, mesh, Net, _accum_run(skip_rank=(0, 1)), k=(2,), modes=MODES
     )
+    # blocks[2].up gets no gradient on any rank in micro-batch 0 and its unit holds grads after it: from
+    # micro-batch 1 on its gradient is added into a pre-set .grad view, seen only by the pre-hook that
+    # every param then gets (Note [grad hooks]); without it, up would end the step with no .grad
+    no_hooks_plan = ((False, True), (False, False), (False, True))
+    _scenario(
+        "no-sync-param-first-used-in-a-view-micro",
+        rank,
+        ws,
+        mesh,
+        Net,
+        _accum_run(skip_plan=no_hooks_plan, skip_all=0),
+        shard_fn=_one_poll_hook_shard,  # this toy's units have <= 8 params: every one is a poll point
+    )
     skipped_last = ((False, True), (False, False), (True, True))
     # the unit skipped in the synced micro-batch is not prefetched: its held grads were never reduced
     # (missing from .grad, then added into the next step's); a prefetched one was reduced by chance
@@ -348,6 +361,17 @@ def _cases_accum(rank, ws):
         _accum_run(skip_plan=skipped_last),
         post_shard=_no_prefetch,
     )
+
+
+def _one_poll_hook_shard(model, mesh, fs, **kw):
+    """``_shard`` with one gradient pre-hook per unit (Note [grad hooks]), as in a unit of many params."""
+    from raggedfsdp.fsdp import _grads
+
+    saved, _grads.POLL_HOOKS_PER_UNIT = _grads.POLL_HOOKS_PER_UNIT, 1
+    try:
+        return _shard(model, mesh, fs, **kw)
+    finally:
+        _grads.POLL_HOOKS_PER_UNIT = saved
 
 
 def _vs_torch(
@@ -665,11 +689,16 @@ def _accum_body(skip_unit2, use_extra):
 
 
 def _accum_run(
-    micro=3, skip_plan=((True, True), (False, False), (False, True)), freeze_at=None, skip_rank=None
+    micro=3,
+    skip_plan=((True, True), (False, False), (False, True)),
+    freeze_at=None,
+    skip_rank=None,
+    skip_all=None,
 ):
     """``micro`` micro-batches, gradient sync on the last only; ``skip_plan[i]`` = (skip unit 2 entirely,
     use ``extra``) in micro-batch i; ``freeze_at``: micro-batch from which blocks[0].up.weight is frozen
-    (unfrozen again at the next step); ``skip_rank``: (micro, rank) where blocks[2].skip is set."""
+    (unfrozen again at the next step); ``skip_rank``: (micro, rank) where blocks[2].skip is set;
+    ``skip_all``: a micro-batch where every rank sets it."""
 
     def run(model, step, sync, rank):
         ws = dist.get_world_size()
@@ -678,7 +707,7 @@ def _accum_run(
         for i in range(micro):
             if freeze_at is not None and i == freeze_at:
                 model.blocks[0].up.weight.requires_grad_(False)
-            model.blocks[2].skip = skip_rank is not None and (i, rank) == skip_rank
+            model.blocks[2].skip = (skip_rank is not None and (i, rank) == skip_rank) or i == skip_all
             sync(i == micro - 1)
             skip2, extra = skip_plan[i]
             logits = model(tok[2 * i : 2 * i + 2], _accum_body(skip2, extra))
