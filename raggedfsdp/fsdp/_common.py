@@ -264,6 +264,11 @@ class ParamTensors:
             map(REQUIRES_GRAD, self.unsharded)
         )
 
+    def unsharded_requires_grad_unchanged(self) -> bool:
+        """True if no unsharded param's ``requires_grad`` differs from the recorded one (plain tensors: a
+        third of the DTensor scan's cost). Local."""
+        return self.recorded == list(map(REQUIRES_GRAD, self.unsharded))
+
     def any_requires_grad(self) -> bool:
         """True if some sharded param requires grad now (short-circuits). Local."""
         return any(map(REQUIRES_GRAD, self.sharded))

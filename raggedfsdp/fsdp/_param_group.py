@@ -554,7 +554,10 @@ class FSDPParamGroup:
         if self.param_state is ParamState.UNSHARDING:
             self.wait_for_unshard()
         if self.param_state is ParamState.UNSHARDED:
-            self.refresh_requires_grad()  # a change made on the registered unsharded params carries over
+            # a change made on the registered unsharded params carries over; one made on the sharded
+            # params meanwhile is taken at the next unshard (as for any change between steps)
+            if not self.tensors.unsharded_requires_grad_unchanged():
+                self.refresh_requires_grad()
             self.tensors.register("sharded")
             self.param_state = ParamState.SHARDED
         if free and self.bufs.params.is_allocated:
