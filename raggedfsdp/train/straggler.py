@@ -26,6 +26,8 @@ import time
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from raggedfsdp.fsdp._compile import eager_hook
+
 REPORT_PCT = 20.0  # print when the slowest rank's excess is at least this (always in metrics.jsonl)
 REPORT_MIN_S = 0.005  # ... and at least this many seconds per step
 
@@ -74,8 +76,9 @@ class StragglerProbe:
             if isinstance(m, FSDPModule):
                 i = len(self.units)
                 self.units.append(name or "root")
-                self._hooks.append(m.register_forward_pre_hook(self._reached(i), prepend=True))
-                self._hooks.append(m.register_forward_pre_hook(self._left))  # after FSDP's (its wait)
+                # host timers: eager_hook keeps them out of a compiled block's graph (--compile true)
+                self._hooks.append(m.register_forward_pre_hook(eager_hook(self._reached(i)), prepend=True))
+                self._hooks.append(m.register_forward_pre_hook(eager_hook(self._left)))  # after FSDP's wait
         self.sums = [0.0] * len(self.units)
         self.steps = 0
         self._last: float | None = None  # None: not inside a step's forward/backward
@@ -150,7 +153,7 @@ def inject_slow_rank(model: torch.nn.Module, debug, rank: int, probe: StragglerP
         if probe._last is not None and probe.units.index(debug.slow_unit) not in probe._seen:
             time.sleep(debug.slow_s)
 
-    probe._hooks.append(unit.register_forward_pre_hook(delay, prepend=True))  # before the probe's
+    probe._hooks.append(unit.register_forward_pre_hook(eager_hook(delay), prepend=True))  # before the probe's
     return 0.0
 
 
