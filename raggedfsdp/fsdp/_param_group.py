@@ -204,14 +204,17 @@ class FSDPParamGroup:
         elements more than torch's ``fully_shard`` would (its dim-0 padding): blocks never cut by a rank
         boundary (a block policy: rows, tiles, Shampoo bands) cost memory at large world sizes. The
         default (element granularity, no ``shard_placement_fn``) pads at most ``align`` elements per
-        rank and never warns. Local."""
+        rank and never warns: padding the alignment alone causes (a tiny unit) is not counted. Local."""
         import warnings
 
         import torch.distributed as dist
 
         ours, ref = padding_vs_fsdp2(self.layout)
+        lay = self.layout  # the collective alignment alone (no block) pads the unit to m x align elements
+        chunk = lay.world_size * lay.align
+        aligned = (-(-lay.total_numel // chunk) * chunk - lay.total_numel) / max(lay.total_numel, 1)
         key = tuple(fp.fqn for fp in self.fsdp_params)
-        if ours - ref <= PADDING_WARN_EXCESS or key in _padding_warned:
+        if ours - max(ref, aligned) <= PADDING_WARN_EXCESS or key in _padding_warned:
             return
         _padding_warned.add(key)
         if dist.is_initialized() and dist.get_rank() != 0:
