@@ -197,7 +197,9 @@ def _check_reduction(op_schema) -> None:
     norm = {d % ndim for d in dims} if ndim else set()
     if len(dims) and norm != set(range(ndim)):
         raise _err(
-            op, f"it reduces over dims {list(dims)} only; only full reductions (all dims) are supported"
+            op,
+            f"it reduces over dims {list(dims)} only; only reductions over all dims of sum, nansum or a "
+            "p-norm are supported (mean, max, min, var, argmax, ... are refused whole)",
         )
 
 
@@ -254,7 +256,8 @@ def make_map_after_reduction(stock):
                 if not all(d in reduction_dims for d in p.dims):
                     raise RaggedShardOpError(
                         f"RaggedShard: reduction over dims {list(reduction_dims)} does not cover the ragged "
-                        f"dims {p.dims} of {p}; only full reductions are supported"
+                        f"dims {p.dims} of {p}; only reductions over all dims are supported; convert "
+                        "first with x.redistribute(...) or x.full_tensor()"
                     )
                 out.append(get_placement_from_reduction_op(reduction_op))
             else:
