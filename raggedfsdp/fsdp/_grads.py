@@ -111,7 +111,7 @@ class UnitGrads:
         self.group = group
         self.grad_state = GradState.NONE
         self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
-        self._plan = _AttachPlan(None, [], [], [], [], None)  # attach_sharded's per-layout lists
+        self._plan = _AttachPlan(None, [], [], [], [], None, [], [])  # attach_sharded's per-layout lists
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
         self.partial_flags: dict[int, bool] | None = None  # id(fsdp_param) -> used, of deferred micro-batches
@@ -464,7 +464,8 @@ class UnitGrads:
         shardeds = list(map(_SHARDED, todo))
         hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
         if _same(todo, plan.fps) and not any(hooks) and _no_sharded_grads(todo):  # {} after a removed hook
-            views = map(base.narrow, itertools.repeat(0), plan.offsets, plan.numels)
+            # every piece in one split (a third of 785 narrow calls' time), picked in member order
+            views = map(base.split_with_sizes(plan.split_sizes).__getitem__, plan.pick)
             sgs = list(map(_dtensor_wrap(), views, plan.specs))
             assign_each(shardeds, "grad", sgs)
             if not self.group.bufs.hand_off_sharded_grads():  # pinned: the unit keeps the views
@@ -493,8 +494,16 @@ class UnitGrads:
             pieces = [buf.layout.piece(index[id(fp)], buf.rank) for fp in fps]
             offs = [buf.layout.shard_offset(index[id(fp)], buf.rank) for fp in fps]
             numels = [b - a for a, b in pieces]
+            sizes, pick, pos = [], [0] * len(fps), 0
+            for off, n, j in sorted(zip(offs, numels, range(len(fps)))):  # pieces in buffer order, gaps
+                if off > pos:
+                    sizes.append(off - pos)
+                pick[j], pos = len(sizes), off + n
+                sizes.append(n)
+            if buf.data.numel() > pos:
+                sizes.append(buf.data.numel() - pos)
             plan = self._plan = _AttachPlan(
-                buf.layout, fps, offs, numels, [fp.spec for fp in fps], self.group.tensors
+                buf.layout, fps, offs, numels, [fp.spec for fp in fps], self.group.tensors, sizes, pick
             )
         return plan
 
@@ -548,6 +557,8 @@ class _AttachPlan(NamedTuple):
     numels: list
     specs: list
     tensors: Any  # the unit's ParamTensors when built (a new one: params re-created)
+    split_sizes: list  # the whole buffer split into pieces and the gaps between them, in order
+    pick: list  # the split's index of each grad member's piece
 
 
 _GOT_GRAD = operator.attrgetter("got_grad")
