@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 _DESCRIPTION = (
-    "Hugging Face in and out: DCP training checkpoints <-> safetensors folders for the LLaMA model "
-    "(and out, as MixtralForCausalLM, for the MoE)."
+    "Hugging Face out: write a DCP training checkpoint as a safetensors folder (model.safetensors +\n"
+    "config.json) for the LLaMA model (as MixtralForCausalLM for the MoE), or as a torch.save state\n"
+    "dict. convert only writes: the other way (safetensors -> training) is train --model.init_from DIR."
 )
 
 
@@ -20,7 +21,9 @@ def add_parser(subparsers):
         help="convert a DCP training checkpoint to Hugging Face safetensors or a torch.save file",
         description=_DESCRIPTION,
         epilog="examples:\n  raggedfsdp convert outputs/run/checkpoints --to safetensors outputs/hf\n"
-        "  raggedfsdp convert outputs/run/checkpoints/step-600 --to torch model.pt",
+        "  raggedfsdp convert outputs/run/checkpoints/step-600 --to torch model.pt\n\n"
+        "the reverse direction (LLaMA; each rank reads only its own pieces):\n"
+        "  raggedfsdp train --model.init_from outputs/hf --out outputs/finetune",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("checkpoint", help="a step-N DCP folder, or a folder of them (the newest is used)")

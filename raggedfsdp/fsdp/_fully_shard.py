@@ -150,8 +150,9 @@ def fully_shard(
             params on several devices (or partly on meta), mixed dtypes in one unit, 0-dim params,
             a granularity that does not divide a param, an int ``reshard_after_forward`` that does
             not divide the shard world size, a parameter tied across units, bad ``zero_stage``.
-        TypeError: a non-module, a non-DeviceMesh mesh, a non-bool/int ``reshard_after_forward`` and an
-            unsupported ``shard_placement_fn`` result (these two also ``ValueError``).
+        TypeError: a non-module, a non-DeviceMesh mesh, a non-bool/int ``reshard_after_forward``, an
+            unsupported ``shard_placement_fn`` result and a non-int (or bool) ``zero_stage`` (these three
+            also ``ValueError``), an ``mp_policy`` or ``offload_policy`` of the wrong type.
         NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements, a
             non-contiguous (e.g. ``channels_last``) parameter.
     """
@@ -178,8 +179,20 @@ def fully_shard(
             f"fully_shard: reshard_after_forward must be None, a bool or an int, got "
             f"{reshard_after_forward!r}"
         )
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int):  # True == 1 passed as ZeRO-1
+        raise FSDPTypeError(
+            f"fully_shard: zero_stage must be an int (1, 2 or 3), got {type(zero_stage).__name__} "
+            f"{zero_stage!r}; e.g. zero_stage=3"
+        )
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"fully_shard: zero_stage={zero_stage!r} must be 1, 2 or 3")
+    # a dict failed later with "'dict' object has no attribute 'param_dtype'"
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}; "
+            "pass raggedfsdp.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) (the same class as "
+            "torch.distributed.fsdp.MixedPrecisionPolicy)"
+        )
     if zero_stage < 3:
         if reshard_after_forward:
             raise ValueError(

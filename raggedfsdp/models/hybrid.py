@@ -91,6 +91,27 @@ class HybridConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        # sizes first: 0 heads failed in the checks below (ZeroDivisionError), dim=0 in init_weights
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+            "full_attention_interval",
+            "chunk_size",
+            "vocab_size",
+            "max_seq_len",
+            "multiple_of",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HybridConfig: {name} must be >= 1, got {name}={getattr(self, name)}")
+        if self.ffn_dim < 0:
+            raise ValueError(f"HybridConfig: ffn_dim must be >= 0 (0: 8/3 * dim), got ffn_dim={self.ffn_dim}")
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(
                 f"HybridConfig: dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} must "
@@ -101,14 +122,11 @@ class HybridConfig:
                 f"HybridConfig: linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
                 f"linear_num_key_heads={self.linear_num_key_heads}"
             )
-        if self.full_attention_interval < 1 or self.n_layers % self.full_attention_interval:
+        if self.n_layers % self.full_attention_interval:
             raise ValueError(
                 f"HybridConfig: n_layers={self.n_layers} must be a positive multiple of "
                 f"full_attention_interval={self.full_attention_interval} (whole super-blocks)"
             )
-        for name in ("n_layers", "vocab_size", "max_seq_len", "chunk_size", "linear_conv_kernel_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"HybridConfig: {name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:

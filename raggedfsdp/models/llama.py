@@ -88,15 +88,24 @@ class LlamaConfig:
     """Reuse the input embedding as the output projection (see the module docstring)."""
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads != 0:
-            raise ValueError(f"dim must be divisible by n_heads, got {self.dim=} {self.n_heads=}")
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"n_kv_heads must divide n_heads, got {self.n_heads=} {self.n_kv_heads=}")
-        if (self.dim // self.n_heads) % 2 != 0:
-            raise ValueError(f"head dim must be even for RoPE, got {self.dim // self.n_heads=}")
-        for name in ("n_layers", "vocab_size", "max_seq_len", "multiple_of"):
+        # sizes first: dim=0 passed the divisibility checks and failed in init_weights (ZeroDivisionError),
+        # n_heads=0 failed in the first of them
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
+        if self.ffn_dim < 0:
+            raise ValueError(f"ffn_dim must be >= 0 (0: 8/3 * dim), got ffn_dim={self.ffn_dim}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim must be divisible by n_heads, got dim={self.dim}, n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_kv_heads must divide n_heads, got n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError(
+                f"head dim (dim / n_heads) must be even for RoPE, got dim={self.dim}, n_heads={self.n_heads} "
+                f"(head dim {self.dim // self.n_heads})"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -432,7 +432,9 @@ def estimate_time(
         optimizer: ``"adamw"`` or ``"muon"`` (adds Newton-Schulz FLOPs over all ranks).
 
     Raises:
-        ValueError: unknown cluster / layout / optimizer, or invalid parallel dims.
+        ValueError: unknown cluster / layout / optimizer, or invalid parallel dims (also ``ep > 1`` on a
+            model without routed experts, or an expert count ``ep`` does not divide, as
+            :func:`raggedfsdp.sizing.ep.split_units_for_ep`).
     """
     if isinstance(cluster, str):
         if cluster not in CLUSTERS:
@@ -446,6 +448,10 @@ def estimate_time(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"estimate_time: {k}={v!r} must be an int >= 1")
     parallel.check()
+    if parallel.ep > 1:  # the check of plan / estimate-memory: a dense model (or E % ep) is refused
+        from raggedfsdp.sizing.ep import split_units_for_ep
+
+        split_units_for_ep(units, parallel.ep)
     c = cluster
     tokens = batch * seq_len
     align = 8 if param_bytes == 2 else 4

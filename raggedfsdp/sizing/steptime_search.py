@@ -198,7 +198,8 @@ def format_time_report(ours: StepTime, fsdp2: StepTime, *, label: str = "") -> s
             f"{'work per rank (CPU)':26s}{ours.work_s * 1e3:10.2f}ms{fsdp2.work_s * 1e3:10.2f}ms"
             "  (ranks time-share the cores)"
         )
-    out.append(f"{'tokens/s':26s}{ours.tokens_per_s:12.4g}{fsdp2.tokens_per_s:12.4g}")
+    # whole tokens with thousands separators (as the train log's tok/s): .4g printed 7.4e+04 next to 7.316e+04
+    out.append(f"{'tokens/s':26s}{ours.tokens_per_s:12,.0f}{fsdp2.tokens_per_s:12,.0f}")
     out.append(f"{'MFU':26s}{ours.mfu:12.1%}{fsdp2.mfu:12.1%}")
     out.append(
         f"{'all-gather buffer':26s}{ours.allgather_bytes / 1e9:10.3f}GB{fsdp2.allgather_bytes / 1e9:10.3f}GB"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,20 +252,7 @@ class TrainConfig:
 
     def model_overrides(self) -> dict[str, Any]:
         """The ``[model]`` fields that replace the flavor's values (those that are set)."""
-        keys = (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_dim",
-            "tie_embeddings",
-            "experts",
-            "n_experts",
-            "top_k",
-            "aux_loss_coef",
-            "vocab_size",
-        )
-        out = {k: getattr(self.model, k) for k in keys if getattr(self.model, k) is not None}
+        out = {k: getattr(self.model, k) for k in _MODEL_OVERRIDE_KEYS if getattr(self.model, k) is not None}
         if (
             self.model.vocab_size is None
             and self.data.path.endswith(".bin")
@@ -370,6 +358,11 @@ class TrainConfig:
                     f"job.device='cuda' with {world_size} ranks but only {n} CUDA device(s) are visible; "
                     f"use --nproc {n} or fewer"
                 )
+        seed = self.job.seed
+        if not 0 <= seed < 2**63:  # numpy's generator refused a negative seed on every rank, after the launch
+            raise ValueError(
+                f"job.seed (--seed) must be in [0, 2**63), got {seed}; use a non-negative seed, e.g. --seed 0"
+            )
         if self.job.pg_timeout_s <= 0:
             raise ValueError(f"job.pg_timeout_s must be > 0, got {self.job.pg_timeout_s}")
         if o.name != "adamw" and f.backend != "ragged":
@@ -378,9 +371,7 @@ class TrainConfig:
                 f"(got {f.backend!r}), or optimizer.name='adamw'"
             )
         # Model: builds the flavor with the overrides (raises on bad names or shapes).
-        from raggedfsdp.models import build_model_config
-
-        mcfg = build_model_config(self.model.name, self.model.flavor, **self.model_overrides())
+        mcfg = self._model_config()
         if self.model.name.startswith("hf:") and self.model.init_device == "meta":
             raise ValueError(
                 f"model.name={self.model.name!r}: hf models initialise on the CPU; use --model.init_device cpu"
@@ -473,29 +464,101 @@ class TrainConfig:
                     + _batch_fix(t.global_batch_size, world_size, t.grad_accum)
                 )
 
+    def _model_config(self):
+        """The model config of ``[model]`` (the flavor with the overrides); ``ValueError`` naming the
+        ``--model.*`` options for a size < 1 or shapes that do not fit together."""
+        from raggedfsdp.models import build_model_config
+
+        m = self.model
+        sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "n_experts", "top_k", "vocab_size")
+        for key, least in (*((k, 1) for k in sizes), ("ffn_dim", 0)):
+            value = getattr(m, key)
+            if value is not None and value < least:
+                note = "0 means 8/3 * dim" if key == "ffn_dim" else _flavor_value(m, key)
+                raise ValueError(
+                    f"--model.{key} must be >= {least}, got {value}; give a larger value or drop "
+                    f"--model.{key} to keep the flavor's" + (f" ({note})" if note else "")
+                )
+        if m.aux_loss_coef is not None and m.aux_loss_coef < 0:
+            raise ValueError(f"--model.aux_loss_coef must be >= 0, got {m.aux_loss_coef}; e.g. 0.01")
+        try:
+            return build_model_config(m.name, m.flavor, **self.model_overrides())
+        except ValueError as e:
+            # the model classes name their fields (dim=32, n_heads=5): say which of them the user set
+            msg = str(e)
+            given = [
+                k for k in _MODEL_OVERRIDE_KEYS if getattr(m, k) is not None and re.search(rf"\b{k}\b", msg)
+            ]
+            if given:
+                flags = ", ".join(f"--model.{k} {getattr(m, k)}" for k in given)
+                msg += f" (given: {flags}; the other sizes are the {m.flavor!r} flavor's)"
+            raise ValueError(msg) from None
+
     def check_data(self) -> int:
         """Pre-launch check of ``[data]`` against ``training.seq_len``, without loading the corpus.
 
         Raises ``ValueError`` naming the path and the cause (missing, empty, no readable text files,
-        too small for the held-out split; see :func:`raggedfsdp.train.data.check_data`). Returns the
+        too small for the held-out split; see :func:`raggedfsdp.train.data.check_data`), or the
+        ``--model.vocab_size`` that cannot hold the data's token ids (a byte-level corpus: 256; a
+        ``.bin``: its sidecar's vocabulary, when it records one). Returns the
         corpus size in bytes. Cheap: file sizes only (no tokenization).
         """
+        from raggedfsdp.models import build_model_config
         from raggedfsdp.train.data import check_data, is_token_bin, token_bin_info
 
         d = self.data
+        mv = build_model_config(self.model.name, self.model.flavor, **self.model_overrides()).vocab_size
         if is_token_bin(d.path):
-            from raggedfsdp.models import build_model_config
-
             vocab = token_bin_info(d.path).vocab_size
-            mv = build_model_config(self.model.name, self.model.flavor, **self.model_overrides()).vocab_size
             if vocab is not None and vocab > mv:
                 raise ValueError(
                     f"data {d.path!r} was tokenized with a vocabulary of {vocab:,} but the model has "
                     f"vocab_size={mv:,}; pass --model.vocab_size {vocab}"
                 )
+        elif mv < _BYTE_VOCAB:  # bytes are token ids 0..255: a smaller vocabulary failed at step 1, per rank
+            what = (
+                f"--model.vocab_size {mv}"
+                if self.model.vocab_size is not None
+                else f"the model's vocab_size={mv}"
+            )
+            raise ValueError(
+                f"{what} is too small for the byte-level corpus ({d.path or 'the Python stdlib'}: token ids "
+                f"0..{_BYTE_VOCAB - 1}); use --model.vocab_size {_BYTE_VOCAB} or more, or train on a "
+                "pre-tokenized .bin of that vocabulary (raggedfsdp tokenize)"
+            )
         return check_data(
             d.path, max_bytes=d.max_bytes, val_fraction=d.val_fraction, seq_len=self.training.seq_len
         )
+
+
+_BYTE_VOCAB = 256
+"""Token ids of the byte-level corpus (``train/data.py``: every file is read as bytes)."""
+
+_MODEL_OVERRIDE_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "tie_embeddings",
+    "experts",
+    "n_experts",
+    "top_k",
+    "aux_loss_coef",
+    "vocab_size",
+)
+"""The ``[model]`` fields that override the flavor's values when set."""
+
+
+def _flavor_value(m: ModelConfig, key: str) -> str:
+    """``"the 'debug' flavor has dim=32"`` (empty when the flavor does not build or lacks ``key``)."""
+    from raggedfsdp.models import build_model_config
+
+    try:
+        value = getattr(build_model_config(m.name, m.flavor), key)
+    except (ValueError, AttributeError, KeyError):
+        return ""
+    return f"the {m.flavor!r} flavor has {key}={value}"
 
 
 def _batch_fix(batch: int, world_size: int, grad_accum: int) -> str:

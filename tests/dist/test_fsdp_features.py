@@ -274,6 +274,20 @@ def _bad_input(rank, ws):
         meta(torch.ones(1, 4))
     with pytest.raises(ValueError, match="zero_stage"):
         fully_shard(nn.Linear(4, 4), mesh=mesh, zero_stage=4)
+    # zero_stage=True was ZeRO-1 (True == 1); a dict mp_policy an AttributeError ('dict' ... 'param_dtype')
+    for bad in (True, 3.0, "3"):
+        with pytest.raises(
+            TypeError, match=r"zero_stage must be an int \(1, 2 or 3\), got (bool|float|str) "
+        ):
+            fully_shard(nn.Linear(4, 4), mesh=mesh, zero_stage=bad)
+    with pytest.raises(
+        TypeError,
+        match=r"mp_policy must be a MixedPrecisionPolicy, got dict; pass raggedfsdp.MixedPrecisionPolicy\(",
+    ):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy={"param_dtype": torch.bfloat16})
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy=TorchMixedPrecisionPolicy(param_dtype=torch.float32))
     with pytest.raises(ValueError, match="ModuleList"):
         fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)
     with pytest.raises(ValueError, match="0-dimensional"):

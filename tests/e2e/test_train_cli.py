@@ -186,11 +186,31 @@ def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
         (["--param-dtype", "fp8"], "fsdp.param_dtype must be one of"),
         (["--model", "huge"], "unknown llama flavor 'huge'"),
         (["--steps", "ten"], "training.steps must be an integer, got 'ten'"),
+        # these launched and failed on every rank: numpy's "expected non-negative integer", a
+        # ZeroDivisionError in init_weights, "DataError: token id 116 outside [0, 10)" at step 1
+        (["--seed", "-1"], "job.seed (--seed) must be in [0, 2**63), got -1; use a non-negative seed"),
+        (["--config", "debug", "--model.dim", "0"], "--model.dim must be >= 1, got 0"),
+        (
+            ["--config", "debug", "--model.n_heads", "5"],
+            "dim must be divisible by n_heads, got dim=32, n_heads=5 (given: --model.n_heads 5;",
+        ),
+        (
+            ["--config", "debug", "--model.vocab_size", "10"],
+            "--model.vocab_size 10 is too small for the byte-level corpus",
+        ),
     ],
 )
-def test_bad_flags_fail_before_launch(argv, message, capsys):
+def test_bad_flags_fail_before_launch(argv, message, capsys, tmp_path, monkeypatch):
+    import torch.distributed.run as tdr
+
+    launched = []  # a regression must not train (into ./outputs) on the test machine
+    monkeypatch.setattr(tdr, "run", lambda ns: launched.append(ns))
+    monkeypatch.chdir(tmp_path)
     assert cli_main(["train", *argv]) == 2
-    assert message in capsys.readouterr().err
+    assert not launched
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
 
 
 def test_failure_report_blames_the_root_cause(tmp_path):

@@ -166,6 +166,28 @@ def test_override_argv_round_trip(tmp_path):
         ({"optimizer.eps": "-1"}, "optimizer.eps must be >= 0, got -1.0"),
         ({"model.name": "moe", "parallel.ep": "2", "parallel.tp": "2"}, "EP x TP is not supported"),
         ({"model.name": "moe", "parallel.ep": "2", "parallel.dp_replicate": "2"}, "EP x HSDP"),
+        # --seed -1 launched and failed on every rank in numpy (expected non-negative integer)
+        ({"job.seed": "-1"}, r"^job.seed \(--seed\) must be in \[0, 2\*\*63\), got -1; .*e.g. --seed 0$"),
+        ({"job.seed": str(2**63)}, r"job.seed \(--seed\) must be in \[0, 2\*\*63\)"),
+        # --model.dim 0 was a ZeroDivisionError in init_weights on every rank, after the launch
+        (
+            {"model.dim": "0"},
+            r"^--model.dim must be >= 1, got 0; .*drop --model.dim .*\(the 'tiny' flavor has dim=128\)$",
+        ),
+        ({"model.n_heads": "0"}, r"^--model.n_heads must be >= 1, got 0"),
+        ({"model.n_kv_heads": "0"}, r"^--model.n_kv_heads must be >= 1, got 0"),
+        ({"model.n_layers": "0"}, r"^--model.n_layers must be >= 1, got 0"),
+        ({"model.vocab_size": "0"}, r"^--model.vocab_size must be >= 1, got 0"),
+        ({"model.ffn_dim": "-1"}, r"^--model.ffn_dim must be >= 0, got -1; .*\(0 means 8/3 \* dim\)$"),
+        ({"model.name": "moe", "model.n_experts": "0"}, r"^--model.n_experts must be >= 1, got 0"),
+        ({"model.name": "moe", "model.top_k": "0"}, r"^--model.top_k must be >= 1, got 0"),
+        ({"model.name": "hybrid", "model.dim": "0"}, r"^--model.dim must be >= 1, got 0"),
+        # the model's own check, in the user's names and with the option that was given
+        (
+            {"model.n_heads": "5"},
+            r"^dim must be divisible by n_heads, got dim=128, n_heads=5 "
+            r"\(given: --model.n_heads 5; the other sizes are the 'tiny' flavor's\)$",
+        ),
     ],
 )
 def test_validation_errors(overrides, match):
@@ -220,6 +242,26 @@ def test_check_data(tmp_path):
     ):
         cfg.check_data()
     assert TrainConfig().check_data() == 4_000_000  # the default stdlib corpus, capped
+
+
+def test_check_data_refuses_a_vocab_smaller_than_the_byte_corpus(tmp_path):
+    # --model.vocab_size 10 launched and failed at step 1 with "token id 116 outside [0, 10)"
+    text = tmp_path / "corpus.txt"
+    text.write_text("abc\n" * 2000)
+    for path in ("", str(text)):  # the default stdlib corpus and a text file: both byte-level
+        cfg = load_config("debug", {"data.path": path, "model.vocab_size": "10"})
+        with pytest.raises(
+            ValueError,
+            match=r"^--model.vocab_size 10 is too small for the byte-level corpus \(.*token ids 0..255\); "
+            r"use --model.vocab_size 256 or more",
+        ):
+            cfg.check_data()
+    load_config("debug", {"data.path": str(text), "model.vocab_size": "256"}).check_data()
+    # a tokenized .bin brings its own vocabulary: a small one is fine there
+    from raggedfsdp.train.data import write_token_bin
+
+    bin_path = write_token_bin(tmp_path / "d.bin", [list(range(10)) * 400], vocab_size=10)
+    load_config("debug", {"data.path": str(bin_path), "model.vocab_size": "10"}).check_data()
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)

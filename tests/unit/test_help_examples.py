@@ -196,3 +196,15 @@ def test_direct_torchrun_commands_set_omp_threads_and_parse():
         if "raggedfsdp.launch.worker" in words:
             args = words[words.index("raggedfsdp.launch.worker") + 1 :]
             worker_parser().parse_args(args)  # SystemExit (test error) on an unknown flag
+
+
+def test_convert_help_says_it_only_writes_and_where_loading_is():
+    """``convert --help`` said "DCP training checkpoints <-> safetensors"; it only writes (loading a
+    safetensors folder is ``train --model.init_from``)."""
+    text = _subparsers()["convert"].format_help()
+    assert "<->" not in text and "in and out" not in text
+    assert "convert only writes" in text and "train --model.init_from" in text
+    assert (
+        "convert",
+        ["train", "--model.init_from", "outputs/hf", "--out", "outputs/finetune"],
+    ) in help_examples()

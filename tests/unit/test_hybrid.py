@@ -78,5 +78,9 @@ def test_units_and_errors():
         fsdp_unit_modules(build_model("llama", "debug"), "superblock")
     with pytest.raises(ValueError, match="multiple of full_attention_interval"):
         HybridConfig(n_layers=6)
+    # sizes < 1 are named (n_heads=0 was a ZeroDivisionError, dim=0 one in init_weights)
+    for name in ("dim", "n_heads", "n_kv_heads", "linear_num_key_heads", "full_attention_interval"):
+        with pytest.raises(ValueError, match=rf"HybridConfig: {name} must be >= 1, got {name}=0"):
+            HybridConfig(**{name: 0})
     with pytest.raises(ValueError, match="unknown HybridConfig field 'heads'"):
         HybridConfig.flavor("debug", heads=3)

@@ -49,6 +49,29 @@ def test_flavors_are_valid_and_named():
         LlamaConfig(dim=30, n_heads=4, n_kv_heads=2)
 
 
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        # dim=0 passed every check and failed in init_weights (ZeroDivisionError); n_heads=0 in the first
+        (dict(dim=0), r"^dim must be >= 1, got dim=0$"),
+        (dict(n_heads=0), r"^n_heads must be >= 1, got n_heads=0$"),
+        (dict(n_kv_heads=0), r"^n_kv_heads must be >= 1, got n_kv_heads=0$"),
+        (dict(n_layers=0), r"^n_layers must be >= 1, got n_layers=0$"),
+        (dict(ffn_dim=-1), r"^ffn_dim must be >= 0 \(0: 8/3 \* dim\), got ffn_dim=-1$"),
+        # the user's names, not f-string debug names (self.dim=32 self.n_heads=5)
+        (dict(dim=32, n_heads=5), r"^dim must be divisible by n_heads, got dim=32, n_heads=5$"),
+        (
+            dict(dim=32, n_heads=4, n_kv_heads=3),
+            r"^n_kv_heads must divide n_heads, got n_heads=4, n_kv_heads=3$",
+        ),
+        (dict(dim=36, n_heads=4, n_kv_heads=2), r"even for RoPE, got dim=36, n_heads=4 \(head dim 9\)$"),
+    ],
+)
+def test_config_sizes_are_checked_with_the_field_names(fields, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**fields)
+
+
 def test_causal_masking_future_token_does_not_change_earlier_logits():
     torch.manual_seed(0)
     m = _model()

@@ -141,6 +141,54 @@ def test_cli_world_size_zero_is_named(capsys):
     assert "--world-size 0: must be >= 1" in capsys.readouterr().err
 
 
+def test_ep_on_a_dense_model_is_refused_as_by_plan_and_estimate_memory(capsys):
+    """``estimate-time --ep 2`` on a dense model printed a table; plan / estimate-memory refuse it."""
+    from raggedfsdp.cli import main
+
+    cfg, units = _llama(1)
+    with pytest.raises(ValueError, match=r"--ep 2: the model has no routed experts to split"):
+        estimate_time(units, cfg, cluster="h100", parallel=Parallel(8, ep=2), batch=1, seq_len=8)
+    errors = {}
+    for cmd, extra in (("estimate-time", ["--cluster", "h100"]), ("estimate-memory", []), ("plan", [])):
+        assert main([cmd, "--model", "llama3-8b", "--world-size", "8", "--ep", "2", *extra]) == 2, cmd
+        captured = capsys.readouterr()
+        assert captured.out == "", cmd
+        (line,) = captured.err.strip().splitlines()
+        errors[cmd] = line.split(": error: ", 1)[1]
+    assert set(errors.values()) == {
+        "--ep 2: the model has no routed experts to split (a dense model: use --ep 1)"
+    }
+    # an MoE model still estimates with --ep
+    assert (
+        main(
+            [
+                "estimate-time",
+                "--model",
+                "gpt-oss-120b",
+                "--cluster",
+                "h100",
+                "--world-size",
+                "8",
+                "--ep",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert "speed-up vs fsdp2 layout" in capsys.readouterr().out
+
+
+def test_time_report_prints_tokens_per_s_in_one_format():
+    """``.4g`` printed ``7.4e+04`` next to ``7.316e+04``: whole tokens with separators in both columns."""
+    from raggedfsdp.sizing.steptime_search import format_time_report
+
+    cfg, units = _llama(1)
+    st = estimate_time(units, cfg, cluster="h100", parallel=Parallel(8), batch=1, seq_len=8)
+    report = format_time_report(replace(st, tokens_per_s=74_000.0), replace(st, tokens_per_s=73_160.4))
+    (line,) = [ln for ln in report.splitlines() if ln.startswith("tokens/s")]
+    assert line.split() == ["tokens/s", "74,000", "73,160"], line
+
+
 def test_rank_configs_sorted_and_complete():
     cfg, units = _llama(2)
     rows = rank_configs({"layer": units}, cfg, cluster="h100", world=16, batch=1, seq_len=2048)
