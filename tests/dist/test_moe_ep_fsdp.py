@@ -217,9 +217,16 @@ def _close_bf16(got, want, tag, lr=0.02):
     (reduction order) rounding to another bf16 input (2^-8 relative), amplified by 5 iterations on small
     matrices (measured after 3 steps: single elements up to 2.1e-3 = 10% of lr, means up to 2.3e-4 on the
     8 x 32 router). So: every element within 25% of lr, the mean within 3% of lr; the losses (rel 1e-5) stay
-    sharp (a 5% lr error fails them at step 2)."""
+    sharp (a 5% lr error fails them at step 2). Except for a few elements (at most 0.1%, within the 2 x lr a
+    step that Adam's sign-like update can move): the AdamW-updated params (embeddings) see, where a gradient
+    element is ~0 and its last bits differ, an update of the other sign (seen on one machine, not another:
+    one element of tok_embeddings 0.0119 off after 3 steps, the mean 1.5e-6)."""
     d = (got - want).abs()
-    assert d.max() <= 0.25 * lr and d.mean() <= 3e-2 * lr, f"{tag}: max {d.max():.3g} mean {d.mean():.3g}"
+    few = max(1, d.numel() // 1000)
+    big = int((d > 0.25 * lr).sum())
+    assert big <= few and d.max() <= 2 * 3 * lr and d.mean() <= 3e-2 * lr, (
+        f"{tag}: max {d.max():.3g} mean {d.mean():.3g}, {big} elements beyond 25% of lr"
+    )
 
 
 def _close_8bit(got, want, tag, lr=1e-2):
