@@ -155,7 +155,7 @@ class UnitGrads:
         n = len(self.group.fsdp_params)
         p = min(n, POLL_HOOKS_PER_UNIT)
         i = self.group._index[id(fp)]
-        if (i * p) // n != ((i + 1) * p) // n:  # i is the first index of one of p equal runs of params
+        if (i * p) // n != ((i + 1) * p) // n:  # i ends one of p equal runs of the unit's params
             fp.unsharded.register_hook(functools.partial(self.on_grad, fp))  # C partial: 1 Python frame
             fp.hooked = True
 
