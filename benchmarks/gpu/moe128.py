@@ -1,0 +1,140 @@
+"""Stage E of benchmarks/gpu/run.sh: issue 22 item 4 on the GPU, 128 separate experts per MoE layer.
+
+Runs ``raggedfsdp bench`` (the same command and the same floor split as the CPU rows of
+benchmarks/README.md, "128 experts") with ``--device cuda --nproc 1``: one NCCL rank, raggedfsdp vs
+torch's ``fully_shard`` vs the same model without FSDP (the floor), interleaved. At world size 1 neither
+FSDP issues a collective, so "the rest" (step - floor - collectives) is exactly the FSDP runtime's own
+cost: hooks, copies, the ``.grad`` DTensors, and the host time to launch them. On a GPU the copies
+are kernels, so the host-side cost is the training thread's CPU time above the floor's
+(``non_comm_overhead_main_thread_cpu_seconds``, paired per repetition); the issue's bar is
+ours / torch <= 0.25 on that split.
+
+Cases (each a ``raggedfsdp bench`` subprocess with its own time limit, result written after each):
+
+* ``tiny128``: ``--flavor moe-tiny --n-experts 128 --n-layers 2`` fp32, batch 2 x 128: the CPU
+  rows' exact shape (launch-bound on an H200: measures host-side overhead);
+* ``small128_bf16``: ``--flavor moe-small --n-experts 128 --n-layers 4``, bf16 params / fp32 reduce,
+  batch 4 x 512 (785 -> ~1550 parameters, more GPU work per step).
+
+``--dry-run``: the first case on CPU (gloo) with 8 experts, 1 warm-up + 2 timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Result, write_stdout_json
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+CASES = [
+    (
+        "tiny128",
+        ["--flavor", "moe-tiny", "--n-experts", "128", "--n-layers", "2", "--steps", "30", "--warmup", "3"],
+        75,
+    ),
+    (
+        "small128_bf16",
+        [
+            "--flavor", "moe-small", "--n-experts", "128", "--n-layers", "4", "--param-dtype", "bf16",
+            "--batch", "4", "--seq", "512", "--steps", "15", "--warmup", "3",
+        ],
+        60,
+    ),
+]  # fmt: skip
+
+KEYS = (
+    "non_comm_overhead_main_thread_cpu_seconds",
+    "non_comm_overhead_main_thread_cpu_ratio",
+    "non_comm_overhead_seconds",
+    "non_comm_overhead_cpu_seconds",
+    "non_comm_overhead_cpu_ratio",
+    "throughput_ratio",
+    "throughput_ceiling",
+    "overhead_ratio",
+    "cpu_time_ratio",
+    "peak_memory_ratio",
+    "copy_bytes_ratio",
+    "final_loss_abs_diff",
+    "num_params",
+    "torch_version",
+    "device",
+)
+
+
+def summarize(d: dict) -> dict:
+    """The bench JSON's split and ratios, plus each system's median step and main-thread CPU."""
+    out = {k: d[k] for k in KEYS if k in d}
+    floor = d.get("local_floor", {})
+    out["floor_step_seconds_median"] = floor.get("step_seconds_median")
+    mt = floor.get("main_thread_cpu_seconds") or []
+    out["floor_main_thread_cpu_seconds_median"] = sorted(mt)[len(mt) // 2] if mt else None
+    for s in ("raggedfsdp", "torch"):
+        r = d.get(s, {})
+        out[s] = {
+            k: r[k]
+            for k in (
+                "step_seconds_median",
+                "cpu_seconds_median",
+                "main_thread_cpu_seconds_median",
+                "tokens_per_second",
+                "peak_memory_bytes",
+                "copy_bytes",
+                "host_syncs",
+                "final_loss",
+            )
+            if k in r
+        }
+    return out
+
+
+def run_case(name: str, argv: list[str], limit: float, dry_run: bool) -> dict:
+    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--nproc", "1", "--json"]
+    if dry_run:
+        argv = list(argv)
+        argv[argv.index("--steps") + 1] = "2"
+        argv[argv.index("--warmup") + 1] = "1"
+        argv[argv.index("--n-experts") + 1] = "8"  # the code paths, not the 128-expert cost
+        cmd += [*argv, "--device", "cpu"]
+    else:
+        cmd += [*argv, "--device", "cuda"]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {"error": f"timeout after {limit:.0f} s", "tail": err.splitlines()[-10:], "cmd": cmd[2:]}
+    r: dict = {"rc": p.returncode, "wall_s": round(time.monotonic() - t0, 1), "cmd": " ".join(cmd[3:])}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        r["error"] = f"rc {p.returncode}"
+        r["tail"] = (p.stdout + p.stderr).splitlines()[-20:]
+        return r
+    r.update(summarize(json.loads(lines[-1])))
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", nargs="*", default=None, choices=[c for c, _, _ in CASES])
+    args = ap.parse_args()
+    res = Result(args.out, stage="moe128", bar="non_comm_overhead_main_thread_cpu_ratio <= 0.25")
+    cases = [c for c in CASES if args.only is None or c[0] in args.only]
+    if args.dry_run:
+        cases = cases[:1]
+    for name, argv, limit in cases:
+        res.set(name, run_case(name, argv, limit * (4 if args.dry_run else 1), args.dry_run))
+    res.set("ok", all("error" not in res.data[c] for c, _, _ in cases))
+    write_stdout_json(res.data)
+
+
+if __name__ == "__main__":
+    main()
