@@ -87,6 +87,8 @@ def summarize(d: dict) -> dict:
                 "peak_memory_bytes",
                 "copy_bytes",
                 "host_syncs",
+                "host_sync_ops",
+                "host_sync_sites",
                 "final_loss",
             )
             if k in r
@@ -94,8 +96,10 @@ def summarize(d: dict) -> dict:
     return out
 
 
-def run_case(name: str, argv: list[str], limit: float, dry_run: bool) -> dict:
+def run_case(name: str, argv: list[str], limit: float, dry_run: bool, profile: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--nproc", "1", "--json"]
+    if profile:  # cProfile (process CPU time) of 5 more steps per system after the timed ones
+        cmd += ["--profile", os.path.join(profile, name), "--profile-steps", "5"]
     if dry_run:
         argv = list(argv)
         argv[argv.index("--steps") + 1] = "2"
@@ -125,13 +129,16 @@ def main():
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", nargs="*", default=None, choices=[c for c, _, _ in CASES])
+    ap.add_argument(
+        "--profile", default=None, metavar="DIR", help="also write DIR/<case>/<system>.pstats and .ops.txt"
+    )
     args = ap.parse_args()
     res = Result(args.out, stage="moe128", bar="non_comm_overhead_main_thread_cpu_ratio <= 0.25")
     cases = [c for c in CASES if args.only is None or c[0] in args.only]
     if args.dry_run:
         cases = cases[:1]
     for name, argv, limit in cases:
-        res.set(name, run_case(name, argv, limit * (4 if args.dry_run else 1), args.dry_run))
+        res.set(name, run_case(name, argv, limit * (4 if args.dry_run else 1), args.dry_run, args.profile))
     res.set("ok", all("error" not in res.data[c] for c, _, _ in cases))
     write_stdout_json(res.data)
 

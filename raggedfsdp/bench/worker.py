@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> dict | None:
             collectives_by_op=dict(sc.calls),
             host_syncs=sc.host_syncs + syncs.count,
             host_sync_ops=dict(sc.sync_ops),
+            host_sync_sites=syncs.sites,
         )
         traces[n] = sc.trace
     if args.floor:  # the collectives alone, the systems alternated like the steps
@@ -368,10 +369,11 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 class _CudaSyncCounter:
-    """On CUDA: the number of syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports; 0 elsewhere."""
+    """On CUDA: the number of syncs ``torch.cuda.set_sync_debug_mode("warn")`` reports, and the Python
+    lines (``file:line``, relative to the working directory) that caused them; 0 / {} elsewhere."""
 
     def __init__(self, device):
-        self.device, self.count = device, 0
+        self.device, self.count, self.sites = device, 0, {}
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -387,7 +389,11 @@ class _CudaSyncCounter:
         if self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
             self._w.__exit__(*exc)
-            self.count = sum("synchroniz" in str(w.message) for w in self._log)
+            hits = [w for w in self._log if "synchroniz" in str(w.message)]
+            self.count = len(hits)
+            for w in hits:
+                site = f"{os.path.relpath(w.filename)}:{w.lineno}"
+                self.sites[site] = self.sites.get(site, 0) + 1
         return False
 
 
