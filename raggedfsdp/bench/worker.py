@@ -24,6 +24,10 @@ Phases (collective: every rank runs every phase):
    (``time.thread_time``) above the floor's, paired per repetition: the FSDP runtime's hooks, copies and
    launches, without the collectives (gloo and NCCL run them on their own threads; a blocked wait takes
    no CPU), so no replay is subtracted and far less noise enters (issue 22 item 4);
+   ``non_comm_overhead_main_thread_split`` cuts that at ``optimizer.step()``: ``optimizer`` is the same
+   ``torch.optim.AdamW`` in both systems, above the floor's only by DTensor dispatch on the sharded
+   params (torch 2.11 on an H200: most of the split), ``fwd_bwd`` is the FSDP runtime itself
+   (``non_comm_overhead_main_thread_fwd_bwd_ratio``);
 3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes
 around collectives (``raggedfsdp.bench.copy_accounting``),
    collectives, host syncs (``raggedfsdp.bench.measure.StepCounter``);
@@ -162,6 +166,7 @@ def run(args: argparse.Namespace) -> dict | None:
     times = {n: [] for n in tnames}
     cpu = {n: [] for n in tnames}  # CPU seconds of this process per step (all its threads)
     tcpu = {n: [] for n in tnames}  # CPU seconds of the training thread alone (time.thread_time)
+    tcpu_opt = {n: [] for n in tnames}  # ... of it in optimizer.step() + zero_grad (the same code for all)
     losses = {n: [] for n in tnames}
     from raggedfsdp.train.faults import FaultPlan
 
@@ -176,7 +181,11 @@ def run(args: argparse.Namespace) -> dict | None:
             _sync(device)
             dist.barrier()
             t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
-            loss = _step(model, opt, tok)
+            loss = _forward_backward(model, tok)  # = _step, with the optimizer's thread time apart
+            h1 = time.thread_time()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            h2 = time.thread_time()
             _sync(device)
             dt, dc, dh = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - h0
             losses[n].append(loss)
@@ -184,6 +193,7 @@ def run(args: argparse.Namespace) -> dict | None:
                 times[n].append(dt)
                 cpu[n].append(dc)
                 tcpu[n].append(dh)
+                tcpu_opt[n].append(h2 - h1)
         if i >= args.warmup:
             j = i - args.warmup + 1
             _progress(
@@ -203,6 +213,8 @@ def run(args: argparse.Namespace) -> dict | None:
     c /= ws  # mean over ranks
     h = host_all_reduce(torch.tensor([tcpu[n] for n in tnames], dtype=torch.float64), device)
     h /= ws
+    h_opt = host_all_reduce(torch.tensor([tcpu_opt[n] for n in tnames], dtype=torch.float64), device)
+    h_opt /= ws
     timed.pop("local", None)  # frees the floor replica before the memory phase
     names = list(systems)
     final = host_all_reduce(torch.stack([losses[n][-1].float() for n in names]).cpu(), device)
@@ -285,6 +297,7 @@ def run(args: argparse.Namespace) -> dict | None:
             cpu_seconds_median=statistics.median(c[a].tolist()),
             main_thread_cpu_seconds_median=statistics.median(h[a].tolist()),
             main_thread_cpu_seconds=h[a].tolist(),
+            main_thread_optimizer_cpu_seconds=h_opt[a].tolist(),
             tokens_per_second=ws * args.batch * args.seq / med,
             peak_memory_bytes=max(per_rank),
             peak_memory_bytes_per_rank=per_rank,
@@ -337,6 +350,20 @@ def run(args: argparse.Namespace) -> dict | None:
         floor["non_comm_overhead_main_thread_cpu_ratio"] = (
             main["raggedfsdp"] / main["torch"] if main["torch"] > 0 else float("inf")
         )
+        # the same, split at optimizer.step(): "optimizer" is torch.optim.AdamW on DTensor params (the same
+        # code in both systems; above the floor's plain-tensor step only by DTensor dispatch), "fwd_bwd" is
+        # the rest of the step -- the FSDP runtime's hooks, copies, launches and .grad DTensors
+        split = {}
+        for a, n in enumerate(names):
+            fb, fb0 = (h[a] - h_opt[a]).tolist(), (h[2] - h_opt[2]).tolist()
+            split[n] = dict(
+                fwd_bwd=statistics.median([x - y for x, y in zip(fb, fb0)]),
+                optimizer=statistics.median([x - y for x, y in zip(h_opt[a].tolist(), h_opt[2].tolist())]),
+            )
+        floor["non_comm_overhead_main_thread_split"] = split
+        fr, ft = split["raggedfsdp"]["fwd_bwd"], split["torch"]["fwd_bwd"]
+        floor["non_comm_overhead_main_thread_fwd_bwd_ratio"] = fr / ft if ft > 0 else float("inf")
+        floor["local_floor"]["main_thread_optimizer_cpu_seconds"] = h_opt[2].tolist()
     return dict(
         **floor,
         model=args.model,
@@ -540,6 +567,16 @@ def format_report(r: dict) -> str:
                 f"   raggedfsdp / torch x{r['non_comm_overhead_main_thread_cpu_ratio']:.3f} (training thread's "
                 "CPU - the floor's, paired per step)"
             )
+        if "non_comm_overhead_main_thread_split" in r:
+            sp = r["non_comm_overhead_main_thread_split"]
+            lines += [
+                f"{'    in fwd+bwd':22s}{sp['raggedfsdp']['fwd_bwd'] * 1e3:13.1f} ms"
+                f"{sp['torch']['fwd_bwd'] * 1e3:13.1f} ms   raggedfsdp / torch "
+                f"x{r['non_comm_overhead_main_thread_fwd_bwd_ratio']:.3f} (the FSDP runtime)",
+                f"{'    in optimizer.step':22s}{sp['raggedfsdp']['optimizer'] * 1e3:13.1f} ms"
+                f"{sp['torch']['optimizer'] * 1e3:13.1f} ms   (the same torch.optim on DTensor params: "
+                "dispatch above the floor's plain tensors)",
+            ]
     return "\n".join(lines)
 
 

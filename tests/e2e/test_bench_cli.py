@@ -94,6 +94,22 @@ def test_bench_json_smoke_moe_two_ranks():
     assert r["non_comm_overhead_main_thread_cpu_ratio"] == pytest.approx(
         m["raggedfsdp"] / m["torch"] if m["torch"] > 0 else float("inf")
     )
+    # that split cut at optimizer.step(): per step, fwd_bwd + optimizer is the whole thread time (so the
+    # medians of the parts are taken over the same paired differences as the whole)
+    sp, fl_opt = (
+        r["non_comm_overhead_main_thread_split"],
+        r["local_floor"]["main_thread_optimizer_cpu_seconds"],
+    )
+    fl_h = r["local_floor"]["main_thread_cpu_seconds"]
+    for n, sysr in (("raggedfsdp", a), ("torch", b)):
+        opt, whole = sysr["main_thread_optimizer_cpu_seconds"], sysr["main_thread_cpu_seconds"]
+        assert len(opt) == 2 and all(0 < o < w for o, w in zip(opt, whole))
+        fb = sorted((w - o) - (fw - fo) for w, o, fw, fo in zip(whole, opt, fl_h, fl_opt))
+        assert sp[n]["fwd_bwd"] == pytest.approx(sum(fb) / 2)  # the median of two
+        assert sp[n]["optimizer"] == pytest.approx(sum(o - fo for o, fo in zip(opt, fl_opt)) / 2)
+    assert r["non_comm_overhead_main_thread_fwd_bwd_ratio"] == pytest.approx(
+        sp["raggedfsdp"]["fwd_bwd"] / sp["torch"]["fwd_bwd"]
+    )
     # same math: the two systems' losses agree (fp32)
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-4
     # raggedfsdp gathers in place: its only copies are the model's own (the expert cat, shared by both)
