@@ -156,9 +156,12 @@ def _span(e) -> tuple[float, float]:
     return ts, ts + float(e.get("dur", 0.0))
 
 
-def sync_calls_in(events: list[dict], annotation: str) -> dict:
+def sync_calls_in(events: list[dict], annotation: str, *, ops: bool = False) -> dict:
     """Synchronizing runtime calls (``SYNC_CALLS``) issued, on any host thread, inside the time span of
-    each ``record_function(annotation)`` range: ``{"calls": n, "by_name": {...}, "ranges": k}``."""
+    each ``record_function(annotation)`` range: ``{"calls": n, "by_name": {...}, "ranges": k}``; with
+    ``ops``, also ``"by_op"``: for each call, the innermost CPU op on the same host thread whose span holds
+    it, and that op's parent (``"aten::copy_ < aten::_to_copy"``), counted; ``"thread"``: ``"main"`` /
+    ``"other"`` (the thread that ran the annotation or another one, e.g. autograd's device thread)."""
     ranges = [
         _span(e)
         for e in events
@@ -167,13 +170,30 @@ def sync_calls_in(events: list[dict], annotation: str) -> dict:
         and e.get("cat") in ("user_annotation", "cpu_op", None)
     ]
     by: dict[str, int] = {}
+    hits: list[dict] = []
     for e in events:
         if e.get("ph") != "X" or e.get("name") not in SYNC_CALLS:
             continue
         s, _ = _span(e)
         if any(a <= s <= b for a, b in ranges):
             by[e["name"]] = by.get(e["name"], 0) + 1
-    return {"calls": sum(by.values()), "by_name": by, "ranges": len(ranges)}
+            hits.append(e)
+    out = {"calls": sum(by.values()), "by_name": by, "ranges": len(ranges)}
+    if ops:
+        main_tids = {e.get("tid") for e in events if e.get("ph") == "X" and e.get("name") == annotation}
+        cpu = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+        by_op: dict[str, int] = {}
+        for h in hits:
+            s, _ = _span(h)
+            enc = sorted(
+                (c for c in cpu if c.get("tid") == h.get("tid") and _span(c)[0] <= s <= _span(c)[1]),
+                key=lambda c: float(c.get("dur", 0.0)),
+            )
+            where = " < ".join(c["name"] for c in enc[:2]) or "(no CPU op)"
+            key = f"{h['name']} in {where} [{'main' if h.get('tid') in main_tids else 'other'} thread]"
+            by_op[key] = by_op.get(key, 0) + 1
+        out["by_op"] = by_op
+    return out
 
 
 def _union(intervals):

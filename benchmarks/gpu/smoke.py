@@ -15,7 +15,9 @@ pass flag (``ok``) in the result file (``--out``), re-written after every check:
 * ``sync_count``: a ``torch.profiler`` count of synchronizing CUDA runtime calls (``_common.SYNC_CALLS``)
   inside forward, backward and ``optimizer.step()`` of a warmed-up step, for both backends, with the
   two positive controls of ``_common.sync_controls`` (``x.item()``, ``Event.synchronize()``) that must
-  register; and ``torch.cuda.set_sync_debug_mode("error")`` per phase as a second opinion.
+  register; and ``torch.cuda.set_sync_debug_mode("error")`` per phase as a second opinion;
+* ``sync_sites_moe``: the synchronizing calls of a 128-expert MoE forward + backward (both backends),
+  each named by its enclosing CPU op and thread (reported; ``ok`` if raggedfsdp has no more than torch).
 
 ``--dry-run`` runs the same code on CPU (gloo, world size 1, tiny shapes; the sync count is then 0 by
 construction and the controls are not applicable).
@@ -251,6 +253,48 @@ def sync_count(dev, mesh, d, n):
     return out
 
 
+def sync_sites_moe(dev, mesh, d, n):
+    """Where each synchronizing CUDA call of a MoE step comes from, for both backends: the model's own
+    ``counts.tolist()`` (one per MoE layer) in both, and anything else. The first H200 run's bench counted
+    one more sync per step in raggedfsdp than in torch (``set_sync_debug_mode`` placed it on no Python
+    line, so a thread without Python frames); this names the CPU op and thread. ``ok``: raggedfsdp has no
+    more sync calls than torch in forward + backward."""
+    from dataclasses import replace
+
+    from torch.profiler import record_function
+
+    from raggedfsdp.models.moe import MOE_FLAVORS, MoE
+
+    experts = 128 if dev.type == "cuda" else 8
+    cfg = replace(MOE_FLAVORS["moe-tiny"], n_experts=experts, n_layers=2)
+    tok = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0)).to(dev)
+    out: dict = {"n_experts": experts}
+    for b in ("ragged", "torch"):
+        torch.manual_seed(0)
+        model = shard(MoE(cfg).to(dev), b, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def fwd_bwd(m):
+            logits = m(tok[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
+            (loss + m.aux_loss).backward()
+
+        for _ in range(2):
+            fwd_bwd(model)
+            opt.step()
+            opt.zero_grad()
+        sync(dev)
+        with profile(dev) as prof:
+            with record_function("step::fwd_bwd"):
+                fwd_bwd(model)
+            sync(dev)
+        out[b] = sync_calls_in(trace_events(prof), "step::fwd_bwd", ops=True)
+        opt.zero_grad()
+        del model, opt
+    out["ok"] = out["ragged"]["calls"] <= out["torch"]["calls"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true")
@@ -260,13 +304,21 @@ def main():
     d, n = (64, 2) if dev.type == "cpu" else (1024, 4)
     res = Result(args.out, stage="smoke", device=str(dev), dim=d, blocks=n)
     mesh = init_pg(dev)
-    checks = ("bf16_grad_parity", "cpu_built_module", "offload_accumulation", "meta_init", "sync_count")
+    checks = (
+        "bf16_grad_parity",
+        "cpu_built_module",
+        "offload_accumulation",
+        "meta_init",
+        "sync_count",
+        "sync_sites_moe",
+    )
     for name, fn in (
         ("bf16_grad_parity", bf16_parity),
         ("cpu_built_module", cpu_built_module),
         ("offload_accumulation", offload_accumulation),
         ("meta_init", meta_init),
         ("sync_count", sync_count),
+        ("sync_sites_moe", sync_sites_moe),
     ):
         with section(res, name):
             res.set(name, fn(dev, mesh, d, n))

@@ -69,6 +69,28 @@ def test_sync_calls_are_counted_inside_their_annotation_only():
     assert _common.sync_calls_in(calls, "step::backward")["calls"] == 0  # no annotation: nothing counted
 
 
+def test_sync_calls_are_named_by_their_innermost_cpu_op_and_thread():
+    def x(name, ts, dur, tid, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [
+        x("step::fwd_bwd", 100, 100, 1, "user_annotation"),
+        x("aten::_to_copy", 110, 20, 1),
+        x("aten::copy_", 112, 10, 1),  # innermost: the sync's op, aten::_to_copy its parent
+        x("cudaStreamSynchronize", 115, 1, 1, "cuda_runtime"),
+        x("autograd::engine::evaluate_function", 140, 40, 2),  # another thread (autograd's device thread)
+        x("cudaMemcpy", 150, 1, 2, "cuda_runtime"),
+        x("aten::item", 300, 5, 1),  # outside the annotation: not counted
+        x("cudaStreamSynchronize", 301, 1, 1, "cuda_runtime"),
+    ]
+    got = _common.sync_calls_in(events, "step::fwd_bwd", ops=True)
+    assert got["calls"] == 2
+    assert got["by_op"] == {
+        "cudaStreamSynchronize in aten::copy_ < aten::_to_copy [main thread]": 1,
+        "cudaMemcpy in autograd::engine::evaluate_function [other thread]": 1,
+    }
+
+
 def test_stage_plan_fits_the_deadline():
     total = driver.ENV_BUDGET + sum(b for _, _, b in driver.STAGES)
     assert total <= driver.DEADLINE <= 460, total
