@@ -240,7 +240,9 @@ def run(args: argparse.Namespace) -> dict | None:
             collectives=sc.collectives,
             collective_bytes=sc.collective_bytes,
             collectives_by_op=dict(sc.calls),
-            host_syncs=sc.host_syncs + syncs.count,
+            # on CUDA the runtime's own count (a model's .tolist() is also a dispatched D2H copy: counting
+            # both counted it twice); elsewhere the ops that would sync on a GPU
+            host_syncs=syncs.count if device.type == "cuda" else sc.host_syncs,
             host_sync_ops=dict(sc.sync_ops),
             host_sync_sites=syncs.sites,
         )
