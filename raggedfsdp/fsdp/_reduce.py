@@ -96,8 +96,11 @@ class PendingReduce:
         compute = g.compute_stream()
         self.rs.wait(queue.rs_stream)  # the side stream, then the compute stream, are ordered after it
         hsdp = g.is_hsdp and g.replicate_world > 1
-        if not hsdp:  # post-reduce work (divide, copy/add into the sharded grads) on the RS stream, as FSDP2
-            with on_stream(queue.rs_stream):
+        if not hsdp:  # post-reduce work (divide, copy/add into the sharded grads) on the RS stream, as FSDP2;
+            # a local copy issued on the compute stream (world size 1, lifecycle.reduce_grads: no side
+            # stream on its handle) is installed on the compute stream too, which alone is ordered after it
+            local = self.rs.work is None and self.rs.stream is None
+            with on_stream(compute if local else queue.rs_stream):
                 self._install_values(free_out=False)
         self.rs.wait(compute)  # ... which the compute stream waits with the collective (CommHandle.wait)
         self.rs_input.free()

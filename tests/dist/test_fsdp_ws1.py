@@ -88,8 +88,48 @@ def _case(rank, ws):
         with fake_streams():
             r = measure_train_step(builder("ragged", init, mesh, pdt, d=D, n=N), loss_fn(x), "cpu")
         row["ragged"]["fwd_bwd_peak_cuda_streams"] = r.fwd_bwd_peak_bytes
+        row["ragged"]["install_streams"] = _install_streams(mesh, pdt, x)
         out[tag] = row
     return out
+
+
+def _install_streams(mesh, pdt, x):
+    """Under the CUDA stream model: for each unit's install of its reduced grads, whether its reduction
+    was a local copy and whether the install ran on the stream that completed it (the compute stream),
+    for two backwards (the second accumulates: not the direct path)."""
+    from raggedfsdp.buffer import streams
+    from raggedfsdp.fsdp import _reduce
+
+    seen, entry = [], []
+    orig_complete, orig_install = (
+        _reduce.PendingReduce.complete_reduce_scatter,
+        _reduce.PendingReduce._install_values,
+    )
+
+    def complete(self, queue):
+        entry.append(streams.stream_key(streams.current_stream(self.group.device)))  # the compute stream
+        try:
+            return orig_complete(self, queue)
+        finally:
+            entry.pop()
+
+    def install(self, *a, **k):
+        here = streams.stream_key(streams.current_stream(self.group.device))
+        seen.append((self.rs.work is None and self.rs.stream is None, bool(entry) and here == entry[-1]))
+        return orig_install(self, *a, **k)
+
+    _reduce.PendingReduce.complete_reduce_scatter = complete
+    _reduce.PendingReduce._install_values = install
+    try:
+        with fake_streams():
+            torch.manual_seed(0)
+            m = _shard(MemNet(D, N), "ragged", mesh, pdt)
+            for _ in range(2):
+                loss_fn(x)(m).backward()
+    finally:
+        _reduce.PendingReduce.complete_reduce_scatter = orig_complete
+        _reduce.PendingReduce._install_values = orig_install
+    return seen
 
 
 def test_world_size_1_copies_once_per_unit_like_fsdp2():
@@ -101,6 +141,10 @@ def test_world_size_1_copies_once_per_unit_like_fsdp2():
         assert r["copy_bytes"] <= t["copy_bytes"], (tag, row)
         assert r["fwd_bwd_peak"] <= t["fwd_bwd_peak"], (tag, row)
         assert r["fwd_bwd_peak_cuda_streams"] <= t["fwd_bwd_peak"], (tag, row)
+        # the local copy runs on the compute stream, so the install that reads its output must too (on the
+        # reduce-scatter stream nothing would order it after the copy; review of this change)
+        installs = r["install_streams"]
+        assert installs and all(local and on_compute for local, on_compute in installs), (tag, installs)
         if tag == "fp32":  # no cast: the grads are freed right after their copy, below FSDP2's peak
             assert r["fwd_bwd_peak_cuda_streams"] < t["fwd_bwd_peak"], (tag, row)
         if tag == "fp32":

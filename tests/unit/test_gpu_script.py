@@ -1,5 +1,5 @@
 """benchmarks/gpu (issue 21 item 7) without a GPU: the trace parsers against brute force, the stage plan
-against the 420 s deadline, and the driver's kill of a stage's whole process group at its limit.
+against the 460 s deadline, and the driver's kill of a stage's whole process group at its limit.
 
 The full CPU dry run of ``bash benchmarks/gpu/run.sh --dry-run`` in a venv holding only torch is a
 step of ``.ci/run`` (it takes minutes, so it is not a unit test).
