@@ -54,6 +54,9 @@ Patched torch functions (``module:qualname``) and why
 9. ``DTensor._op_dispatcher._custom_op_handlers`` gains entries (a dict torch reads per call):
    random ops (``placement/_random.py``: draw the full tensor, keep the piece) and the inf-norms
    ``linalg_vector_norm`` / ``_foreach_norm`` (``placement/_ops.py``: empty pieces contribute 0).
+10. On torch < 2.13 (``RAGGEDFSDP_FOREACH_FAST_PATH``), the same dict gains the element-wise
+   ``_foreach_*`` ops of ``torch.optim`` (``placement/_foreach.py``): lists of RaggedShard DTensors
+   with matching specs run on their local tensors, skipping torch 2.11/2.12's Python dispatch.
 
 Supported torch: 2.11 - 2.15 (:data:`SUPPORTED`). Every target's signature is checked before it is
 patched (a moved or changed internal raises ``RuntimeError`` naming it). A newer minor warns and
@@ -289,10 +292,14 @@ def _swap(module: str, qualname: str, params: tuple[str, ...], factory: str) -> 
 def _install_handlers() -> None:
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _ops, _random
+    from raggedfsdp.placement import _foreach, _ops, _random
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for name, install in (("_random", _random.install), ("_ops", _ops.install_norm_handlers)):
+    for name, install in (
+        ("_random", _random.install),
+        ("_ops", _ops.install_norm_handlers),
+        ("_foreach", _foreach.install),
+    ):
         for op in install(handlers):  # idempotent; raises if torch gained its own handler
             tag = f"torch.distributed.tensor._dispatch:OpDispatcher._custom_op_handlers[{op}]"
             if tag not in _HANDLERS:

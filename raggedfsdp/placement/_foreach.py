@@ -1,0 +1,193 @@
+"""A fast path for element-wise ``torch._foreach_*`` ops on RaggedShard DTensors (torch 2.11 / 2.12).
+
+Why: ``torch.optim``'s foreach implementations (AdamW, Adam, SGD, ...) call about ten
+``torch._foreach_*`` ops per step, each on lists of every parameter, gradient or state tensor. On
+torch 2.11 / 2.12 DTensor dispatches them in Python (``OpDispatcher._unwrap_to_op_info_impl`` walks
+the lists with pytree, then sharding propagation hashes every spec): with 785 parameters that is
+18 ms of host time per AdamW step on the CPU box and 21 ms on an H200 (benchmarks/README.md, "The
+first GPU runs"), for torch's own ``fully_shard`` alike. torch 2.13 moved this dispatch to C++ (3.8 ms).
+
+What: a DTensor custom op handler (``OpDispatcher._custom_op_handlers``, the dict torch's own
+``loss_parallel`` extends, and ``placement/_ops.py`` for ``_foreach_norm``) on the element-wise
+foreach overloads (:data:`OPS`). It takes the fast path when every tensor argument is a list of
+DTensors of one length, every list matches the first position by position (the same mesh object,
+equal placements, equal global shapes), the first list holds only RaggedShard DTensors and no
+placement is Partial: the op then runs once on the local tensors, and out-of-place results are
+wrapped with the first list's specs. That is what torch's dispatch computes for an element-wise op
+on equal specs (the op guard of ``placement/_ops.py`` keeps RaggedShard on element-wise ops), bitwise
+(``tests/unit/test_foreach_fast_path.py``). Any other call -- a single tensor operand, a plain tensor
+in a list, mismatched specs, torch's ``Shard`` parameters -- goes through torch's own dispatch
+(:func:`~raggedfsdp.placement._ops.call_torch_dispatch`), unchanged.
+
+When: installed with the other patches (``placement/_patches.py`` item 10) on torch < 2.13, where it
+pays; ``RAGGEDFSDP_FOREACH_FAST_PATH=0`` never installs it, ``=1`` installs it on any torch (tests,
+A/B benchmarks). Local: no communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import os
+
+import torch
+
+from raggedfsdp.placement.ragged_shard import RaggedShard
+
+aten = torch.ops.aten
+
+ENV = "RAGGEDFSDP_FOREACH_FAST_PATH"
+
+# element-wise foreach ops torch.optim uses (and their in-place / out-of-place twins); every overload
+# but the ``out=`` ones
+_NAMES = (
+    "_foreach_add",
+    "_foreach_sub",
+    "_foreach_mul",
+    "_foreach_div",
+    "_foreach_lerp",
+    "_foreach_addcmul",
+    "_foreach_addcdiv",
+    "_foreach_sqrt",
+    "_foreach_neg",
+    "_foreach_maximum",
+    "_foreach_minimum",
+    "_foreach_clamp_min",
+    "_foreach_clamp_max",
+    "_foreach_reciprocal",
+    "_foreach_pow",
+    "_foreach_sign",
+    "_foreach_abs",
+    "_foreach_exp",
+    "_foreach_copy",
+    "_foreach_zero",
+)
+
+
+def _ops() -> tuple:
+    out = []
+    for base in _NAMES:
+        for name in (base, base + "_"):
+            packet = getattr(aten, name, None)
+            if packet is None:
+                continue
+            for ov in packet.overloads():
+                if "out" not in ov:
+                    out.append(getattr(packet, ov))
+    return tuple(out)
+
+
+OPS = _ops()
+
+_SPEC = operator.attrgetter("_spec")
+_LOCAL = operator.attrgetter("_local_tensor")
+_PLACEMENTS = operator.attrgetter("placements")
+_MESH = operator.attrgetter("mesh")
+_GSHAPE = operator.attrgetter("tensor_meta.shape")
+_CALLS = [0, 0]  # [fast path taken, fallen back]: read by tests and benchmarks (fast_path_counts)
+
+
+def fast_path_counts() -> tuple[int, int]:
+    """``(fast, fallback)``: calls of the handler that took the fast path / torch's dispatch so far."""
+    return _CALLS[0], _CALLS[1]
+
+
+def _is_tensor_list(a) -> bool:
+    return isinstance(a, (list, tuple)) and len(a) > 0 and isinstance(a[0], torch.Tensor)
+
+
+def _eligible(lists) -> list | None:
+    """The first list's specs if the fast path applies to these tensor-list arguments, else None."""
+    from torch.distributed.tensor import DTensor
+
+    n = len(lists[0])
+    for lst in lists:
+        if len(lst) != n or not all(map(isinstance, lst, itertools.repeat(DTensor))):
+            return None
+    specs = list(map(_SPEC, lists[0]))
+    placements = list(map(_PLACEMENTS, specs))
+    for pl in {id(p): p for p in placements}.values():
+        if any(p.is_partial() for p in pl) or not any(isinstance(p, RaggedShard) for p in pl):
+            return None
+    meshes = list(map(id, map(_MESH, specs)))
+    if meshes.count(meshes[0]) != n or any(s.tensor_meta is None for s in specs):
+        return None
+    shapes = list(map(_GSHAPE, specs))
+    for lst in lists[1:]:
+        other = list(map(_SPEC, lst))
+        if (
+            list(map(_PLACEMENTS, other)) != placements
+            or list(map(id, map(_MESH, other))) != meshes
+            or any(s.tensor_meta is None for s in other)
+            or list(map(_GSHAPE, other)) != shapes
+        ):
+            return None
+    return specs
+
+
+def foreach_handler(op_call, args, kwargs):
+    """Custom DTensor handler of the ops in :data:`OPS` (see the module docstring). Local."""
+    from raggedfsdp.placement._ops import call_torch_dispatch
+
+    lists = [a for a in args if _is_tensor_list(a)]
+    plain = any(isinstance(a, torch.Tensor) for a in args) or any(
+        isinstance(v, torch.Tensor) or _is_tensor_list(v) for v in kwargs.values()
+    )
+    specs = _eligible(lists) if lists and not plain else None
+    if specs is None:
+        _CALLS[1] += 1
+        return call_torch_dispatch(op_call, args, kwargs)
+    _CALLS[0] += 1
+    local_args = [list(map(_LOCAL, a)) if _is_tensor_list(a) else a for a in args]
+    out = op_call(*local_args, **kwargs)
+    if not op_call._schema.returns:  # in place: the local tensors were updated
+        return None
+    from raggedfsdp._compat import dtensor_wrapper
+
+    wrap = dtensor_wrapper()
+    return [wrap(o, s if o.dtype == s.tensor_meta.dtype else _with_dtype(s, o)) for o, s in zip(out, specs)]
+
+
+def _with_dtype(spec, local: torch.Tensor):
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = spec.tensor_meta
+    return DTensorSpec(
+        spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
+    )
+
+
+def wanted() -> bool:
+    """Whether :func:`install` should register the handler: ``RAGGEDFSDP_FOREACH_FAST_PATH`` = ``1`` /
+    ``0``, else (``auto``, unset) on torch < 2.13. Raises ``ValueError`` for another value."""
+    from raggedfsdp._compat import torch_minor
+
+    v = os.environ.get(ENV, "auto").strip().lower()
+    if v not in ("0", "1", "auto", ""):
+        raise ValueError(f"{ENV}={v!r}: use 0 (off), 1 (on) or auto (on for torch < 2.13, the default)")
+    if v in ("0", "1"):
+        return v == "1"
+    return torch_minor() < (2, 13)
+
+
+def install(custom_handlers: dict) -> list:
+    """Register :func:`foreach_handler` for :data:`OPS` if :func:`wanted`; returns the ops registered.
+    Idempotent; raises ``RuntimeError`` if torch has its own handler for one of them."""
+    if not wanted():
+        return []
+    for op in OPS:
+        cur = custom_handlers.get(op)
+        if cur is not None and cur is not foreach_handler:
+            raise RuntimeError(
+                f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_foreach.py"
+            )
+    for op in OPS:
+        custom_handlers[op] = foreach_handler
+    return list(OPS)
+
+
+def uninstall(custom_handlers: dict) -> None:
+    """Remove the handler (tests). Local."""
+    for op in OPS:
+        if custom_handlers.get(op) is foreach_handler:
+            del custom_handlers[op]

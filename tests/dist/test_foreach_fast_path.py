@@ -1,0 +1,153 @@
+"""The element-wise ``_foreach_*`` fast path for RaggedShard DTensors (raggedfsdp/placement/_foreach.py).
+
+Reference: torch's own DTensor dispatch of the same ops on the same tensors (the handler removed).
+Optimizer steps with the fast path must be bitwise equal to steps without it, on every rank; anything
+the fast path does not cover must reach torch's dispatch. The handler is installed by hand here (by
+default it is on only on torch < 2.13, where torch dispatches these ops in Python). Three gloo ranks
+give uneven RaggedShard pieces, empty ones included (the 3-element biases).
+"""
+
+from __future__ import annotations
+
+import torch
+from _dist import run_distributed
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3)) for _ in range(2))
+        self.head = nn.Linear(3, 5)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.cat([b(x), x[:, 3:]], dim=1)
+        return self.head(x[:, :3])
+
+
+def _handlers():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def _build(backend, mesh):
+    if backend == "ragged":
+        from raggedfsdp import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = Net()
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _steps(model, make_opt, fast: bool, n=3):
+    from raggedfsdp.placement import _foreach
+
+    h = _handlers()
+    (_foreach.install if fast else _foreach.uninstall)(h)
+    try:
+        opt = make_opt(model.parameters())
+        before = _foreach.fast_path_counts()
+        for i in range(n):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        after = _foreach.fast_path_counts()
+    finally:
+        _foreach.uninstall(h)
+    params = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    state = [
+        {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
+        for s in opt.state.values()
+    ]
+    return params, state, (after[0] - before[0], after[1] - before[1])
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, foreach=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, foreach=True),
+}
+
+
+def _case(rank, ws):
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["RAGGEDFSDP_FOREACH_FAST_PATH"] = "1"  # install() honours it on any torch
+    mesh = init_device_mesh("cpu", (ws,))
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        for backend in ("ragged", "torch"):
+            fast = _steps(_build(backend, mesh), make, True)  # the same seeded init each time
+            slow = _steps(_build(backend, mesh), make, False)
+            same_p = all(torch.equal(fast[0][k], slow[0][k]) for k in slow[0])
+            same_s = all(
+                torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))
+                for a, b in zip(fast[1], slow[1])
+                for k in b
+            )
+            out[f"{name}/{backend}"] = dict(
+                same_params=same_p, same_state=same_s, fast_counts=fast[2], slow_counts=slow[2]
+            )
+    # out of place: values and specs as torch's dispatch gives them
+    from raggedfsdp.placement import _foreach
+
+    m = _build("ragged", mesh)
+    ps = [p for p in m.parameters()]
+    ref = torch._foreach_sqrt([p.abs() for p in ps])
+    _foreach.install(_handlers())
+    try:
+        got = torch._foreach_sqrt([p.abs() for p in ps])
+        half = torch._foreach_mul([p.detach() for p in ps], 0.5)
+    finally:
+        _foreach.uninstall(_handlers())
+    out["out_of_place"] = dict(
+        equal=all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(got, ref)),
+        specs=all(a._spec == b._spec for a, b in zip(got, ref)),
+        mul=all(torch.equal(h.to_local(), p.detach().to_local() * 0.5) for h, p in zip(half, ps)),
+    )
+    # a mismatched operand (another layout) is torch's business, with or without the handler
+    from torch.distributed.tensor import Replicate
+
+    a = [ps[0].detach().clone()]
+    b = [ps[0].detach().redistribute(mesh, [Replicate()])]
+    errors = []
+    for fast in (False, True):
+        (_foreach.install if fast else _foreach.uninstall)(_handlers())
+        try:
+            torch._foreach_add_(a, b)
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 (the same outcome either way is the point)
+            errors.append(type(e).__name__)
+        finally:
+            _foreach.uninstall(_handlers())
+    out["mismatched"] = errors
+    bad = []
+    for opt in OPTIMIZERS:
+        r = out[f"{opt}/ragged"]
+        if not (
+            r["same_params"] and r["same_state"] and r["fast_counts"][0] > 0 and r["slow_counts"] == (0, 0)
+        ):
+            bad.append((f"{opt}/ragged: fast path not bitwise torch's dispatch, or not taken", r))
+        r = out[f"{opt}/torch"]
+        if not (
+            r["same_params"] and r["same_state"] and r["fast_counts"][0] == 0 and r["fast_counts"][1] > 0
+        ):
+            bad.append((f"{opt}/torch: torch's Shard params must go through torch's dispatch", r))
+    if out["out_of_place"] != dict(equal=True, specs=True, mul=True):
+        bad.append(("out of place", out["out_of_place"]))
+    if errors[0] != errors[1]:
+        bad.append(("a mismatched operand behaves differently with the handler", errors))
+    assert not bad, f"rank {rank}: {bad}"
+
+
+def test_foreach_fast_path_is_torch_dispatch_bitwise_at_three_ranks():
+    run_distributed(_case, 3)
