@@ -118,7 +118,7 @@ def classify(op) -> str | None:
         return "pointwise"
     name = op._schema.name
     if name.startswith("aten::_foreach_"):
-        if "norm" in name or "max" == name.rsplit("_", 1)[-1]:
+        if "norm" in name or name == "aten::_foreach_max":  # reductions (not _foreach_clamp_max)
             return None
         return "pointwise"
     return None
