@@ -383,21 +383,18 @@ class UnitBuffers:
             if self.grads.is_allocated:
                 inp.data.add_(self.grads.data)
                 self.grads.free()
-        elif self.grad_layout.world_size == 1:
-            # One rank: the "reduce-scatter" is a local (casting) copy into ``out`` (no temporary). It runs
-            # on the compute stream, so the handle is complete at once and the input is freed at the next
-            # poll, before the next unit's backward allocates (on a side stream the host could not know it
-            # done without waiting, and the input lived through that backward: +4 activations of peak on
-            # the H200, tests/gpu). The copy is one unit-sized kernel, microseconds.
-            out.data.copy_(self.grads.data)
-            return CommHandle(None, [self.grads, out], None, "reduce-scatter"), self.grads
-        elif self.reduce_dtype != self.grads.data.dtype:
+        elif self.reduce_dtype != self.grads.data.dtype and self.grad_layout.world_size > 1:
             inp = self._unsharded(self.reduce_dtype, "reduce-scatter input", allocate=True)
             inp.data.copy_(self.grads.data)  # one fused cast of the whole unit
             self.grads.free()  # read only by the compute stream so far
         else:
             inp = self.grads
-        if self.grad_layout.world_size == 1:  # the accumulator at one rank: as above
+        if self.grad_layout.world_size == 1:
+            # One rank: the "reduce-scatter" is a local (casting) copy into ``out`` (no temporary). It runs
+            # on the compute stream, so the handle is complete at once and the input is freed at the next
+            # poll, before the next unit's backward allocates (on a side stream the host could not know it
+            # done without waiting, and the input lived through that backward: +4 activations of peak on
+            # the H200, tests/gpu). The copy is one unit-sized kernel, microseconds.
             out.data.copy_(inp.data)
             return CommHandle(None, [inp, out], None, "reduce-scatter"), inp
         wait_stream(stream, current_stream(self.device))
