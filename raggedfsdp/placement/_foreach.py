@@ -1,11 +1,20 @@
-"""A fast path for element-wise ``torch._foreach_*`` ops on RaggedShard DTensors (torch 2.11 / 2.12).
+"""A fast path for element-wise ``torch._foreach_*`` ops on RaggedShard DTensors.
 
 Why: ``torch.optim``'s foreach implementations (AdamW, Adam, SGD, ...) call about ten
-``torch._foreach_*`` ops per step, each on lists of every parameter, gradient or state tensor. On
-torch 2.11 / 2.12 DTensor dispatches them in Python (``OpDispatcher._unwrap_to_op_info_impl`` walks
-the lists with pytree, then sharding propagation hashes every spec): with 785 parameters that is
-18 ms of host time per AdamW step on the CPU box and 21 ms on an H200 (benchmarks/README.md, "The
-first GPU runs"), for torch's own ``fully_shard`` alike. torch 2.13 moved this dispatch to C++ (3.8 ms).
+``torch._foreach_*`` ops per step, each on lists of every parameter, gradient or state tensor, and
+DTensor's sharding propagation of such an op grows with the square of the list length:
+
+* torch 2.13 / 2.14 (``_sharding_prop.py``): a foreach op's strategy is built per list index, and for
+  each index ``_propagate_use_strided_shard_flag`` walks every spec of the whole schema. A cache miss
+  of one ``_foreach_*`` op over 785 parameters costs seconds; the first AdamW step of the 128-expert
+  MoE bench (785 params) took **43-52 s** on the CPU box (torch's ``fully_shard`` alike), and so does
+  every later step whose set of parameters holding a ``.grad`` differs from all earlier ones (an MoE
+  expert that got no token on any rank: a new list, a new cache key): 46-54 s per such step. With
+  this fast path: 0.23 s for the first step, 0.10 s for such a step (benchmarks/README.md,
+  "Sharding propagation of foreach ops").
+* torch 2.11 / 2.12 dispatch these ops in Python (``OpDispatcher._unwrap_to_op_info_impl`` walks the
+  lists with pytree, then propagation hashes every spec): 18 ms of host time per AdamW step with 785
+  parameters on the CPU box and 21 ms on an H200 (benchmarks/README.md, "The first GPU runs").
 
 What: a DTensor custom op handler (``OpDispatcher._custom_op_handlers``, the dict torch's own
 ``loss_parallel`` extends, and ``placement/_ops.py`` for ``_foreach_norm``) on the element-wise
@@ -160,16 +169,13 @@ def _with_dtype(spec, local: torch.Tensor):
 
 
 def wanted() -> bool:
-    """Whether :func:`install` should register the handler: ``RAGGEDFSDP_FOREACH_FAST_PATH`` = ``1`` /
-    ``0``, else (``auto``, unset) on torch < 2.13. Raises ``ValueError`` for another value."""
-    from raggedfsdp._compat import torch_minor
-
+    """Whether :func:`install` should register the handler: ``RAGGEDFSDP_FOREACH_FAST_PATH`` = ``0``
+    turns it off; ``1``, ``auto`` or unset turn it on (every torch: see the module docstring). Raises
+    ``ValueError`` for another value."""
     v = os.environ.get(ENV, "auto").strip().lower()
     if v not in ("0", "1", "auto", ""):
-        raise ValueError(f"{ENV}={v!r}: use 0 (off), 1 (on) or auto (on for torch < 2.13, the default)")
-    if v in ("0", "1"):
-        return v == "1"
-    return torch_minor() < (2, 13)
+        raise ValueError(f"{ENV}={v!r}: use 0 (off), 1 (on) or auto (on, the default)")
+    return v != "0"
 
 
 def supported_ops() -> list:

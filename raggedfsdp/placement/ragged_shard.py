@@ -68,14 +68,19 @@ class RaggedShard(Placement):
             )
         self.dims = dims
         self.local_units = local_units
+        # DTensor's sharding propagation hashes and compares every operand's placements on every op
+        # (a foreach op over 785 params: thousands of calls per optimizer step); precomputed once
+        self._rs_hash = hash((type(self).__name__, dims, local_units))
         _patches.apply()  # lazy: the first RaggedShard of the process installs the patches
 
     # ---- identity -------------------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.dims == other.dims and self.local_units == other.local_units
+        return other is self or (
+            type(other) is type(self) and self.dims == other.dims and self.local_units == other.local_units
+        )
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, self.dims, self.local_units))
+        return self._rs_hash
 
     def __repr__(self) -> str:
         return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"

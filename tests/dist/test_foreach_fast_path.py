@@ -2,8 +2,8 @@
 
 Reference: torch's own DTensor dispatch of the same ops on the same tensors (the handler removed).
 Optimizer steps with the fast path must be bitwise equal to steps without it, on every rank; anything
-the fast path does not cover must reach torch's dispatch. The handler is installed by hand here (by
-default it is on only on torch < 2.13, where torch dispatches these ops in Python). Three gloo ranks
+the fast path does not cover must reach torch's dispatch. The handler is installed by hand here (it is
+on by default on every torch; RAGGEDFSDP_FOREACH_FAST_PATH=0 turns it off). Three gloo ranks
 give uneven RaggedShard pieces, empty ones included (the 3-element biases).
 """
 

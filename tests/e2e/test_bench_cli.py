@@ -213,3 +213,19 @@ def test_failed_bench_ends_with_one_line_and_the_report_in_out(tmp_path):
     report = (out / "failure.log").read_text()
     assert "the 2-rank bench failed" in report and "Root Cause" in report and lines[-1] in report, report
     assert "rank      : 1 (local_rank: 1)" in report and "    raise RuntimeError(" in report, report
+
+
+def test_foreach_dispatch_benchmark_runs():
+    """``benchmarks/foreach_dispatch.py`` (the command in benchmarks/README.md, "Sharding propagation of
+    foreach ops"), small: every system runs in its own process and reports its three step times."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "benchmarks", "foreach_dispatch.py")
+    cmd = [sys.executable, script, "--layers", "3", "--dim", "8", "--world-size", "3", "--steps", "1"]
+    cmd.append("--json")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    assert [r["system"] for r in rows] == ["raggedfsdp", "raggedfsdp, fast path off", "torch fully_shard"]
+    assert all(r["params"] == 6 and min(r["first"], r["steady"], r["new_set"]) > 0 for r in rows)
+    bad = subprocess.run([sys.executable, script, "--layers", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--layers must be >= 1, got 0" in bad.stderr

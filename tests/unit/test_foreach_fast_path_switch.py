@@ -7,12 +7,13 @@ import pytest
 import torch
 
 
-def test_installed_by_default_only_where_torch_dispatches_in_python(monkeypatch):
-    from raggedfsdp._compat import torch_minor
+def test_installed_by_default_on_every_torch(monkeypatch):
     from raggedfsdp.placement import _foreach
 
     monkeypatch.delenv(_foreach.ENV, raising=False)
-    assert _foreach.wanted() == (torch_minor() < (2, 13))
+    assert _foreach.wanted() is True  # 2.13/2.14: quadratic propagation; 2.11/2.12: Python dispatch
+    monkeypatch.setenv(_foreach.ENV, "auto")
+    assert _foreach.wanted() is True
     monkeypatch.setenv(_foreach.ENV, "0")
     assert _foreach.wanted() is False and _foreach.install({}) == []
     monkeypatch.setenv(_foreach.ENV, "1")
@@ -43,3 +44,61 @@ def test_installed_by_default_only_where_torch_dispatches_in_python(monkeypatch)
     monkeypatch.setenv(_foreach.ENV, "yes")
     with pytest.raises(ValueError, match="RAGGEDFSDP_FOREACH_FAST_PATH='yes'"):
         _foreach.wanted()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_new_set_of_grads_needs_no_sharding_propagation(fast, monkeypatch):
+    """The cliff the fast path removes (module docstring of placement/_foreach.py): torch's sharding
+    propagation of a foreach op grows with the square of the list length, and it runs again whenever
+    the list changes -- a step in which another set of params holds a ``.grad`` (an MoE expert that got
+    no token). With the fast path the optimizer's element-wise ops on RaggedShard params propagate
+    nothing, in the first step or in such a step; without it, they do (the reference: torch's dispatch,
+    counted at ``ShardingPropagator.propagate_op_sharding_non_cached``, what a cache miss of the C++ or
+    the Python cache runs). Fake process group, rank 1 of 3 (uneven pieces, some empty)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raggedfsdp import fully_shard
+    from raggedfsdp.placement import _foreach
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    prop = DTensor._op_dispatcher.sharding_propagator
+    propagated = []
+    inner = prop.propagate_op_sharding_non_cached
+
+    def counting(op_schema, *a, **k):
+        if str(op_schema.op).startswith("aten._foreach_"):
+            propagated.append(str(op_schema.op))
+        return inner(op_schema, *a, **k)
+
+    monkeypatch.setattr(prop, "propagate_op_sharding_non_cached", counting)
+    try:
+        torch.manual_seed(0)
+        w = 9 if fast else 13  # shapes no other test uses: DTensor's caches live for the whole process
+        model = nn.Sequential(*[nn.Linear(w, w) for _ in range(12)])
+        fully_shard(model)  # the first RaggedShard installs the patches (and the fast path by default)
+        if fast:
+            _foreach.install(handlers)
+        else:
+            _foreach.uninstall(handlers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        params = list(model.parameters())
+        counts = []
+        for drop in (None, None, 3, 7):  # all grads twice; then two sets never seen before
+            model(torch.randn(4, w)).sum().backward()
+            if drop is not None:
+                params[drop].grad = None
+            before = len(propagated)
+            opt.step()
+            counts.append(len(propagated) - before)
+            opt.zero_grad(set_to_none=True)
+        if fast:
+            assert counts == [0, 0, 0, 0], (counts, propagated)
+        else:  # torch's dispatch: a new list is a new cache key; a list seen before hits the cache
+            assert counts[0] > 0 and counts[1] == 0 and counts[2] > 0 and counts[3] > 0, counts
+    finally:
+        _foreach.install(handlers) if _foreach.wanted() else _foreach.uninstall(handlers)
+        dist.destroy_process_group()

@@ -57,7 +57,7 @@ def test_import_and_plan_apply_nothing():
 def test_all_targets_patched_in_place():
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _ops, _random
+    from raggedfsdp.placement import _foreach, _ops, _random
 
     RaggedShard((0,), (1,))
     keys = {f"{m}:{q}" for m, q, _, _ in tp.TARGETS}
@@ -65,9 +65,12 @@ def test_all_targets_patched_in_place():
     assert keys <= syms and len(keys) == len(tp.TARGETS) == 14
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
     assert syms == keys | handlers
+    fast = _foreach.supported_ops() if _foreach.wanted() else []  # patch 10, on unless turned off
     assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(
         _ops.NORM_OPS
-    )
+    ) + len(fast)
+    for op in fast:
+        assert DTensor._op_dispatcher._custom_op_handlers[op] is _foreach.foreach_handler
     for op in _ops.NORM_OPS:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _ops.inf_norm_handler
     for module, qualname, params, _ in tp.TARGETS:
