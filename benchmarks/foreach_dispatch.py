@@ -1,5 +1,5 @@
-"""Host time of ``torch.optim.AdamW(foreach=True)`` steps on FSDP-sharded params: raggedfsdp with its
-foreach fast path (``raggedfsdp/placement/_foreach.py``), raggedfsdp without it
+"""Host time of ``clip_grad_norm_`` + ``torch.optim.AdamW(foreach=True)`` steps on FSDP-sharded
+params: raggedfsdp with its foreach fast path (``raggedfsdp/placement/_foreach.py``), raggedfsdp without it
 (``RAGGEDFSDP_FOREACH_FAST_PATH=0``: torch's DTensor dispatch, as torch's own ``fully_shard`` gets),
 and torch's ``fully_shard``.
 
@@ -9,7 +9,8 @@ The model is ``--layers`` ``nn.Linear(dim, dim)`` (2 x layers params), sharded o
 world of ``--world-size`` (no real communication: only host work is measured). Each system runs in its
 own process (DTensor's propagation caches live for a whole process) and times, wall clock:
 
-* ``first``: the first ``optimizer.step()`` (sharding propagation of every foreach op, cold caches);
+* ``first``: the first ``clip_grad_norm_`` + ``optimizer.step()`` (sharding propagation of every
+  foreach op, cold caches);
 * ``steady``: a later step with the same params holding grads (the median of ``--steps``);
 * ``new_set``: a step in which one param has no ``.grad`` -- a set of params not seen before (an MoE
   expert that got no token on any rank), so every foreach op's list is a new cache key.
@@ -70,6 +71,7 @@ def _measure(system: str, layers: int, dim: int, ws: int, steps: int) -> dict:
         if drop is not None:
             params[drop].grad = None
         t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         dt = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
@@ -114,8 +116,8 @@ def main(argv=None) -> None:
 
     ours = rows[0]
     print(
-        f"AdamW(foreach=True) step, host wall time; {ours['params']} params, rank 0 of a fake world of "
-        f"{args.world_size}, torch {torch.__version__}"
+        f"clip_grad_norm_ + AdamW(foreach=True) step, host wall time; {ours['params']} params, rank 0 of "
+        f"a fake world of {args.world_size}, torch {torch.__version__}"
     )
     print(f"{'system':28s}{'first step':>13s}{'steady':>11s}{'new set of grads':>18s}")
     for r in rows:

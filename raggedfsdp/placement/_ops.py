@@ -416,6 +416,12 @@ def inf_norm_handler(op_call, args, kwargs):
         dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
         ragged = any(_is_ragged(t) for t in tensors)
         mixed = ragged and not all(isinstance(t, DTensor) for t in tensors)
+        if ragged and not mixed and ord not in _INF:
+            from raggedfsdp.placement import _foreach  # the fast path (patch 10), if installed
+
+            out = _foreach.norm_fast_path(tensors, args[1] if len(args) > 1 else kwargs.get("ord", 2), dtype)
+            if out is not None:
+                return out
         if (ord in _INF and ragged) or mixed:
             return [
                 _ragged_inf_norm(t, ord, dtype=dtype)

@@ -1,7 +1,8 @@
 """The element-wise ``_foreach_*`` fast path for RaggedShard DTensors (raggedfsdp/placement/_foreach.py).
 
 Reference: torch's own DTensor dispatch of the same ops on the same tensors (the handler removed).
-Optimizer steps with the fast path must be bitwise equal to steps without it, on every rank; anything
+Optimizer steps (each after ``clip_grad_norm_``: ``_foreach_norm`` and ``_foreach_mul_`` by a replicated
+scalar) with the fast path must be bitwise equal to steps without it, on every rank; anything
 the fast path does not cover must reach torch's dispatch. The handler is installed by hand here (it is
 on by default on every torch; RAGGEDFSDP_FOREACH_FAST_PATH=0 turns it off). Three gloo ranks
 give uneven RaggedShard pieces, empty ones included (the 3-element biases).
@@ -52,10 +53,12 @@ def _steps(model, make_opt, fast: bool, n=3):
     (_foreach.install if fast else _foreach.uninstall)(h)
     try:
         opt = make_opt(model.parameters())
+        norms = []  # clip_grad_norm_'s total norms: _foreach_norm, then _foreach_mul_ by a replicated scalar
         before = _foreach.fast_path_counts()
         for i in range(n):
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
             model(x).pow(2).sum().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor())  # clips
             opt.step()
             opt.zero_grad()
         after = _foreach.fast_path_counts()
@@ -66,6 +69,7 @@ def _steps(model, make_opt, fast: bool, n=3):
         {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
         for s in opt.state.values()
     ]
+    state.append({"clip_norms": torch.stack(norms)})
     return params, state, (after[0] - before[0], after[1] - before[1])
 
 

@@ -51,10 +51,10 @@ def test_a_new_set_of_grads_needs_no_sharding_propagation(fast, monkeypatch):
     """The cliff the fast path removes (module docstring of placement/_foreach.py): torch's sharding
     propagation of a foreach op grows with the square of the list length, and it runs again whenever
     the list changes -- a step in which another set of params holds a ``.grad`` (an MoE expert that got
-    no token). With the fast path the optimizer's element-wise ops on RaggedShard params propagate
-    nothing, in the first step or in such a step; without it, they do (the reference: torch's dispatch,
-    counted at ``ShardingPropagator.propagate_op_sharding_non_cached``, what a cache miss of the C++ or
-    the Python cache runs). Fake process group, rank 1 of 3 (uneven pieces, some empty)."""
+    no token). With the fast path ``clip_grad_norm_``'s and the optimizer's foreach ops on RaggedShard
+    params propagate nothing, in the first step or in such a step; without it, they do (the reference:
+    torch's dispatch, counted at ``ShardingPropagator.propagate_op_sharding_non_cached``, what a cache
+    miss of the C++ or the Python cache runs). Fake process group, rank 1 of 3 (uneven pieces, some empty)."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor import DTensor
@@ -92,6 +92,7 @@ def test_a_new_set_of_grads_needs_no_sharding_propagation(fast, monkeypatch):
             if drop is not None:
                 params[drop].grad = None
             before = len(propagated)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # _foreach_norm, _foreach_mul_
             opt.step()
             counts.append(len(propagated) - before)
             opt.zero_grad(set_to_none=True)
