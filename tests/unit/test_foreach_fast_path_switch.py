@@ -103,3 +103,37 @@ def test_a_new_set_of_grads_needs_no_sharding_propagation(fast, monkeypatch):
     finally:
         _foreach.install(handlers) if _foreach.wanted() else _foreach.uninstall(handlers)
         dist.destroy_process_group()
+
+
+def test_verdict_cache_follows_the_specs_and_stays_bounded():
+    """Note [verdict cache] in placement/_foreach.py: a list of the same spec objects reuses its verdict;
+    another list -- one spec replaced by a non-RaggedShard one, or lists that no longer match -- is
+    checked afresh; the cache never holds more than ``_VERDICTS_MAX`` lists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raggedfsdp.placement import RaggedShard, _foreach
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
+    try:
+        mesh = init_device_mesh("cpu", (3,))
+        rs = [RaggedShard((0,), (1, 0, 2))]
+
+        def make(rows):
+            return distribute_tensor(torch.zeros(rows, 2), mesh, rs)
+
+        a, b = [make(3), make(6)], [make(3), make(6)]
+        first = _foreach._eligible([a, b])
+        assert first is not None and first == [a[0]._spec, a[1]._spec]
+        assert _foreach._eligible([a, b]) is first  # cached: the same verdict object
+        rep = [a[0], distribute_tensor(torch.zeros(6, 2), mesh, [Replicate()])]
+        assert _foreach._eligible([rep]) is None  # not all RaggedShard
+        assert _foreach._eligible([a, [b[1], b[0]]]) is None  # shapes no longer match position by position
+        assert _foreach._eligible([a, b]) is first
+        for _ in range(_foreach._VERDICTS_MAX + 20):
+            _foreach._eligible([[make(3)]])
+        assert len(_foreach._VERDICTS) <= _foreach._VERDICTS_MAX
+    finally:
+        dist.destroy_process_group()
