@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import operator
 import os
+import threading
 
 import torch
 
@@ -103,7 +104,6 @@ _FIRST = operator.itemgetter(0)
 _MESH = operator.attrgetter("mesh")
 _GSHAPE = operator.attrgetter("tensor_meta.shape")
 _CALLS = [0, 0]  # [fast path taken, fallen back]: read by tests and benchmarks (fast_path_counts)
-_INSTALLED = [False]  # set by install / uninstall: norm_fast_path is reached through placement/_ops.py
 
 
 def fast_path_counts() -> tuple[int, int]:
@@ -119,21 +119,34 @@ def _eligible(lists) -> list | None:
     """The first list's specs if the fast path applies to these tensor-list arguments, else None.
 
     The verdict is cached by the identity of every operand's spec (Note [verdict cache])."""
+    return _verdict(lists)[0]
+
+
+_NO = (None, False)
+
+
+def _verdict(lists) -> tuple:
+    """``(specs, inplace_ok)``: :func:`_eligible`'s answer, and whether an in-place op may take the fast
+    path on these lists too (every list's dtypes equal the first list's, position by position, all
+    floating point or complex): torch checks an in-place foreach op whole before writing anything, the
+    local op writes tensor by tensor, so a dtype it would refuse (an ``int64`` self and a float
+    operand) must be refused by torch's dispatch, not half-way through the list."""
     from torch.distributed.tensor import DTensor
 
     n = len(lists[0])
     for lst in lists:
         if len(lst) != n or not all(map(isinstance, lst, itertools.repeat(DTensor))):
-            return None
+            return _NO
     spec_lists = [list(map(_SPEC, lst)) for lst in lists]
     key = (len(lists), *map(id, itertools.chain.from_iterable(spec_lists)))
     hit = _VERDICTS.get(key)
     if hit is not None:
         return hit[0]
     verdict = _check(spec_lists)
-    _VERDICTS[key] = (verdict, spec_lists)  # holds the specs: their ids cannot be reused meanwhile
-    if len(_VERDICTS) > _VERDICTS_MAX:
-        del _VERDICTS[next(iter(_VERDICTS))]  # the oldest entry
+    with _VERDICTS_LOCK:  # eviction picks the oldest key: two threads must not both delete it
+        _VERDICTS[key] = (verdict, spec_lists)  # holds the specs: their ids cannot be reused meanwhile
+        while len(_VERDICTS) > _VERDICTS_MAX:
+            del _VERDICTS[next(iter(_VERDICTS))]  # the oldest entry
     return verdict
 
 
@@ -143,26 +156,31 @@ def _eligible(lists) -> list | None:
 # specs once per list of spec objects, not once per op, takes the per-op cost from ~1 ms to ~0.1 ms per
 # 400 params. A spec is never changed in place once a DTensor carries it (torch builds new ones), and
 # an entry holds its specs, so an id in a key always names the spec it was computed for. Bounded:
-# at most _VERDICTS_MAX lists of specs, oldest out first (a few per parameter group and step).
+# at most _VERDICTS_MAX lists of specs, oldest out first (a few per parameter group and step); writes
+# under a lock (an optimizer per thread), reads without.
 _VERDICTS: dict = {}
 _VERDICTS_MAX = 256
+_VERDICTS_LOCK = threading.Lock()
+_FLOATING = operator.attrgetter("is_floating_point")
+_COMPLEX = operator.attrgetter("is_complex")
+_DTYPE = operator.attrgetter("tensor_meta.dtype")
 
 
-def _check(spec_lists) -> list | None:
+def _check(spec_lists) -> tuple:
     specs = spec_lists[0]
     n = len(specs)
     placements = list(map(_PLACEMENTS, specs))
     # the loops in C: every spec has its own placements tuple (a Python loop over them cost 3.5 ms per
     # 800 params per op)
     if any(map(_IS_PARTIAL, itertools.chain.from_iterable(placements))):
-        return None
+        return _NO
     if not all(map(isinstance, map(_FIRST, placements), itertools.repeat(RaggedShard))):
         for pl in {id(p): p for p in placements}.values():  # e.g. HSDP's (Replicate, RaggedShard)
             if not any(isinstance(p, RaggedShard) for p in pl):
-                return None
+                return _NO
     meshes = list(map(id, map(_MESH, specs)))
     if meshes.count(meshes[0]) != n or any(s.tensor_meta is None for s in specs):
-        return None
+        return _NO
     shapes = list(map(_GSHAPE, specs))
     for other in spec_lists[1:]:
         if (
@@ -171,8 +189,12 @@ def _check(spec_lists) -> list | None:
             or any(s.tensor_meta is None for s in other)
             or list(map(_GSHAPE, other)) != shapes
         ):
-            return None
-    return specs
+            return _NO
+    dtypes = list(map(_DTYPE, specs))
+    inplace_ok = all(list(map(_DTYPE, other)) == dtypes for other in spec_lists[1:]) and all(
+        map(operator.or_, map(_FLOATING, dtypes), map(_COMPLEX, dtypes))
+    )
+    return specs, inplace_ok
 
 
 def _replicated_scalar(t, mesh) -> bool:
@@ -192,13 +214,21 @@ def foreach_handler(op_call, args, kwargs):
     from raggedfsdp.placement._ops import call_torch_dispatch
 
     lists = [a for a in args if _is_tensor_list(a)]
-    specs = _eligible(lists) if lists else None
+    specs, inplace_ok = _verdict(lists) if lists else _NO
+    inplace = not op_call._schema.returns
     if specs is not None:
         mesh = specs[0].mesh
         # a single tensor operand takes the fast path only as a replicated 0-dim DTensor on the lists'
         # mesh (its local value is every rank's value: what torch's dispatch multiplies by too)
-        if not all(_replicated_scalar(a, mesh) for a in args if isinstance(a, torch.Tensor)) or any(
-            isinstance(v, torch.Tensor) or _is_tensor_list(v) for v in kwargs.values()
+        scalars = [a for a in args if isinstance(a, torch.Tensor)]
+        if (
+            (inplace and not inplace_ok)
+            or not all(_replicated_scalar(a, mesh) for a in scalars)
+            or (
+                inplace
+                and any(a.dtype.is_complex and not specs[0].tensor_meta.dtype.is_complex for a in scalars)
+            )
+            or any(isinstance(v, torch.Tensor) or _is_tensor_list(v) for v in kwargs.values())
         ):
             specs = None
     if specs is None:
@@ -210,7 +240,7 @@ def foreach_handler(op_call, args, kwargs):
         for a in args
     ]
     out = op_call(*local_args, **kwargs)
-    if not op_call._schema.returns:  # in place: the local tensors were updated
+    if inplace:  # the local tensors were updated
         return None
     from raggedfsdp._compat import dtensor_wrapper
 
@@ -226,7 +256,11 @@ def norm_fast_path(tensors, ord, dtype):
     sharding propagation (``clip_grad_norm_``: 8-9 s per new set of 785 grads on torch 2.13 otherwise).
     ``None`` when the fast path is not installed or does not apply. Called by
     ``placement/_ops.py``'s norm handler. Local."""
-    if not _INSTALLED[0]:
+    from torch.distributed.tensor import DTensor
+
+    if DTensor._op_dispatcher._custom_op_handlers.get(aten._foreach_mul_.List) is not foreach_handler:
+        return None  # the fast path is not installed in torch's dispatcher (RAGGEDFSDP_FOREACH_FAST_PATH=0)
+    if float(ord) == 0:  # torch reduces the count of non-zeros with Partial("sum"), not _NormPartial
         return None
     specs = _eligible([tensors])
     if specs is None:
@@ -301,7 +335,6 @@ def install(custom_handlers: dict) -> list:
             )
     for op in ops:
         custom_handlers[op] = foreach_handler
-    _INSTALLED[0] = bool(ops)
     return ops
 
 
@@ -310,4 +343,3 @@ def uninstall(custom_handlers: dict) -> None:
     for op in OPS:
         if custom_handlers.get(op) is foreach_handler:
             del custom_handlers[op]
-    _INSTALLED[0] = False

@@ -137,3 +137,63 @@ def test_verdict_cache_follows_the_specs_and_stays_bounded():
         assert len(_foreach._VERDICTS) <= _foreach._VERDICTS_MAX
     finally:
         dist.destroy_process_group()
+
+
+def test_edge_cases_found_in_review():
+    """A fresh review's findings (2026-12-05): ``_foreach_norm`` of order 0 (torch reduces the count with
+    ``Partial("sum")``: the fast path leaves it to torch), an in-place op that torch refuses for a dtype
+    (torch checks the whole list before writing; the fast path must not write half of it), and threads
+    sharing the verdict cache (eviction under a lock). Fake process group, rank 1 of 3 (an empty piece)."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raggedfsdp.placement import RaggedShard, _foreach
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    try:
+        mesh = init_device_mesh("cpu", (3,))
+        rs = [RaggedShard((0,), (1, 1, 2))]
+
+        def make(rows, dtype=torch.float32):
+            t = distribute_tensor(torch.zeros(rows, 2, dtype=dtype), mesh, rs)
+            t._local_tensor.copy_(torch.arange(t._local_tensor.numel()).to(dtype))  # fake PG: unset pieces
+            return t
+
+        xs = [make(4), make(8)]
+        got = {}
+        for fast in (True, False):
+            (_foreach.install if fast else _foreach.uninstall)(handlers)
+            n0 = torch._foreach_norm(xs, 0)
+            got[fast] = [(o._spec, o._local_tensor.clone()) for o in n0]
+            a, b = [make(4), make(4, torch.int64)], [make(4), make(4)]
+            before = a[0]._local_tensor.clone()
+            with pytest.raises(RuntimeError):
+                torch._foreach_add_(a, b)  # int64 += float32: refused
+            assert torch.equal(a[0]._local_tensor, before), f"fast={fast}: the first tensor was written"
+        assert all(f[0] == s[0] and torch.equal(f[1], s[1]) for f, s in zip(got[True], got[False]))
+        assert "sum" in str(got[True][0][0].placements[0])
+        _foreach.install(handlers)
+        lists = [[make(4)] for _ in range(_foreach._VERDICTS_MAX + 50)]
+        errors = []
+
+        def work(part):
+            try:
+                for lst in part:
+                    torch._foreach_mul_(lst, 1.0)
+            except Exception as e:  # noqa: BLE001 (any error is the failure reported)
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(lists[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(_foreach._VERDICTS) <= _foreach._VERDICTS_MAX, errors
+    finally:
+        _foreach.install(handlers) if _foreach.wanted() else _foreach.uninstall(handlers)
+        dist.destroy_process_group()
