@@ -23,12 +23,14 @@ foreach overloads (:data:`OPS`) that torch's DTensor has a sharding strategy for
 here). It takes the fast path when every tensor argument is a list of
 DTensors of one length, every list matches the first position by position (the same mesh object,
 equal placements, equal global shapes), the first list holds only RaggedShard DTensors and no
-placement is Partial: the op then runs once on the local tensors, and out-of-place results are
+placement is Partial (and, for an in-place op, every list has the first list's floating dtypes: see
+:func:`_verdict`): the op then runs once on the local tensors, and out-of-place results are
 wrapped with the first list's specs. That is what torch's dispatch computes for an element-wise op
 on equal specs (the op guard of ``placement/_ops.py`` keeps RaggedShard on element-wise ops), bitwise
 (``tests/dist/test_foreach_fast_path.py``), with no sharding propagation. A single tensor operand
 takes it only as a replicated 0-dim DTensor on the lists' mesh (``clip_grad_norm_``'s clip
-coefficient in ``_foreach_mul_``), and a finite-order ``_foreach_norm`` of such a list is computed
+coefficient in ``_foreach_mul_``), and a finite-order ``_foreach_norm`` (order 0 excepted: torch reduces
+that count with ``Partial("sum")``) of such a list is computed
 on the local pieces (:func:`norm_fast_path`, reached through ``placement/_ops.py``'s norm handler)
 with torch's output specs (``_NormPartial``): ``clip_grad_norm_`` of 785 grads took 8-9 s at its
 first call and at every new set of grads on torch 2.13, 0.66 s with it. Any other call -- another
