@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor
 from raggedfsdp._compat import dtensor_wrapper
 from raggedfsdp.fsdp._common import (
     POST_ACCUMULATE_GRAD_HOOKS,
+    attr_scan,
     all_none,
     FSDPParam,
     GradState,
@@ -396,8 +397,11 @@ class UnitGrads:
     def release_unused_sharded(self) -> None:
         """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
         iteration wrote it (called by the root before forward). Local."""
-        if self.sg_pending or not all_none(map(_SHARDED_PARAM_GRAD, self.group.fsdp_params)):
+        if self.sg_pending:
             return
+        with attr_scan():
+            if not all_none(map(_SHARDED_PARAM_GRAD, self.group.fsdp_params)):
+                return
         self.group.bufs.release_sharded_grads()
 
     def sharded_grads_fresh(self) -> bool:
@@ -409,7 +413,8 @@ class UnitGrads:
         """
         if self.sg_pending:
             return False
-        held = list(map(_SHARDED_PARAM_GRAD, self.grad_fps))
+        with attr_scan():
+            held = list(map(_SHARDED_PARAM_GRAD, self.grad_fps))
         if all_none(held):
             return True  # the per-step case (zero_grad(set_to_none=True)): no per-parameter Python
         fresh = True
@@ -450,24 +455,18 @@ class UnitGrads:
         buf = self.group.bufs.sharded_grad_buffer()
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
         fps, us = zip(*used) if used else ((), ())
-        todo = list(
-            itertools.compress(
-                fps,
-                map(
-                    operator.or_,
-                    us,
-                    map(operator.is_not, map(_SHARDED_PARAM_GRAD, fps), itertools.repeat(None)),
-                ),
-            )
-        )
+        with attr_scan():
+            held = map(operator.is_not, map(_SHARDED_PARAM_GRAD, fps), itertools.repeat(None))
+            todo = list(itertools.compress(fps, map(operator.or_, us, held)))
+            shardeds = list(map(_SHARDED, todo))
+            hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
         plan = self._attach_plan(buf)
-        shardeds = list(map(_SHARDED, todo))
-        hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
         if _same(todo, plan.fps) and not any(hooks) and _no_sharded_grads(todo):  # {} after a removed hook
             # every piece in one split (a third of 785 narrow calls' time), picked in member order
             views = map(base.split_with_sizes(plan.split_sizes).__getitem__, plan.pick)
             sgs = list(map(_dtensor_wrap(), views, plan.specs))
-            assign_each(shardeds, "grad", sgs)
+            with attr_scan():
+                assign_each(shardeds, "grad", sgs)
             if not self.group.bufs.hand_off_sharded_grads():  # pinned: the unit keeps the views
                 assign_each(todo, "sharded_grad", sgs)
                 assign_each(todo, "sharded_grad_base", itertools.repeat(base))
@@ -577,8 +576,8 @@ def _dtensor_wrap():
 
 def _same(a: list, b: list) -> bool:
     """``a`` and ``b`` hold the same objects in the same order (identity: FSDPParam's ``==`` compares
-    tensors)."""
-    return len(a) == len(b) and list(map(id, a)) == list(map(id, b))
+    tensors; the loop in C)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _no_sharded_grads(fps: list[FSDPParam]) -> bool:

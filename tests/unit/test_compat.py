@@ -88,3 +88,53 @@ def test_dtensor_wrapper_builds_what_the_constructor_builds(fake_world):
             _compat.dtensor_wrapper()
     finally:
         monkeypatch.undo()
+
+
+def test_subclass_torch_function_off_reads_what_the_attributes_read(fake_world, monkeypatch):
+    """The per-step scans read ``requires_grad`` / ``grad`` / ``_version`` of sharded DTensor params and
+    set their ``.grad`` inside ``subclass_torch_function_off()``: there the values must be the very ones
+    read outside, and a subclass's ``__torch_function__`` must not be consulted (else the context does not
+    do what the scans rely on, and the 2.7x saving is gone)."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (6,))
+    ps = [
+        nn.Parameter(DTensor.from_local(torch.randn(4), mesh, [Shard(0)]), requires_grad=rg)
+        for rg in (True, False)
+    ]
+    with torch.no_grad():
+        ps[0].add_(1.0)
+    grad = DTensor.from_local(torch.ones(4), mesh, [Shard(0)])
+    ps[0].grad = grad
+    outside = [(p.requires_grad, p.grad, p._version, p._post_accumulate_grad_hooks) for p in ps]
+    ctx = _compat.subclass_torch_function_off()
+    with ctx():
+        assert not torch._C._is_torch_function_enabled()
+        inside = [(p.requires_grad, p.grad, p._version, p._post_accumulate_grad_hooks) for p in ps]
+        ps[1].grad = grad  # the setter as well
+    assert torch._C._is_torch_function_enabled()
+    assert [(a, b is None or id(b), c, d) for a, b, c, d in inside] == [
+        (a, b is None or id(b), c, d) for a, b, c, d in outside
+    ]
+    assert outside[0][2] == 1 and ps[1].grad is grad
+
+    calls = []
+
+    class Seen(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    s = torch.zeros(2).as_subclass(Seen)
+    s.requires_grad
+    assert calls, "a subclass getter consults __torch_function__ outside the context"
+    calls.clear()
+    with ctx():
+        s.requires_grad
+    assert not calls
+    monkeypatch.delattr(torch._C, "DisableTorchFunctionSubclass")
+    with pytest.raises(RuntimeError, match=r"DisableTorchFunctionSubclass.*raggedfsdp/_compat\.py"):
+        _compat.subclass_torch_function_off()
