@@ -16,8 +16,9 @@ every ``torch.optim`` step whose param groups contain one of the unit's sharded 
 single-tensor in-place edits by hand; torch's ``foreach``/``fused`` optimizer kernels on DTensors do
 not bump them, hence the counter; nor do writes through ``p.data`` or ``p.to_local()``, checked by hand
 on 2.13: after such a write outside an optimizer step call ``module.reshard()`` to drop a kept gather,
-as FSDP2, which keeps no version at all, requires after any write). An optimizer step over other parameters -- an EMA, a probe head,
-on one rank only -- does not touch it, so every rank of a unit's group makes the same decision.
+as FSDP2, which keeps no version at all, requires after any write). An optimizer step over other
+parameters -- an EMA, a probe head, on one rank only -- does not touch it, so every rank of a unit's
+group makes the same decision.
 
 Notes [grad fold] and [frozen parameters] are in ``_grads.py`` (the gradient side of a unit).
 """
