@@ -116,6 +116,36 @@ class DBuffer:
             self.data.zero_()
         return fresh
 
+    def alloc_from(self, donor: DBuffer) -> bool:
+        """Allocate this freed buffer with the memory of ``donor``, which is freed by it: one swap of
+        the two storages' data pointers (``_compat.storage_memory_swap``), no ``free`` / ``malloc``.
+        CPU only, both unpinned, equal byte sizes (dtypes may differ; the contents are left as they
+        are, like :meth:`alloc`'s). Returns True if it did; False, changing nothing, when any condition
+        fails (the caller then allocates as usual). In debug mode ``donor`` is checked as by
+        :meth:`free`. Local. Note [recycled params] in ``raggedfsdp/buffer/lifecycle.py``."""
+        from raggedfsdp._compat import storage_memory_swap
+
+        mine, theirs = self.data, donor.data
+        swap = storage_memory_swap()
+        if (
+            swap is None
+            or mine.device.type != "cpu"
+            or theirs.device.type != "cpu"
+            or self.is_allocated
+            or not donor.is_allocated
+            or mine.numel() * mine.element_size() != theirs.numel() * theirs.element_size()
+            or mine.is_pinned()
+            or theirs.is_pinned()
+        ):
+            return False
+        if debug_enabled():
+            donor.check_no_pending_use("free")
+        donor._uses.clear()
+        swap(mine.untyped_storage(), theirs.untyped_storage())
+        self.alloc_stream_key = stream_key(current_stream(mine.device))
+        self._uses.clear()
+        return True
+
     def free(self) -> None:
         """Release the storage. In debug mode raises :class:`BufferLifetimeError` if a collective that
         used it was not waited on the stream that allocated it (Note [stream invariant]). Local."""

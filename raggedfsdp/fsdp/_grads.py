@@ -339,8 +339,11 @@ class UnitGrads:
         are alive at any time of backward, as in FSDP2."""
         if self.group.reduce_grads and self.group.any_trainable and self.grad_state is not GradState.REDUCING:
             self.group.comm.reduces.make_room()
-        self.group.reshard(free=self.group.reshard_after_backward)
-        any_grad = self._collect_stray() if self.group.any_trainable else False
+        self.group.reshard(free=self.group.reshard_after_backward, spare=True)
+        try:  # the params' memory becomes the grad buffer (Note [recycled params], buffer/lifecycle.py)
+            any_grad = self._collect_stray() if self.group.any_trainable else False
+        finally:
+            self.group.bufs.drop_spare()
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
         if not any_grad and self.holds_unreduced():  # HSDP: a deferred partial sum awaits its all-reduce
