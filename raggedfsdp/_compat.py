@@ -128,8 +128,10 @@ def storage_memory_swap():
     already reuses the block, so it is not used there.
 
     torch internal: ``UntypedStorage._swap_data_ptr_`` (torch/csrc/Storage.cpp; the storages must share a
-    device and have equal byte sizes, or one of them 0 bytes). ``tests/unit/test_compat.py`` checks it on
-    the installed torch, so a torch that drops or changes it fails there, not silently slower.
+    device and have equal byte sizes, or one of them 0 bytes); present on 2.13.0 and 2.14.1 (checked). A
+    torch without it gets ``None``: the same memory, only the fresh block's page faults come back.
+    ``tests/unit/test_compat.py`` checks it on the installed torch, so a torch that drops or changes it
+    fails there, not silently slower.
     """
     import torch
 

@@ -161,10 +161,10 @@ class Agreement:
             local = list(map(local_or.get, ids, itertools.repeat(False)))
             if g.shard_world * g.replicate_world > 1:
                 counts = [self.counts.get(u.unit_id, 0) for u in gs]
-                head = [self.seq_hash, -self.seq_hash, *counts, *(-c for c in counts)]
-                t = torch.tensor(head, dtype=torch.int64)
-                if local:  # the flags as bytes: one C copy, not a Python int each (0.08 -> 0.01 ms per 785)
-                    t = torch.cat([t, torch.frombuffer(bytearray(map(bool, local)), dtype=torch.uint8)])
+                t = torch.tensor(
+                    [self.seq_hash, -self.seq_hash, *counts, *(-c for c in counts), *map(int, local)],
+                    dtype=torch.int64,
+                )
                 if g.device.type == "cuda":
                     t = t.pin_memory().to(g.device, non_blocking=True)
                 base = use_count(t)
@@ -185,7 +185,7 @@ class Agreement:
                 # only trainable params need their flags read (frozen ones never get a .grad, and
                 # requires_grad must agree across ranks); a trainable one no local reduction carried
                 # (its unit's backward did not run here) still needs them
-                with attr_scan():  # DTensor attribute reads without __torch_function__ (1 ms per 785)
+                with attr_scan():  # DTensor attribute reads without __torch_function__ (2.7x cheaper)
                     frozen = list(map(operator.not_, map(_SHARDED_REQUIRES_GRAD, params)))
                 carried = all(map(local_or.get, ids, frozen))
                 if carried and (mode == "deferred" or (mode == "auto" and g.device.type == "cuda")):

@@ -12,7 +12,12 @@ step 0 is the forward that runs the lazy init):
 * ``root-frozen-first``: only the root's params frozen at step 0 (its backward trains ``inner``);
 * ``frozen-before-lazy-init``: frozen after ``fully_shard`` and before the first forward, then unfrozen;
 * ``frozen-before-fully-shard``: the root's params frozen when ``fully_shard`` runs, unfrozen at step 1;
-* ``freeze-after-init``: the root's weight frozen at step 2 and unfrozen at step 3, ``inner.bias`` at 3.
+* ``freeze-after-init``: the root's weight frozen at step 2 and unfrozen at step 3, ``inner.bias`` at 3;
+* ``between-forward-and-backward`` (``BETWEEN``, applied after the forward): ``inner.lin.weight`` (a
+  resharded unit: its sharded param) and ``head.weight`` (the root, kept unsharded) frozen after step
+  1's forward, unfrozen before step 2's. As in plain torch, whose ``AccumulateGrad`` reads
+  ``requires_grad`` when it runs, the frozen params get no ``.grad`` from that backward (so the
+  pre-backward must take the change; skipping its ``refresh_requires_grad`` fails here).
 
 Each runs with no mixed precision (vs float32 single-process training, rtol 1e-5) and with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (vs the same single-process model whose
@@ -61,6 +66,10 @@ SCHEDULES = {
         3: [(("head.weight",), True), (("inner.lin.bias",), False)],
     },
 }
+BETWEEN = {
+    "between-forward-and-backward": {1: [(("inner.lin.weight", "head.weight"), False)]},
+}
+SCHEDULES["between-forward-and-backward"] = {2: [(("inner.lin.weight", "head.weight"), True)]}
 FORWARD_ONLY = {"frozen-first-forward": (0,), "frozen-before-lazy-init": (0,)}
 STEPS = 5
 
@@ -71,18 +80,25 @@ def _set_rg(model, names, rg):
         params[n].requires_grad_(rg)
 
 
-def _ref_grads(ref, x, mp):
-    """Single-process step: the loss of the global batch (the mean over ranks of the local means)."""
+def _ref_grads(ref, x, mp, between=()):
+    """Single-process step: the loss of the global batch (the mean over ranks of the local means);
+    ``between``: ``(names, requires_grad)`` changes made after the forward, before the backward."""
     if mp:  # what FSDP computes: forward and backward in bf16 from bf16 copies of the master
         low = copy.deepcopy(ref).to(torch.bfloat16)
         for p, q in zip(low.parameters(), ref.parameters()):
             p.requires_grad_(q.requires_grad)
         out = low(x.to(torch.bfloat16)).float()
+        for names, rg in between:
+            _set_rg(low, names, rg)
+            _set_rg(ref, names, rg)
         out.square().mean().backward()
         for p, q in zip(low.parameters(), ref.parameters()):
             q.grad = None if p.grad is None else p.grad.float()
     else:
-        ref(x).square().mean().backward()
+        out = ref(x)
+        for names, rg in between:
+            _set_rg(ref, names, rg)
+        out.square().mean().backward()
 
 
 def _cases(rank, ws):
@@ -124,8 +140,11 @@ def _cases(rank, ws):
                 if step in FORWARD_ONLY.get(name, ()):
                     assert not out.requires_grad
                     continue
+                between = BETWEEN.get(name, {}).get(step, [])
+                for names, rg in between:
+                    _set_rg(model, names, rg)
                 out.float().square().mean().backward()
-                _ref_grads(ref, x, mp)
+                _ref_grads(ref, x, mp, between)
                 for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                     where = f"{name} mp={mp} ws={ws} step {step}: {n} (requires_grad={q.requires_grad})"
                     assert (p.grad is None) == (q.grad is None), (
