@@ -79,7 +79,7 @@ class UnitBuffers:
         storage_device: torch.device,
         pin: bool = False,
     ):
-        self.layout, self.rank, self.shapes = layout, rank, list(shapes)
+        self.layout, self.rank, self.shapes = layout, rank, list(map(torch.Size, shapes))  # shared, read only
         self.orig_dtype, self.param_dtype, self.reduce_dtype = orig_dtype, param_dtype, reduce_dtype
         self.device, self.storage_device, self.pin = device, storage_device, pin
         self.sharded = DBuffer(
@@ -88,7 +88,7 @@ class UnitBuffers:
             rank=rank,
             dtype=orig_dtype,
             device=storage_device,
-            shapes=shapes,
+            shapes=self.shapes,
             pin_memory=pin,
             name="sharded params",
         )
