@@ -70,7 +70,8 @@ class DBuffer:
         sharded: ``True`` for a rank-local ``(S,)`` shard, ``False`` for the global ``(m*S,)`` buffer.
         rank: this rank's index on the shard mesh dim.
         dtype, device: of the storage.
-        shapes: per-tensor global shapes (same order as ``layout.numels``).
+        shapes: per-tensor global shapes (same order as ``layout.numels``); a list of ``torch.Size`` is
+            kept as given (shared, never mutated here: callers must not mutate it either).
         allocate: allocate storage now (``False`` creates it freed; call :meth:`alloc`).
         pin_memory: pin a CPU buffer (CPU offload with an accelerator compute device).
 

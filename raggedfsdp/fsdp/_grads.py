@@ -306,6 +306,7 @@ class UnitGrads:
             index = self.group._index
             if any(issubclass(t, DTensor) for t in set(map(type, grads))):
                 # TP grads autograd left Partial: redistribute one at a time, freeing autograd's as we go
+                self.group.bufs.drop_spare()  # the redistributions allocate: free the params first
                 fps = [fp for fp, _ in stray]
                 del stray, grads
                 folded = []
