@@ -357,8 +357,8 @@ class UnitBuffers:
         p = self.params.data
         if p.device.type != "cpu" or p.is_pinned() or not self.params.is_allocated or self.has_grads():
             return False
-        dtype = self.reduce_dtype if self.reduce_dtype != self.param_dtype else self.param_dtype
-        return self.grads.data.numel() * dtype.itemsize == p.numel() * p.element_size()
+        # the fold's target: the reduce_dtype accumulator, or the grads (reduce_dtype == param_dtype)
+        return self.grads.data.numel() * self.reduce_dtype.itemsize == p.numel() * p.element_size()
 
     def drop_spare(self) -> None:
         """Free the spare params memory that no grad allocation took (Note [recycled params]). Local."""
