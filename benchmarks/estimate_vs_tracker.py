@@ -3,7 +3,7 @@
 For each tiny model and world size: torch's ``fully_shard`` trains one step under
 ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (torch's private FSDP2 tracker; rank 0
 of torch's fake process group, real tensors on the CPU) and its peak snapshot is split by category;
-``raggedfsdp.sizing.memory_estimate.estimate_memory`` (recipe fp32, the planner's layout) gives
+``raggedfsdp.app.sizing.memory_estimate.estimate_memory`` (recipe fp32, the planner's layout) gives
 params / optimizer state / the ZeRO-3 working set; the same step under ``raggedfsdp.fully_shard``
 gives our real per-rank state (storages behind the local shards and AdamW state).
 
@@ -47,9 +47,9 @@ def compare(family: str, flavor: str, ws: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from raggedfsdp import fully_shard
-    from raggedfsdp.models import build_model
-    from raggedfsdp.sizing.memory_estimate import estimate_memory
-    from raggedfsdp.sizing.registry import model_units
+    from raggedfsdp.app.models import build_model
+    from raggedfsdp.app.sizing.memory_estimate import estimate_memory
+    from raggedfsdp.app.sizing.registry import model_units
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
     try:

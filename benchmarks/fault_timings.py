@@ -4,7 +4,7 @@ to the last line the user sees (printed after every rank exited), the exit code 
     python benchmarks/fault_timings.py [--nproc 2] [--only nan,hang]
 
 Each case is one real 2-rank launch of the debug model (``RAGGEDFSDP_FAULT``, see
-``raggedfsdp/train/faults.py``). The fault's wall time comes from the rank's own log line
+``raggedfsdp/app/train/faults.py``). The fault's wall time comes from the rank's own log line
 (``debug: injecting fault KIND@stepN (t=...)``); SIGINT and kill -9 are sent to the launcher by this
 script (``ctrl-c-*``: to the job's whole process group, as a terminal does, while every rank sleeps
 inside the save of step 4: ``slowsave``; ``truncdata*``: the ``--data`` file is truncated the moment
@@ -62,7 +62,7 @@ CASES = {
 
 def _cli() -> list[str]:
     script = Path(sys.executable).with_name("raggedfsdp")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.app.cli"]
 
 
 def _fault_t(text: str) -> float | None:
@@ -117,7 +117,7 @@ def run_case(name: str, nproc: int, tmp: Path) -> tuple[str, float, int, str, st
     if name == "truncate-bin":  # a 200 kB .bin of byte tokens, cut to half by rank 0 at step 3
         import numpy as np
 
-        from raggedfsdp.train.data import write_token_bin
+        from raggedfsdp.app.train.data import write_token_bin
 
         text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000))
         ids = np.frombuffer(text.encode(), dtype=np.uint8)

@@ -105,7 +105,7 @@ def run_one(name: str, out: Path) -> dict:
     folder.mkdir(parents=True)
     if kind == "train":
         argv = argv + ["--out", str(folder / "run")]
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", *argv]
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", *argv]
     with open(folder / "stdout.txt", "w") as so, open(folder / "stderr.txt", "w") as se:
         rc = subprocess.run(cmd, stdout=so, stderr=se, cwd=folder, env=os.environ.copy()).returncode
     if kind == "train":

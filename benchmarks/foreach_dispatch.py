@@ -44,7 +44,7 @@ def _measure(system: str, layers: int, dim: int, ws: int, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from raggedfsdp.models import apply_fsdp
+    from raggedfsdp.app.models import apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)

@@ -27,12 +27,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.bench.copy_accounting import CopyCounter
+from raggedfsdp.app.bench.copy_accounting import CopyCounter
 
 
 def _build(args, backend, mesh, device):
-    from raggedfsdp.models.llama import Llama, LlamaConfig
-    from raggedfsdp.models.parallelize import apply_fsdp, make_mp_policy
+    from raggedfsdp.app.models.llama import Llama, LlamaConfig
+    from raggedfsdp.app.models.parallelize import apply_fsdp, make_mp_policy
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig.flavor(args.flavor)).to(device)
@@ -153,7 +153,7 @@ def main():
         print("losses torch ", [round(x, 4) for x in losses["torch"]])
         dl = max(abs(a - b) for a, b in zip(losses["ragged"], losses["torch"]))
         print(f"max |loss ragged - loss torch| over {len(losses['ragged'])} steps: {dl:.2e}")
-    from raggedfsdp.launch.teardown import shutdown_process_group
+    from raggedfsdp.teardown import shutdown_process_group
 
     shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
 

@@ -3,7 +3,7 @@
 Runs a ``raggedfsdp bench`` model family (``--model moe|dense``, the bench's registry, one FSDP unit
 per block + root, AdamW ``foreach``, batch 2 x 128 tokens per rank, same init and data for both) for
 two warm-up steps, then measures one step with the shared method
-(``raggedfsdp.bench.memory.PeakMemory(breakdown=N)``, docs/memory.md) and prints, per system, the
+(``raggedfsdp.app.bench.memory.PeakMemory(breakdown=N)``, docs/memory.md) and prints, per system, the
 peak (relative to just before the model was built) and the blocks allocated during the step that
 are live at the peak, grouped by the op chain that allocated them and by category:
 
@@ -65,11 +65,11 @@ def forward_backward(model, tok) -> None:
 
 
 def measure(args, backend: str, mesh, rank: int) -> dict:
-    from raggedfsdp.bench.registry import get_bench_model
-    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+    from raggedfsdp.app.bench.registry import get_bench_model
+    from raggedfsdp.app.bench.memory import PeakMemory, enable_cpu_allocator_accounting
 
     enable_cpu_allocator_accounting()  # before the models are built (docs/memory.md)
-    from raggedfsdp.models import make_mp_policy
+    from raggedfsdp.app.models import make_mp_policy
 
     ns = argparse.Namespace(
         flavor=None, n_layers=None, n_experts=None, top_k=None, experts=args.experts, seed=0

@@ -3,7 +3,7 @@
 Both backends train the same model (``tests/_memory.py``: ``--blocks`` blocks of two
 ``Linear(dim, dim)``, one FSDP unit each, plus a root ``Linear(dim, dim)``; AdamW; same init, same
 data) and are measured with the project's one peak-memory method,
-``raggedfsdp.bench.memory.measure_train_step`` (docs/memory.md): live bytes relative to just before
+``raggedfsdp.app.bench.memory.measure_train_step`` (docs/memory.md): live bytes relative to just before
 the model is built, at the start of the measured step (``state``), and the peak during forward +
 backward and during ``optimizer.step()``; ratios are ragged / torch (< 1: raggedfsdp uses less).
 
@@ -69,7 +69,7 @@ def measure(rank: int, ws: int, args) -> dict:
     from _memory import MemNet, builder, comm_completion, loss_fn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.bench.memory import measure_train_step
+    from raggedfsdp.app.bench.memory import measure_train_step
 
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(dev.type, (ws,))
@@ -164,7 +164,7 @@ def _spawn_worker(rank, ws, store_path, args, q):
             timeout=timedelta(seconds=300),
         )
         q.put((rank, measure(rank, ws, args), None))
-        from raggedfsdp.launch.teardown import shutdown_process_group
+        from raggedfsdp.teardown import shutdown_process_group
 
         shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
     except BaseException:  # noqa: BLE001

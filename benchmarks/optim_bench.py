@@ -43,8 +43,8 @@ def _model(args, device, backend="ragged", shard_placement_fn=None, mesh=None, b
 
     Returns ``(model, fwd_bwd)``: ``fwd_bwd()`` runs one more forward/backward on the same batch.
     """
-    from raggedfsdp.models.llama import Llama, LlamaConfig
-    from raggedfsdp.models.parallelize import apply_fsdp
+    from raggedfsdp.app.models.llama import Llama, LlamaConfig
+    from raggedfsdp.app.models.parallelize import apply_fsdp
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig.flavor(args.flavor)).to(device)
@@ -319,7 +319,7 @@ def main() -> None:
         SECTIONS[name](args, device, mesh, out)
     if rank == 0:
         print("\n".join(out), flush=True)
-    from raggedfsdp.launch.teardown import shutdown_process_group
+    from raggedfsdp.teardown import shutdown_process_group
 
     shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
 

@@ -23,7 +23,7 @@ import io
 import json
 import sys
 
-from raggedfsdp.commands.plan import main as plan_main
+from raggedfsdp.app.commands.plan import main as plan_main
 
 MODELS = ("qwen3-4b", "llama3-70b", "gpt-oss-120b", "deepseek-v3-671b")
 WORLD_SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000, 1024)

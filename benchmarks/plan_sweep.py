@@ -16,7 +16,7 @@ Prints, per model and granularity, one markdown table with a row per world size 
 Then the whole-model planning time of ``moe-2.4t`` (best of ``--repeat``), per-layer units and
 ``--unit auto``.
 
-With ``--unit auto`` each row is :func:`~raggedfsdp.sizing.autounit.choose_unit_size`: the
+With ``--unit auto`` each row is :func:`~raggedfsdp.app.sizing.autounit.choose_unit_size`: the
 smallest ``K`` (layers per unit; embedding and head units separate) whose padding is within
 ``--target``, or the best ``K`` when none is. Columns: ``K``, ``plan``, ``FSDP2`` and
 ``FSDP2+blk`` for the same units (both per parameter, so they do not depend on ``K``), ``bound@K``,
@@ -37,9 +37,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from raggedfsdp.sizing.archs import model_units
-from raggedfsdp.sizing.autounit import UnitChoice, choose_unit_size
-from raggedfsdp.sizing.modelplan import ModelPlan, gcd_fallback, plan_model
+from raggedfsdp.app.sizing.archs import model_units
+from raggedfsdp.app.sizing.autounit import UnitChoice, choose_unit_size
+from raggedfsdp.app.sizing.modelplan import ModelPlan, gcd_fallback, plan_model
 
 WORLD_SIZES = (
     8,

@@ -10,7 +10,7 @@ Cases (each run is a separate launch of fresh processes):
 
 - ``bare``: the issue's lead, torch only: ``init_device_mesh("cpu", (N,))``, one ``all_reduce``,
   plain ``destroy_process_group()``. The control: it must show aborts, or the soak cannot see the bug.
-- ``harness``: the same script ending with ``raggedfsdp.launch.teardown.shutdown_process_group()``.
+- ``harness``: the same script ending with ``raggedfsdp.teardown.shutdown_process_group()``.
 - ``fsdp``: one raggedfsdp ``fully_shard`` training step (forward, backward, reduce-scatter, AdamW)
   on a small LM through the test harness (``tests/_dist.py: run_distributed``, FileStore, spawn),
   which tears down with ``shutdown_process_group`` and checks every rank's exit code.
@@ -98,7 +98,7 @@ def _rank_bare(use_ours: bool) -> None:
     dist.all_reduce(t)
     assert float(t[0]) == world
     if use_ours:
-        from raggedfsdp.launch.teardown import shutdown_process_group
+        from raggedfsdp.teardown import shutdown_process_group
 
         shutdown_process_group()
     else:
@@ -291,7 +291,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
     me = [sys.executable, str(Path(__file__).resolve()), "--child", case]
     if case == "train":
         cli = Path(sys.executable).with_name("raggedfsdp")
-        cmd = [str(cli) if cli.exists() else sys.executable, *([] if cli.exists() else ["-m", "raggedfsdp.cli"]),
+        cmd = [str(cli) if cli.exists() else sys.executable, *([] if cli.exists() else ["-m", "raggedfsdp.app.cli"]),
                "train", "--nproc", str(nproc), "--model", "debug", "--steps", "2", "--batch-size", str(2 * nproc),
                "--seq-len", "16", "--data.max_bytes", "100000", "--metrics.eval_batches", "1",
                "--optimizer.warmup_steps", "1", "--log-every", "1", "--out", str(tmp / f"out-{time.time_ns()}")]  # fmt: skip
@@ -415,7 +415,7 @@ def main() -> None:
         # what the ranks import, the first DTensor/FSDP step included (torch._dynamo & co: ~3 s per rank)
         for name in ("torch.distributed", "torch.distributed.device_mesh", "torch._dynamo", "torch._functorch",
                      "torch._inductor", "torch.fx", "torch.profiler", "raggedfsdp", "raggedfsdp.placement",
-                     "raggedfsdp.launch.teardown", "_dist", "_toy_models"):  # fmt: skip
+                     "raggedfsdp.teardown", "_dist", "_toy_models"):  # fmt: skip
             importlib.import_module(name)
         torch.set_num_threads(1)
         gc.freeze()  # forked ranks would otherwise copy every page at exit (refcounts), seconds per run

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raggedfsdp.train.data import BatchSampler, batch_checksums, load_corpus, write_token_bin
+from raggedfsdp.app.train.data import BatchSampler, batch_checksums, load_corpus, write_token_bin
 
 
 class MemmapTokens:

@@ -1,8 +1,12 @@
 """raggedfsdp: fully sharded data parallel on RaggedShard DTensors (veScale-FSDP design).
 
-Rooms (imports go one way, enforced by tests/unit/test_layering.py; docs/architecture.md maps them):
-placement -> planner -> buffer -> fsdp -> optim / checkpoint -> models -> train / launch ->
-sizing / bench -> commands / cli.
+Two layers in one package (docs/architecture.md; imports go one way, enforced by
+tests/unit/test_layering.py):
+
+* the library, ``raggedfsdp.*``: placement -> planner -> buffer -> fsdp -> optim, plus
+  ``teardown`` (``shutdown_process_group``). It needs torch alone and never imports the application;
+* the application, ``raggedfsdp.app.*``: models -> checkpoint -> train / launch -> sizing / bench ->
+  commands / cli (the ``raggedfsdp`` command). It uses the library's public names only.
 
 Importing the package imports nothing else and changes nothing in torch: the public names below
 are loaded on first use (PEP 562), the DTensor patches of ``raggedfsdp.placement._patches`` are
@@ -30,6 +34,7 @@ _PUBLIC = {
     "CPUOffloadPolicy": "raggedfsdp.fsdp",
     "clip_grad_norm_": "raggedfsdp.optim.clip",
     "get_total_norm": "raggedfsdp.optim.clip",
+    "shutdown_process_group": "raggedfsdp.teardown",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -31,7 +31,7 @@ def _worker(fn, rank, world_size, store_path, args, err_q):
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
         )
         fn(rank, world_size, *args)
-        from raggedfsdp.launch.teardown import shutdown_process_group
+        from raggedfsdp.teardown import shutdown_process_group
 
         shutdown_process_group()  # barrier + store check-in, then destroy (no SIGABRT in a peer)
         err_q.put((rank, None))

@@ -1,6 +1,6 @@
 """Shared pieces of the peak-memory tests: the model, the two backends' builders, a fake-PG runner.
 
-Memory is measured with ``raggedfsdp.bench.memory.measure_train_step`` (the documented method). The
+Memory is measured with ``raggedfsdp.app.bench.memory.measure_train_step`` (the documented method). The
 multi-rank runs use torch's single-threaded *fake* process group: collectives are no-ops, so the
 numbers are exactly what each FSDP runtime allocates and frees (identical to a real backend minus
 backend scratch, and deterministic), for any rank of any world size, in one process.

@@ -28,13 +28,13 @@ if [[ $DRY == 1 ]]; then
   echo "# dry run: on a GPU machine these would run (NPROC = number of GPUs):" >&2
   echo "$PY -m pytest -q tests/gpu" >&2
   for c in "${CASES[@]}"; do
-    echo "$PY -m raggedfsdp.cli bench $c --device cuda --nproc \$NPROC --steps ${STEPS:-10} $COMMON" >&2
+    echo "$PY -m raggedfsdp.app.cli bench $c --device cuda --nproc \$NPROC --steps ${STEPS:-10} $COMMON" >&2
   done
   echo "# now each case tiny on CPU (gloo, 2 ranks) to check the pipeline:" >&2
   for c in "${CASES[@]}"; do
     c="${c/--flavor small/--flavor debug}"
     c="${c/--flavor moe-small/--flavor moe-debug}"
-    OMP_NUM_THREADS=1 "$PY" -m raggedfsdp.cli bench $c --device cpu --nproc $NPROC --steps 1 --warmup 1 \
+    OMP_NUM_THREADS=1 "$PY" -m raggedfsdp.app.cli bench $c --device cpu --nproc $NPROC --steps 1 --warmup 1 \
       --param-dtype bf16 --batch 1 --seq 16 --json --quiet
   done
   exit 0
@@ -51,5 +51,5 @@ if [[ -d tests/gpu ]]; then
   "$PY" -m pytest -q -p no:cacheprovider tests/gpu >&2 || echo "# GPU tests FAILED (continuing with the bench)" >&2
 fi
 for c in "${CASES[@]}"; do
-  "$PY" -m raggedfsdp.cli bench $c --device cuda --nproc "$NPROC" --steps "${STEPS:-10}" $COMMON
+  "$PY" -m raggedfsdp.app.cli bench $c --device cuda --nproc "$NPROC" --steps "${STEPS:-10}" $COMMON
 done

@@ -105,7 +105,7 @@ def summarize(d: dict) -> dict:
 
 
 def run_case(name: str, argv: list[str], limit: float, dry_run: bool, profile: str | None = None) -> dict:
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--nproc", "1", "--json"]
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "bench", "--model", "moe", "--nproc", "1", "--json"]
     if profile:  # cProfile (process CPU time) of 5 more steps per system after the timed ones
         cmd += ["--profile", os.path.join(profile, name), "--profile-steps", "5"]
     if dry_run:

@@ -67,7 +67,7 @@ ENV_CODE = (
     "[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]\n    info['nccl'] = "
     "'.'.join(map(str, torch.cuda.nccl.version()))\nfor mod in ('pytest', 'numpy', 'transformers'):\n    "
     "import importlib.util\n    info[f'has_{mod}'] = importlib.util.find_spec(mod) is not None\ntry:\n    "
-    "import raggedfsdp, raggedfsdp.bench.memory, raggedfsdp.models.llama, raggedfsdp.models.moe\n    "
+    "import raggedfsdp, raggedfsdp.app.bench.memory, raggedfsdp.app.models.llama, raggedfsdp.app.models.moe\n    "
     "info['raggedfsdp_import'] = 'ok'\nexcept Exception as e:\n    info['raggedfsdp_import'] = "
     "f'{type(e).__name__}: {e}'\nprint(json.dumps(info))\n"
 )

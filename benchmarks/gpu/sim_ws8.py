@@ -11,7 +11,7 @@ torch's ``fully_shard``:
   (a network slower than the backward: the worst case) and "done at once" (early free fires);
 * ``speed``: step time without communication (interleaved, synchronized), host time to enqueue;
 * ``copy_bytes``: bytes written by copy kernels in one step
-(``raggedfsdp.bench.copy_accounting.CopyCounter``);
+(``raggedfsdp.app.bench.copy_accounting.CopyCounter``);
 * ``overlap``: from a ``torch.profiler`` trace of one step, the fraction of side-stream GPU time
   (raggedfsdp's all-gather-stream casts and reduce-scatter-stream copies; FSDP2's copy-in / copy-out)
   that overlaps compute-stream kernels (``_common.stream_overlap``).
@@ -60,7 +60,7 @@ def comm_completion(done: bool):
 
 
 def memory(bench: Bench, res: Result) -> None:
-    from raggedfsdp.bench.memory import measure_train_step
+    from raggedfsdp.app.bench.memory import measure_train_step
 
     out = {}
     for name, system, done in (
@@ -93,7 +93,7 @@ def memory(bench: Bench, res: Result) -> None:
 
 
 def speed_copies_overlap(bench: Bench, res: Result, warmup: int, steps: int) -> None:
-    from raggedfsdp.bench.copy_accounting import CopyCounter
+    from raggedfsdp.app.bench.copy_accounting import CopyCounter
 
     if bench.dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -263,7 +263,7 @@ def sync_sites_moe(dev, mesh, d, n):
 
     from torch.profiler import record_function
 
-    from raggedfsdp.models.moe import MOE_FLAVORS, MoE
+    from raggedfsdp.app.models.moe import MOE_FLAVORS, MoE
 
     experts = 128 if dev.type == "cuda" else 8
     cfg = replace(MOE_FLAVORS["moe-tiny"], n_experts=experts, n_layers=2)

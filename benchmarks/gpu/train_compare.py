@@ -3,7 +3,7 @@
 One GPU, NCCL world size 1, bf16 params / fp32 reduce (the no-FSDP floor: fp32 params under
 ``torch.autocast(bf16)``), AdamW, same init (one state dict loaded into every model) and same data.
 
-* ``memory``: each system measured on its own with ``raggedfsdp.bench.memory.measure_train_step``
+* ``memory``: each system measured on its own with ``raggedfsdp.app.bench.memory.measure_train_step``
   (after one discarded "settle" measurement that takes the CUDA libraries' one-time allocations)
   (build inside the measured region, one warm-up step, then one step; the other systems do not
   exist at that time, and ``torch.cuda.empty_cache()`` runs between them): ``state_bytes`` (params,
@@ -42,8 +42,8 @@ SYSTEMS = ("ragged", "torch", "floor")
 
 def config(model: str, dry_run: bool):
     """(model class, config, batch, seq)."""
-    from raggedfsdp.models.llama import Llama, LlamaConfig
-    from raggedfsdp.models.moe import MoE, MoEConfig
+    from raggedfsdp.app.models.llama import Llama, LlamaConfig
+    from raggedfsdp.app.models.moe import MoE, MoEConfig
 
     if model == "dense":
         if dry_run:
@@ -178,7 +178,7 @@ class _null:
 
 
 def memory(bench: Bench, res: Result) -> None:
-    from raggedfsdp.bench.memory import measure_train_step
+    from raggedfsdp.app.bench.memory import measure_train_step
 
     out = {}
     # The first system measured in a process also pays what CUDA libraries allocate once and keep

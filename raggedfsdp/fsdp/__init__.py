@@ -3,6 +3,7 @@
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from raggedfsdp.fsdp._common import RuntimeOptions
+from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from raggedfsdp.fsdp._module import set_runtime_options
 from raggedfsdp.fsdp._report import FSDPUnit, fsdp_units
@@ -15,6 +16,7 @@ __all__ = [
     "OffloadPolicy",
     "RuntimeOptions",
     "UnshardHandle",
+    "eager_hook",
     "fsdp_units",
     "fully_shard",
     "set_runtime_options",

@@ -1,4 +1,4 @@
-"""What the runtime reports about its FSDP units, for measurers (``raggedfsdp.bench``) and tests.
+"""What the runtime reports about its FSDP units, for measurers (``raggedfsdp.app.bench``) and tests.
 
 :func:`fsdp_units` walks a model and returns one :class:`FSDPUnit` per ``fully_shard`` call (FSDP unit)
 under it: its planned layout, the dtype of its sharded parameters and the flat storages the runtime

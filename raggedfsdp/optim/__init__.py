@@ -9,6 +9,7 @@
   the kernels they share with the distributed optimizers live in ``_newton_schulz`` and ``_quant``.
 """
 
+from raggedfsdp.optim._newton_schulz import ns_flops
 from raggedfsdp.optim.adamw8bit import AdamW8bit, tile_placement_fn
 from raggedfsdp.optim.clip import clip_grad_norm_, get_total_norm
 from raggedfsdp.optim.muon import Muon
@@ -22,6 +23,7 @@ __all__ = [
     "clip_grad_norm_",
     "get_total_norm",
     "muon_param_groups",
+    "ns_flops",
     "shampoo_placement_fn",
     "tile_placement_fn",
 ]

@@ -3,7 +3,7 @@
 ``init_process_group("nccl")`` has no CPU backend: a collective on a CPU tensor raises "No backend
 type associated with device type cpu". The bench once all-reduced its timings, memory figures,
 final losses and replay timer as CPU tensors, so it could not finish on a GPU. Here the bench worker
-(``raggedfsdp.bench.worker.run``, 2 gloo ranks, with ``--floor`` so the replay timer runs too) runs with
+(``raggedfsdp.app.bench.worker.run``, 2 gloo ranks, with ``--floor`` so the replay timer runs too) runs with
 ``torch.distributed``'s ``all_reduce`` / ``all_gather`` / ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` wrapped like an NCCL-only group: a call *from bench code* raises that error
 unless its tensors were put on the process group's device by ``bench.measure.to_comm_device`` (here
@@ -33,8 +33,8 @@ def _tensors(args):
 
 
 def _case(rank, ws):
-    from raggedfsdp.bench import measure, worker
-    from raggedfsdp.bench.options import build_arg_parser
+    from raggedfsdp.app.bench import measure, worker
+    from raggedfsdp.app.bench.options import build_arg_parser
 
     on_device: dict = {}  # id -> weakref of the tensors to_comm_device returned
     calls = {"bench": 0}
@@ -51,7 +51,7 @@ def _case(rank, ws):
     def nccl_like(fn):
         def wrapped(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
-            if "/raggedfsdp/bench/" in caller:
+            if "/raggedfsdp/app/bench/" in caller:
                 calls["bench"] += 1
                 for t in _tensors(list(args) + list(kwargs.values())):
                     ref = on_device.get(id(t))

@@ -25,9 +25,9 @@ def _roundtrip(rank, ws, tmp):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.checkpoint.dcp import save_checkpoint
-    from raggedfsdp.checkpoint.hf import load_hf_weights, read_dcp_model, write_safetensors
-    from raggedfsdp.models import apply_fsdp, build_model
+    from raggedfsdp.app.checkpoint.dcp import save_checkpoint
+    from raggedfsdp.app.checkpoint.hf import load_hf_weights, read_dcp_model, write_safetensors
+    from raggedfsdp.app.models import apply_fsdp, build_model
 
     mesh = init_device_mesh("cpu", (ws,))
     model = build_model("llama", "debug")
@@ -52,8 +52,8 @@ def _roundtrip(rank, ws, tmp):
 def test_dcp_to_hf_logits_and_back(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from raggedfsdp.cli import main
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.cli import main
+    from raggedfsdp.app.models import build_model
 
     run_distributed(_roundtrip, 3, str(tmp_path))
     out = tmp_path / "hf"
@@ -86,9 +86,9 @@ def test_dcp_to_hf_logits_and_back(tmp_path):
 def test_tied_model_and_errors(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from raggedfsdp.checkpoint.hf import write_safetensors
-    from raggedfsdp.cli import main
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.checkpoint.hf import write_safetensors
+    from raggedfsdp.app.cli import main
+    from raggedfsdp.app.models import build_model
 
     ours = build_model("llama", "debug", tie_embeddings=True)
     ours.init_weights(1)
@@ -106,7 +106,7 @@ def test_tied_model_and_errors(tmp_path, capsys):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "raggedfsdp.launch.worker", "--config", "debug",
+    run = subprocess.run([sys.executable, "-m", "raggedfsdp.app.launch.worker", "--config", "debug",
                           "--model.tie_embeddings", "true", "--model.init_from", str(tmp_path / "tied"),
                           "--steps", "1", "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 
 from _spawns import SPAWNS  # runs in the shared per-world-size spawns (tests/dist/_spawns.py)
 from _toy_models import ToyLM, batches, lm_loss, shard_model
-from raggedfsdp.bench.copy_accounting import CopyCounter
+from raggedfsdp.app.bench.copy_accounting import CopyCounter
 
 
 def _count(model, tok, tgt):

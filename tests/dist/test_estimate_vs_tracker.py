@@ -20,7 +20,7 @@ import pathlib
 
 import pytest
 
-from raggedfsdp.sizing.registry import model_units
+from raggedfsdp.app.sizing.registry import model_units
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(

@@ -32,7 +32,7 @@ BUDGET_PER_PARAM = 0.25
 def _count_step(backend: str, n_experts: int, events: str = "call"):
     import torch
 
-    from raggedfsdp.models import apply_fsdp, build_model
+    from raggedfsdp.app.models import apply_fsdp, build_model
 
     torch.manual_seed(0)
     model = build_model("moe", "moe-debug", n_experts=n_experts)

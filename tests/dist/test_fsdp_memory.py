@@ -1,6 +1,6 @@
 """Peak live memory of a training step: raggedfsdp's fully_shard vs torch's, and against a bound.
 
-Method: ``raggedfsdp.bench.memory.measure_train_step`` (CPU allocator events, docs/memory.md) on
+Method: ``raggedfsdp.app.bench.memory.measure_train_step`` (CPU allocator events, docs/memory.md) on
 torch's fake process group (single-threaded: collectives are no-ops, every FSDP buffer is allocated
 and freed exactly as on a real backend, minus backend scratch; deterministic). What our collectives
 report to raggedfsdp's early-free poll (Note [early free] in ``raggedfsdp/fsdp/_reduce.py``) is fixed
@@ -65,7 +65,7 @@ OPTIM_SLACK_FRACTION, OPTIM_SLACK_MIN = 0.005, 64 * 1024
 
 def _act_bytes(init, x, dtype) -> int:
     """Forward peak of the unsharded model in ``dtype`` on the local batch + 4 backward temporaries."""
-    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+    from raggedfsdp.app.bench.memory import PeakMemory, enable_cpu_allocator_accounting
 
     enable_cpu_allocator_accounting()  # before anything this process measures is allocated
 
@@ -99,8 +99,8 @@ def _step_case(rank, ws):
     from _memory import comm_completion
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.bench.measure import state_bytes
-    from raggedfsdp.bench.memory import measure_train_step
+    from raggedfsdp.app.bench.measure import state_bytes
+    from raggedfsdp.app.bench.memory import measure_train_step
 
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def _frozen_case(rank, ws):
     from _memory import backends
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting, storage_bytes
+    from raggedfsdp.app.bench.memory import PeakMemory, enable_cpu_allocator_accounting, storage_bytes
 
     enable_cpu_allocator_accounting()  # before anything this process measures is allocated
 
@@ -344,7 +344,7 @@ def _late_grad_case(rank, ws):
     from _memory import backends
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+    from raggedfsdp.app.bench.memory import PeakMemory, enable_cpu_allocator_accounting
 
     enable_cpu_allocator_accounting()  # before anything this process measures is allocated
 
@@ -390,7 +390,7 @@ def _gloo_reduce_scatter_case(rank, ws):
     import torch.distributed as dist
 
     from raggedfsdp.buffer import DBuffer
-    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+    from raggedfsdp.app.bench.memory import PeakMemory, enable_cpu_allocator_accounting
 
     enable_cpu_allocator_accounting()  # before anything this process measures is allocated
     from raggedfsdp.planner import plan_layout

@@ -121,7 +121,7 @@ def _held_bytes(rank, ws, backend):
     from _memory import backends
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.bench.memory import PeakMemory
+    from raggedfsdp.app.bench.memory import PeakMemory
 
     fs, _ = backends()[backend]
     mesh = init_device_mesh("cpu", (ws,))

@@ -1,5 +1,5 @@
 """FSDP x TP (Note [FSDP x TP] in raggedfsdp/fsdp/_tp.py): ``fully_shard`` over ``mesh["dp"]`` of a Llama
-whose blocks are tensor-parallel over ``mesh["tp"]`` (``raggedfsdp.models.apply_tp``: colwise/rowwise
+whose blocks are tensor-parallel over ``mesh["tp"]`` (``raggedfsdp.app.models.apply_tp``: colwise/rowwise
 linears, a
 Shard(0) embedding, a Replicate norm), on 4 real gloo ranks (dp2 x tp2), against two independent references in
 the same spawn: torch's own ``fully_shard`` with the same TP plan, and the single-process model on the global
@@ -21,7 +21,7 @@ B, T = 4, 16  # global batch rows, sequence length
 
 
 def _cfg():
-    from raggedfsdp.models import LlamaConfig
+    from raggedfsdp.app.models import LlamaConfig
 
     return LlamaConfig.flavor("debug")
 
@@ -32,7 +32,7 @@ def _batches(steps=STEPS):
 
 
 def _model():
-    from raggedfsdp.models import Llama
+    from raggedfsdp.app.models import Llama
 
     m = Llama(_cfg())
     m.init_weights(seed=3)
@@ -61,7 +61,7 @@ def _train(model, opt, batches, rows, dp_group=None, dp=1):
 def _sharded(mesh, backend, ac=False, spf=None):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from raggedfsdp.models import apply_fsdp, apply_tp
+    from raggedfsdp.app.models import apply_fsdp, apply_tp
 
     m = apply_tp(_model(), mesh["tp"])
     if ac:
@@ -134,7 +134,7 @@ def _run(rank, ws):
 
     # a block spec on the global shape that the TP split would cut: refused by fully_shard, naming the param
     from raggedfsdp import fully_shard
-    from raggedfsdp.models import apply_tp
+    from raggedfsdp.app.models import apply_tp
 
     bad = apply_tp(_model(), mesh["tp"])
     try:
@@ -231,7 +231,7 @@ def _hsdp_tp_fake(rank, ws):
     from torch.distributed.tensor import Replicate, Shard
 
     from raggedfsdp import RaggedShard
-    from raggedfsdp.models import apply_fsdp, apply_tp
+    from raggedfsdp.app.models import apply_fsdp, apply_tp
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     out = {}

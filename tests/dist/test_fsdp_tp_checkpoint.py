@@ -30,7 +30,7 @@ def _build(dp, tp, backend):
     """The Llama on a (dp, tp) mesh: TP plan over tp (if > 1), fully_shard over dp (if > 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.models import apply_fsdp, apply_tp
+    from raggedfsdp.app.models import apply_fsdp, apply_tp
 
     m = _model()
     if dp * tp == 1:

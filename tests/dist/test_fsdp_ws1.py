@@ -46,8 +46,8 @@ def _grads(model):
 def _case(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.bench.copy_accounting import CopyCounter
-    from raggedfsdp.bench.memory import measure_train_step
+    from raggedfsdp.app.bench.copy_accounting import CopyCounter
+    from raggedfsdp.app.bench.memory import measure_train_step
 
     mesh = init_device_mesh("cpu", (1,))
     x = torch.randn(8, D, generator=torch.Generator().manual_seed(0))

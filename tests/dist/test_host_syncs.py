@@ -31,7 +31,7 @@ def _case(rank, ws):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import raggedfsdp
-    from raggedfsdp.train import guard
+    from raggedfsdp.app.train import guard
 
     mesh = init_device_mesh("cpu", (ws,))
     # ---- guard: no H2D-making torch.tensor(device=...) in the per-step reduction ------------------
@@ -89,7 +89,7 @@ def test_no_per_step_host_syncs_in_guard_and_offload_copy_in():
 
 
 def test_trainer_step_makes_no_device_tensors_from_host_values():
-    from raggedfsdp.train.trainer import Trainer
+    from raggedfsdp.app.train.trainer import Trainer
 
     src = textwrap.dedent(inspect.getsource(Trainer.train_step))
     bad = [

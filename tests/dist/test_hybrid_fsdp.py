@@ -52,7 +52,7 @@ def _full(model, grad=False):
 def _parity(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.models import apply_fsdp, build_model
+    from raggedfsdp.app.models import apply_fsdp, build_model
 
     data = _data(ws)
     ref = build_model("hybrid", "debug")
@@ -88,7 +88,7 @@ def _parity(rank, ws):
 def _hf_parity(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.models import apply_fsdp, build_model
+    from raggedfsdp.app.models import apply_fsdp, build_model
 
     data = [t % 256 for t in _data(ws)]
     ref = build_model("hf:LlamaForCausalLM", "tiny")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from _dist import run_distributed
 
-from raggedfsdp.sizing.memory_estimate import RECIPES, estimate_memory, format_bytes, format_report
+from raggedfsdp.app.sizing.memory_estimate import RECIPES, estimate_memory, format_bytes, format_report
 
 
 def test_lesson_figures_27b_on_64_ranks():
@@ -92,8 +92,8 @@ def _zero3_measured(rank, ws):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.models import apply_fsdp, build_model
-    from raggedfsdp.sizing.registry import model_units
+    from raggedfsdp.app.models import apply_fsdp, build_model
+    from raggedfsdp.app.sizing.registry import model_units
 
     mesh = init_device_mesh("cpu", (ws,))
     for name, flavor, unit in CASES:
@@ -122,8 +122,8 @@ def test_estimate_matches_measured_zero3_allocations():
 
 
 def test_estimate_matches_measured_unsharded_allocations():
-    from raggedfsdp.models import build_model
-    from raggedfsdp.sizing.registry import model_units
+    from raggedfsdp.app.models import build_model
+    from raggedfsdp.app.sizing.registry import model_units
 
     for name, flavor, _ in CASES[:2]:
         torch.manual_seed(0)
@@ -139,7 +139,7 @@ def test_estimate_matches_measured_unsharded_allocations():
 def test_cli(capsys):
     import json
 
-    from raggedfsdp.cli import main
+    from raggedfsdp.app.cli import main
 
     assert main(["estimate-memory", "--params", "27e9", "--world-size", "64"]) == 0
     out = capsys.readouterr().out

@@ -24,7 +24,7 @@ CASES = ("random", "sparse", "one_expert")
 
 
 def _build(n_experts, case):
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     top_k = 2 if case == "random" else 1
     m = build_model(
@@ -71,7 +71,7 @@ def _ep_parity(rank, ws, n_experts, meshes):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.models import apply_ep, build_model
+    from raggedfsdp.app.models import apply_ep, build_model
 
     for dp, ep in meshes:
         mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
@@ -137,7 +137,7 @@ def test_moe_ep_parity_ws3_ep3():
 
 
 def test_group_by_expert_matches_brute_force():
-    from raggedfsdp.models._ep import _group_by_expert
+    from raggedfsdp.app.models._ep import _group_by_expert
 
     g = torch.Generator().manual_seed(0)
     for ep, L in ((1, 1), (2, 3), (3, 2), (4, 4)):

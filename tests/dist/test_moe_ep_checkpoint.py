@@ -19,7 +19,7 @@ from _toy_models import full_params
 
 
 def _build():
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     m = build_model("moe", "debug", experts="fused", n_experts=8, top_k=2, n_shared_experts=0)  # Mixtral
     m.init_weights(3)
@@ -29,7 +29,7 @@ def _build():
 def _sharded(dp, ep):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from raggedfsdp.models import apply_ep, apply_fsdp
+    from raggedfsdp.app.models import apply_ep, apply_fsdp
 
     model = _build()
     if ep == 1:
@@ -80,8 +80,8 @@ def _ckpt(rank, ws, path):
     if rank == 0:
         from transformers import MixtralForCausalLM
 
-        from raggedfsdp.checkpoint.hf import read_dcp_model
-        from raggedfsdp.checkpoint.hf_moe import write_moe_safetensors
+        from raggedfsdp.app.checkpoint.hf import read_dcp_model
+        from raggedfsdp.app.checkpoint.hf_moe import write_moe_safetensors
 
         hf_dir = write_moe_safetensors(path + "-hf", read_dcp_model(path), _build().cfg)
         hf = MixtralForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -37,7 +37,7 @@ WS = 4
 
 
 def _build():
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     m = build_model(
         "moe",
@@ -141,7 +141,7 @@ def _torch_fsdp_params_rejected(world):
     placements."""
     import pytest
 
-    from raggedfsdp.models import apply_ep, apply_fsdp
+    from raggedfsdp.app.models import apply_ep, apply_fsdp
     from raggedfsdp.optim import AdamW8bit, Muon
 
     model = apply_ep(_build(), world["ep"])
@@ -158,7 +158,7 @@ def _torch_fsdp_params_rejected(world):
 def _sharded(rank, backend, opt_name, world):
     import torch.distributed as dist
 
-    from raggedfsdp.models import apply_ep, apply_fsdp
+    from raggedfsdp.app.models import apply_ep, apply_fsdp
     from raggedfsdp.optim import AdamW8bit
 
     model = apply_ep(_build(), world["ep"])

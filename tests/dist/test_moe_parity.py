@@ -23,7 +23,7 @@ def _loss(model, tok):
 
 
 def _build(layout):
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     # top-1 of 8 experts with 3 tokens per rank: each rank routes to at most 3 experts
     m = build_model("moe", "debug", experts=layout, top_k=1, n_shared_experts=0, aux_loss_coef=0.1)
@@ -41,7 +41,7 @@ def _moe_parity(rank, ws):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import raggedfsdp
-    from raggedfsdp.models import apply_fsdp
+    from raggedfsdp.app.models import apply_fsdp
 
     mesh = init_device_mesh("cpu", (ws,))
     for layout in ("separate", "fused"):

@@ -28,11 +28,11 @@ TINY = {
 def _body(rank, world, tmp):
     import torch
 
-    import raggedfsdp.checkpoint.dcp as dcp
-    import raggedfsdp.checkpoint.integrity as integrity
-    from raggedfsdp.train import run_dir
-    from raggedfsdp.train.config import TrainConfig, load_config
-    from raggedfsdp.train.trainer import Trainer
+    import raggedfsdp.app.checkpoint.dcp as dcp
+    import raggedfsdp.app.checkpoint.integrity as integrity
+    from raggedfsdp.app.train import run_dir
+    from raggedfsdp.app.train.config import TrainConfig, load_config
+    from raggedfsdp.app.train.trainer import Trainer
 
     tmp = Path(tmp)
     cpu = torch.device("cpu")

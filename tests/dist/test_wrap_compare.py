@@ -12,13 +12,13 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from raggedfsdp.bench.wrap_compare import format_wrap_report, recommend
+from raggedfsdp.app.bench.wrap_compare import format_wrap_report, recommend
 
 
 def _compare(rank, ws):
-    from raggedfsdp.sizing.registry import model_units
-    from raggedfsdp.sizing.memory_estimate import estimate_memory
-    from raggedfsdp.bench.wrap_compare import compare_wraps, hybrid_wraps
+    from raggedfsdp.app.sizing.registry import model_units
+    from raggedfsdp.app.sizing.memory_estimate import estimate_memory
+    from raggedfsdp.app.bench.wrap_compare import compare_wraps, hybrid_wraps
 
     build, wraps = hybrid_wraps("hybrid", "debug", ["layer", "superblock"])
     r = compare_wraps(build, wraps, device=torch.device("cpu"), steps=2, warmup=0, batch=2, seq=32)
@@ -74,7 +74,7 @@ def test_recommend_rule():
 
 
 def _gathers(rank, ws):
-    from raggedfsdp.bench.wrap_compare import compare_wraps, hybrid_wraps
+    from raggedfsdp.app.bench.wrap_compare import compare_wraps, hybrid_wraps
 
     out = {}
     for backend in ("torch", "ragged"):
@@ -94,7 +94,7 @@ def test_superblock_unit_gathers_once_per_superblock():
 
 
 def test_wrap_bench_cli_rejects_bad_arguments(capsys):
-    from raggedfsdp.cli import main
+    from raggedfsdp.app.cli import main
 
     assert main(["wrap-bench", "--wrap", "layer"]) == 2
     assert "at least two units" in capsys.readouterr().err

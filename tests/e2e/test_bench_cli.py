@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from raggedfsdp.cli import main
+from raggedfsdp.app.cli import main
 
 
 def test_bench_json_smoke_moe_two_ranks():
     cmd = [
         sys.executable,
         "-m",
-        "raggedfsdp.cli",
+        "raggedfsdp.app.cli",
         "bench",
         "--model",
         "moe",
@@ -132,7 +132,7 @@ def test_bench_json_moe_ep2_four_ranks():
     cmd = [
         sys.executable,
         "-m",
-        "raggedfsdp.cli",
+        "raggedfsdp.app.cli",
         "bench",
         "--model",
         "moe",
@@ -193,7 +193,7 @@ def test_failed_bench_ends_with_one_line_and_the_report_in_out(tmp_path):
     one error line, the last, naming rank 1 and the report; the traceback once, rank-tagged; torchrun's
     failure table, log lines and every rank's traceback in ``--out`` (failure.log), not on the console."""
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "bench", "--model", "moe", "--flavor", "moe-debug",
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "bench", "--model", "moe", "--flavor", "moe-debug",
            "--nproc", "2", "--steps", "1", "--warmup", "1", "--seq", "16", "--no-floor",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAGGEDFSDP_FAULT": "raise@step0:rank1"}

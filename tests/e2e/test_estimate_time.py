@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from raggedfsdp.bench.steptime import measure_steps
+from raggedfsdp.app.bench.steptime import measure_steps
 
 
 @pytest.mark.slow
@@ -26,10 +26,10 @@ def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path, monkeypat
     ``work_s`` is the work), and other jobs on the machine stretch it further. The fit is
     ``--calibrate``'s own (the CLI runs here on the 1-2-rank rows, its measurement replaced by them),
     and its saved cluster is what predicts."""
-    import raggedfsdp.bench.steptime as bench
-    from raggedfsdp.cli import main
-    from raggedfsdp.commands.estimate_time import CALIBRATION_MODELS, resolve_model
-    from raggedfsdp.sizing.steptime import Parallel, estimate_time
+    import raggedfsdp.app.bench.steptime as bench
+    from raggedfsdp.app.cli import main
+    from raggedfsdp.app.commands.estimate_time import CALIBRATION_MODELS, resolve_model
+    from raggedfsdp.app.sizing.steptime import Parallel, estimate_time
 
     rows = measure_steps(list(CALIBRATION_MODELS), [1, 2, 3, 4], batch=2, seq=128)
     (tmp_path / "rows.json").write_text(json.dumps(rows))  # the measurement, for a look afterwards
@@ -65,7 +65,7 @@ def test_fit_on_1_2_ranks_predicts_3_and_4_within_25_percent(tmp_path, monkeypat
 
 
 def _cluster(d: dict):
-    from raggedfsdp.sizing.clusters import Cluster
+    from raggedfsdp.app.sizing.clusters import Cluster
 
     return Cluster(**d)
 
@@ -95,7 +95,7 @@ def test_help_examples_run(argv):
     """Every example of ``estimate-time --help`` but the (slow, measuring) --calibrate one."""
     r = subprocess.run(
         check=False,
-        args=[sys.executable, "-m", "raggedfsdp.cli", "estimate-time", *argv],
+        args=[sys.executable, "-m", "raggedfsdp.app.cli", "estimate-time", *argv],
         capture_output=True,
         text=True,
         timeout=300,
@@ -109,7 +109,7 @@ def test_help_examples_run(argv):
 
 
 def test_help_lists_the_examples_tested_here():
-    from raggedfsdp.commands import estimate_time
+    from raggedfsdp.app.commands import estimate_time
 
     for argv in EXAMPLES:
         assert "raggedfsdp estimate-time " + " ".join(argv) in estimate_time.__doc__
@@ -121,7 +121,7 @@ def test_bad_dims_one_line():
         args=[
             sys.executable,
             "-m",
-            "raggedfsdp.cli",
+            "raggedfsdp.app.cli",
             "estimate-time",
             "--model",
             "llama3-8b",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from raggedfsdp.cli import main as cli_main
+from raggedfsdp.app.cli import main as cli_main
 
 STEPS = 8
 # Batch 12 splits over 1, 2 and 3 ranks; log every step so that every loss is compared.
@@ -38,7 +38,7 @@ RTOL = 1e-5
 
 def _cli() -> list[str]:
     script = Path(sys.executable).with_name("raggedfsdp")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.app.cli"]
 
 
 def _run(cmd: list[str], timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
@@ -99,7 +99,7 @@ def test_crash_then_resume_auto_at_1_rank_and_resume_path_at_3_ranks(reference, 
 
     # Resume where it stopped, at 1 rank (a plain process), into the same OUT.
     proc, _ = _run(
-        [sys.executable, "-m", "raggedfsdp.launch.worker", *ARGS, "--out", str(out), "--resume", "auto"]
+        [sys.executable, "-m", "raggedfsdp.app.launch.worker", *ARGS, "--out", str(out), "--resume", "auto"]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"resumed from {out / 'checkpoints' / 'step-4'}: step 4" in proc.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from raggedfsdp.cli import main as cli_main
+from raggedfsdp.app.cli import main as cli_main
 
 BACKENDS = [
     "torch",
@@ -45,7 +45,7 @@ SMALL = [
 
 def _cli() -> list[str]:
     script = Path(sys.executable).with_name("raggedfsdp")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.app.cli"]
 
 
 def _run(cmd: list[str], timeout: float, **env) -> tuple[subprocess.CompletedProcess, float]:
@@ -103,12 +103,12 @@ def test_backends_agree(two_rank_runs):
 
 
 def test_single_process_worker_matches_two_ranks(two_rank_runs, tmp_path):
-    """`python -m raggedfsdp.launch.worker` (no torchrun, world size 1) sees the same global batches."""
+    """`python -m raggedfsdp.app.launch.worker` (no torchrun, world size 1) sees the same global batches."""
     proc, _ = _run(
         [
             sys.executable,
             "-m",
-            "raggedfsdp.launch.worker",
+            "raggedfsdp.app.launch.worker",
             *SMALL,
             "--backend",
             "torch",
@@ -218,7 +218,7 @@ def test_failure_report_blames_the_root_cause(tmp_path):
     real failure (and on a lower rank) is not blamed; tracebacks are reduced to one line."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from raggedfsdp.launch.failures import failure_report
+    from raggedfsdp.app.launch.failures import failure_report
 
     def failure(rank, exitcode, message=None, culprits=None):
         path = tmp_path / f"error_{rank}_{exitcode}_{culprits}.json"
@@ -230,7 +230,7 @@ def test_failure_report_blames_the_root_cause(tmp_path):
         return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
     err = ChildFailedError(
-        "raggedfsdp.launch.worker",
+        "raggedfsdp.app.launch.worker",
         {
             0: failure(0, -15, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"),
             1: failure(1, 1, "ValueError: real problem"),

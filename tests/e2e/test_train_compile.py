@@ -21,7 +21,7 @@ ARGS = ["--config", "debug", "--steps", "4", "--log-every", "1", "--metrics.eval
 
 def _cli() -> list[str]:
     script = Path(sys.executable).with_name("raggedfsdp")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.app.cli"]
 
 
 def _losses(out: Path, *extra: str) -> list[float]:

@@ -4,7 +4,7 @@ full disks, interrupts, orphans and hung ranks.
 Two kinds of tests: one 2-rank gloo spawn (``SharedSpawns``) drives ``Trainer`` directly through
 many sub-cases (cheap: one spawn), and a few real ``raggedfsdp train`` launches for what only a
 launcher shows (signals, the launcher's death, a hung rank's name, the last line the user sees).
-Faults are injected with ``RAGGEDFSDP_FAULT`` (see ``raggedfsdp/train/faults.py``).
+Faults are injected with ``RAGGEDFSDP_FAULT`` (see ``raggedfsdp/app/train/faults.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from raggedfsdp.cli import main as cli_main
+from raggedfsdp.app.cli import main as cli_main
 from _cases import SharedSpawns, case_tmpdir
 
 TINY = {
@@ -36,7 +36,7 @@ TINY = {
 
 
 def _cfg(out, **kw):
-    from raggedfsdp.train.config import load_config
+    from raggedfsdp.app.train.config import load_config
 
     over = {**TINY, "job.out": str(out), **{k.replace("__", "."): str(v) for k, v in kw.items()}}
     return load_config(None, over)
@@ -56,7 +56,7 @@ def _raises(exc, match, fn):
 def _trainer(cfg, fault=""):
     import torch
 
-    from raggedfsdp.train.trainer import Trainer
+    from raggedfsdp.app.train.trainer import Trainer
 
     os.environ["RAGGEDFSDP_FAULT"] = fault
     try:
@@ -73,9 +73,9 @@ def _cases(rank, world, tmp):
     import torch
     import torch.distributed as dist
 
-    from raggedfsdp.checkpoint import integrity
-    from raggedfsdp.checkpoint.dcp import CheckpointError, resolve_resume
-    from raggedfsdp.train.guard import DivergenceError, FaultError, NonFiniteError
+    from raggedfsdp.app.checkpoint import integrity
+    from raggedfsdp.app.checkpoint.dcp import CheckpointError, resolve_resume
+    from raggedfsdp.app.train.guard import DivergenceError, FaultError, NonFiniteError
 
     tmp = Path(tmp)
 
@@ -228,8 +228,8 @@ def _cases(rank, world, tmp):
 
     # 7. a signal on one rank (here: rank 1's flag set by hand) stops every rank at the same step
     #    boundary, which is saved (checkpoint.on_interrupt) although the interval is not due.
-    from raggedfsdp.train.trainer import Interrupted, Trainer
-    from raggedfsdp.train.watchdog import Interrupts
+    from raggedfsdp.app.train.trainer import Interrupted, Trainer
+    from raggedfsdp.app.train.watchdog import Interrupts
 
     ints = Interrupts(f"[rank {rank}/2]", announce=False)  # not installed: no real signal here
     out = tmp / "sigint"
@@ -257,7 +257,7 @@ def _cases(rank, world, tmp):
     # 9. out of memory inside step 2's forward (every rank, so that no rank waits in a collective):
     #    each rank's one line names itself, the step, its batch and the cause.
     tr = _trainer(_cfg(tmp / "oom"), "oom@step2")
-    from raggedfsdp.train.guard import ResourceError
+    from raggedfsdp.app.train.guard import ResourceError
 
     e = _raises(ResourceError, rf"out of memory on rank {rank} \(cpu\) at step 2 \(batch step2:rows{2 * rank}-"
                 rf"{2 * rank + 1} \(rank {rank}, micro-step 0\)\): OutOfMemoryError: CUDA out of memory\. Tried "
@@ -268,7 +268,7 @@ def _cases(rank, world, tmp):
 
 def _nonfinite_cases(rank, world, tmp):
     """Issue 23 item 3: non-finite gradients and parameters named by the rank that holds them."""
-    from raggedfsdp.train.guard import NonFiniteError
+    from raggedfsdp.app.train.guard import NonFiniteError
 
     tmp = Path(tmp)
     # 10. a NaN only in rank 1's gradients (its loss finite) is rank 1's: the flag is taken before the
@@ -299,8 +299,8 @@ def _nonfinite_cases(rank, world, tmp):
     #     folded into the step's all-reduce, stop it naming both ranks of the disagreeing pair.
     import torch.distributed as dist
 
-    from raggedfsdp.train import data_identity
-    from raggedfsdp.train.data import DataError
+    from raggedfsdp.app.train import data_identity
+    from raggedfsdp.app.train.data import DataError
 
     tr = _trainer(_cfg(tmp / "swap"), "swapdata@step2:rank1")
     calls = []  # the step's checks ride in its one fused all-reduce: no collective of their own
@@ -384,7 +384,7 @@ def _truncated_token_file_case(rank, world, tmp):
     import numpy as np
     import torch.distributed as dist
 
-    from raggedfsdp.train.data import BatchSampler, DataError, load_corpus, write_token_bin
+    from raggedfsdp.app.train.data import BatchSampler, DataError, load_corpus, write_token_bin
 
     path = Path(tmp) / "tokens.bin"
     ids = np.frombuffer("".join(f"line {i}: the quick brown fox\n" for i in range(600)).encode(), np.uint8)
@@ -421,7 +421,7 @@ def _straggler_case(rank, world, tmp):
     """Issue 23 item 7: a rank made slow before one FSDP unit's forward is named, with that unit, in
     every log step's metrics.jsonl record and the console line; a slow step start is blamed on the
     first unit reached (the root)."""
-    from raggedfsdp.train.straggler import describe
+    from raggedfsdp.app.train.straggler import describe
 
     for unit, want in (("layers.1", "layers.1"), ("", "root")):
         out = Path(tmp) / f"slow-{want}"
@@ -450,7 +450,7 @@ def test_data_changed_after_the_prelaunch_check_is_a_recorded_data_error(tmp_pat
     exit 2 "without recording an error"). One worker process as torchrun starts it, no launch."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from raggedfsdp.launch.failures import REPORTED_ENV, failure_report
+    from raggedfsdp.app.launch.failures import REPORTED_ENV, failure_report
 
     data = tmp_path / "data.txt"
     data.write_bytes(b"")  # what the pre-launch check saw was 200 kB; truncated since
@@ -459,7 +459,7 @@ def test_data_changed_after_the_prelaunch_check_is_a_recorded_data_error(tmp_pat
     cmd = [
         sys.executable,
         "-m",
-        "raggedfsdp.launch.worker",
+        "raggedfsdp.app.launch.worker",
         *ARGS,
         "--data",
         str(data),
@@ -520,7 +520,7 @@ ARGS = [
 
 def _cli() -> list[str]:
     script = Path(sys.executable).with_name("raggedfsdp")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "raggedfsdp.app.cli"]
 
 
 def _env(fault: str = "") -> dict[str, str]:
@@ -711,7 +711,7 @@ def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_pa
 def test_prelaunch_refusals(tmp_path, capsys):
     """No launch: a byte-flipped --resume PATH, a second job on a locked --out, a fresh run into an
     --out that holds one, --resume auto without --out: one line each, exit 2."""
-    from raggedfsdp.train.run_dir import OutLock
+    from raggedfsdp.app.train.run_dir import OutLock
 
     out = tmp_path / "o"
     step = out / "checkpoints" / "step-2"
@@ -721,7 +721,7 @@ def test_prelaunch_refusals(tmp_path, capsys):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from raggedfsdp.checkpoint.integrity import file_digest, write_manifest
+    from raggedfsdp.app.checkpoint.integrity import file_digest, write_manifest
 
     dcp.save({"model": {"w": torch.ones(3)}, "train": {"step": torch.tensor(2)}}, checkpoint_id=str(step),
              no_dist=True)  # fmt: skip
@@ -781,8 +781,8 @@ def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_p
     2. ``--resume auto`` resumes step-2 and repeats steps 3-4 bit for bit (same losses); a single Ctrl-C
        during its save of step 4 lets that save complete, then the job stops (exit 130) instead of
        training on; step-4 verifies and the stale ``step-4.tmp`` is gone."""
-    from raggedfsdp.checkpoint import integrity
-    from raggedfsdp.checkpoint.dcp import resolve_resume
+    from raggedfsdp.app.checkpoint import integrity
+    from raggedfsdp.app.checkpoint.dcp import resolve_resume
 
     out = tmp_path / "o"
     ck = out / "checkpoints"

@@ -17,7 +17,7 @@ def test_hybrid_preset_trains_with_metrics(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "raggedfsdp.cli",
+        "raggedfsdp.app.cli",
         "train",
         "--config",
         "hybrid-tiny",

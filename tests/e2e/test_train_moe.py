@@ -90,7 +90,7 @@ def test_train_moe_expert_parallel_matches_ep1(tmp_path):
 
 def test_train_ep_bad_combinations_fail_before_launch(capsys):
     """Checked by the launcher before torchrun starts: in-process (no interpreter start per case)."""
-    from raggedfsdp.cli import main as cli_main
+    from raggedfsdp.app.cli import main as cli_main
 
     for argv, match in (
         (["--nproc", "3", "--parallel.ep", "2"], "must divide the number of ranks (3"),

@@ -37,7 +37,7 @@ def _env() -> dict:
 
 
 def _launch(node_rank: int, port: int, out, steps: int, extra=()):
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "train", *ARGS, "--steps", str(steps), "--nproc", "1",
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "train", *ARGS, "--steps", str(steps), "--nproc", "1",
            "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--out", str(out), *extra]  # fmt: skip
     return subprocess.Popen(
@@ -51,7 +51,7 @@ def _losses(out) -> dict[int, float]:
 
 
 def _single(out, steps, nproc, extra=()):
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "train", *ARGS, "--steps", str(steps), "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "train", *ARGS, "--steps", str(steps), "--nproc", str(nproc),
            "--out", str(out), *extra]  # fmt: skip
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_train_cli import SMALL, _cli, _records, _run
 
-from raggedfsdp.cli import main as cli_main
+from raggedfsdp.app.cli import main as cli_main
 
 
 @pytest.mark.parametrize("optim", ["muon", "adamw8bit", "shampoo"])

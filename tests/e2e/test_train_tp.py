@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_train_cli import SMALL, _cli, _records, _run
 
-from raggedfsdp.cli import main as cli_main
+from raggedfsdp.app.cli import main as cli_main
 
 
 def test_train_tp2_matches_dp4(tmp_path):

@@ -69,7 +69,7 @@ def _rel_err(a: dict, b: dict) -> float:
 
 # ---- CUDA PeakMemory against a known allocation (single process) ---------------------------------
 def test_cuda_peak_memory_method_counts_a_known_allocation():
-    from raggedfsdp.bench.memory import PeakMemory
+    from raggedfsdp.app.bench.memory import PeakMemory
 
     with PeakMemory("cuda") as m:
         x = torch.empty(4 * MiB // 4, device="cuda")  # 4 MiB (a multiple of the 512 B block)
@@ -126,7 +126,7 @@ def test_no_host_sync_in_forward_backward_optimizer_step():
 
 # ---- peak memory vs torch -------------------------------------------------------------------------
 def _peak_case(rank, ws, d, n, batch):
-    from raggedfsdp.bench.memory import measure_train_step
+    from raggedfsdp.app.bench.memory import measure_train_step
 
     mesh = _mesh(ws)
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ job without a usable GPU fails before any rank starts, and the public error type
 import pytest
 import torch
 
-from raggedfsdp.cli import main
+from raggedfsdp.app.cli import main
 
 
 def test_unknown_flag_names_the_closest_flags(capsys):

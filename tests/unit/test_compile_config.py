@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raggedfsdp.models import apply_compile, build_model
-from raggedfsdp.train.config import TrainConfig, add_config_args, load_config, overrides_from_args
+from raggedfsdp.app.models import apply_compile, build_model
+from raggedfsdp.app.train.config import TrainConfig, add_config_args, load_config, overrides_from_args
 
 
 def parse_config(argv: list[str]) -> TrainConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raggedfsdp.train.config import (
+from raggedfsdp.app.train.config import (
     TrainConfig,
     add_config_args,
     apply_overrides,
@@ -18,7 +18,7 @@ from raggedfsdp.train.config import (
     override_argv,
     overrides_from_args,
 )
-from raggedfsdp.train.lr_schedule import lr_at
+from raggedfsdp.app.train.lr_schedule import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -258,7 +258,7 @@ def test_check_data_refuses_a_vocab_smaller_than_the_byte_corpus(tmp_path):
             cfg.check_data()
     load_config("debug", {"data.path": str(text), "model.vocab_size": "256"}).check_data()
     # a tokenized .bin brings its own vocabulary: a small one is fine there
-    from raggedfsdp.train.data import write_token_bin
+    from raggedfsdp.app.train.data import write_token_bin
 
     bin_path = write_token_bin(tmp_path / "d.bin", [list(range(10)) * 400], vocab_size=10)
     load_config("debug", {"data.path": str(bin_path), "model.vocab_size": "10"}).check_data()

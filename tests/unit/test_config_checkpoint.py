@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from raggedfsdp.checkpoint.dcp import CheckpointError, config_hash, resolve_resume
-from raggedfsdp.train.config import TrainConfig, add_config_args, load_config, overrides_from_args
+from raggedfsdp.app.checkpoint.dcp import CheckpointError, config_hash, resolve_resume
+from raggedfsdp.app.train.config import TrainConfig, add_config_args, load_config, overrides_from_args
 
 
 def _parse(argv):
@@ -79,7 +79,7 @@ def test_resume_with_another_batch_names_the_changed_fields(tmp_path):
     one notice naming each changed field with its saved and new value; the same config gets none."""
     import json
 
-    from raggedfsdp.train.run_checkpoints import config_change_notice
+    from raggedfsdp.app.train.run_checkpoints import config_change_notice
 
     saved = TrainConfig()
     saved.training.global_batch_size, saved.training.steps = 4, 6

@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from raggedfsdp.checkpoint import integrity
-from raggedfsdp.checkpoint.dcp import compare_keys
-from raggedfsdp.train import run_dir
-from raggedfsdp.train.config import TrainConfig, load_config
-from raggedfsdp.train.data import BatchSampler, DataError, batch_id, check_batch, reproduce_batch
-from raggedfsdp.train.faults import Fault, FaultPlan, parse_faults
-from raggedfsdp.train.guard import DivergenceError, NonFiniteError, StepGuard, StepStats
-from raggedfsdp.train.watchdog import Watchdog, in_collective
+from raggedfsdp.app.checkpoint import integrity
+from raggedfsdp.app.checkpoint.dcp import compare_keys
+from raggedfsdp.app.train import run_dir
+from raggedfsdp.app.train.config import TrainConfig, load_config
+from raggedfsdp.app.train.data import BatchSampler, DataError, batch_id, check_batch, reproduce_batch
+from raggedfsdp.app.train.faults import Fault, FaultPlan, parse_faults
+from raggedfsdp.app.train.guard import DivergenceError, NonFiniteError, StepGuard, StepStats
+from raggedfsdp.app.train.watchdog import Watchdog, in_collective
 
 
 def test_fault_grammar_and_plan():
@@ -42,7 +42,7 @@ def test_fault_grammar_and_plan():
 
 
 def test_out_of_memory_becomes_one_line_naming_rank_step_and_batch():
-    from raggedfsdp.train.guard import ResourceError, out_of_memory
+    from raggedfsdp.app.train.guard import ResourceError, out_of_memory
 
     ids = {1: "step3:rows2-3 (rank 1, micro-step 0)"}
     for e in (

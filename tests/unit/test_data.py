@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raggedfsdp.train.data import BatchSampler, eval_windows, load_corpus, stdlib_source_files, windows
+from raggedfsdp.app.train.data import BatchSampler, eval_windows, load_corpus, stdlib_source_files, windows
 
 REPO = Path(__file__).resolve().parents[2]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -119,7 +119,7 @@ def test_windows_stay_in_range():
 
 
 def _check(path, seq_len=16, max_bytes=0, val_fraction=0.1):
-    from raggedfsdp.train.data import check_data
+    from raggedfsdp.app.train.data import check_data
 
     return check_data(str(path), max_bytes=max_bytes, val_fraction=val_fraction, seq_len=seq_len)
 
@@ -179,7 +179,7 @@ def test_check_data_size_matches_load_corpus(tmp_path):
 def test_check_data_too_small_suggests_a_seq_len_that_fits(tmp_path):
     import re
 
-    from raggedfsdp.train.data import check_split
+    from raggedfsdp.app.train.data import check_split
 
     path = tmp_path / "small.txt"
     path.write_text("x" * 999 + "\n")  # 1000 bytes: 900 train / 100 held out at val_fraction 0.1

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from raggedfsdp.cli import build_parser, main
-from raggedfsdp.commands import COMMANDS
+from raggedfsdp.app.cli import build_parser, main
+from raggedfsdp.app.commands import COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,8 @@ def test_help_and_version_import_no_torch():
     import sys
 
     code = (
-        "import sys, contextlib, io\nfrom raggedfsdp.cli import main\nfrom raggedfsdp.commands import "
+        "import sys, contextlib, io\nfrom raggedfsdp.app.cli import main\n"
+        "from raggedfsdp.app.commands import "
         "COMMANDS\nfor argv in [['--version'], ['--help']] + [[c.replace('_', '-'), '--help'] for c in "
         "COMMANDS]:\n    with contextlib.redirect_stdout(io.StringIO()):\n        try:\n            "
         "main(argv)\n        except SystemExit:\n            pass\n    assert 'torch' not in sys.modules, "
@@ -166,7 +167,7 @@ def test_every_option_has_help_and_says_its_default():
 
 
 def _direct_launch_lines() -> list[tuple[str, str]]:
-    """(file, line) of every direct ``torchrun`` / ``python -m raggedfsdp.launch.worker`` command in the
+    """(file, line) of every direct ``torchrun`` / ``python -m raggedfsdp.app.launch.worker`` command in the
     README's and docs' code blocks and inline commands (the ones ``raggedfsdp train`` does not wrap)."""
     import re
 
@@ -176,7 +177,7 @@ def _direct_launch_lines() -> list[tuple[str, str]]:
         cmds = re.findall(r"`((?:[A-Z_]+=\S+ )*torchrun [^`\n]*)`", text)  # inline `torchrun ...`
         for block in text.split("```bash")[1:]:
             cmds += [ln for ln in block.split("```", 1)[0].splitlines() if "torchrun " in ln]
-        cmds += [ln for ln in text.splitlines() if ln.startswith("python -m raggedfsdp.launch.worker")]
+        cmds += [ln for ln in text.splitlines() if ln.startswith("python -m raggedfsdp.app.launch.worker")]
         out += [(path.name, c.strip()) for c in cmds]
     return out
 
@@ -185,7 +186,7 @@ def test_direct_torchrun_commands_set_omp_threads_and_parse():
     """torchrun prints a 4-line OMP_NUM_THREADS warning block when the variable is unset (trial
     finding 9; ``raggedfsdp train`` sets it itself): each documented direct torchrun command sets it.
     The worker's own flags in those lines parse with the worker's parser."""
-    from raggedfsdp.launch.worker import build_parser as worker_parser
+    from raggedfsdp.app.launch.worker import build_parser as worker_parser
 
     lines = _direct_launch_lines()
     assert len(lines) >= 4, lines
@@ -193,8 +194,8 @@ def test_direct_torchrun_commands_set_omp_threads_and_parse():
         words = shlex.split(line, comments=True)
         if "torchrun" in words:
             assert "OMP_NUM_THREADS=1" in words[: words.index("torchrun")], f"{name}: {line}"
-        if "raggedfsdp.launch.worker" in words:
-            args = words[words.index("raggedfsdp.launch.worker") + 1 :]
+        if "raggedfsdp.app.launch.worker" in words:
+            args = words[words.index("raggedfsdp.app.launch.worker") + 1 :]
             worker_parser().parse_args(args)  # SystemExit (test error) on an unknown flag
 
 

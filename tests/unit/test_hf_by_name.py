@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 def test_hf_model_by_name(tmp_path):
     import json
 
-    from raggedfsdp.models import build_model, build_model_config, fsdp_unit_modules
-    from raggedfsdp.train.config import load_config
+    from raggedfsdp.app.models import build_model, build_model_config, fsdp_unit_modules
+    from raggedfsdp.app.train.config import load_config
 
     m = build_model("hf:LlamaForCausalLM", "tiny")
     m.init_weights(3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raggedfsdp.models import build_model
+from raggedfsdp.app.models import build_model
 
 
 @pytest.mark.parametrize("experts", ["separate", "fused"])
@@ -14,7 +14,7 @@ def test_convert_moe_checkpoint_to_mixtral(tmp_path, experts):
     import torch.distributed.checkpoint as dcp
     from transformers import MixtralForCausalLM
 
-    from raggedfsdp.cli import main
+    from raggedfsdp.app.cli import main
 
     model = build_model("moe", "debug", experts=experts, n_shared_experts=0)
     model.init_weights(11)
@@ -39,7 +39,7 @@ def _cfg_json(cfg) -> str:
 def test_convert_moe_with_shared_expert_fails_naming_the_field(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
-    from raggedfsdp.cli import main
+    from raggedfsdp.app.cli import main
 
     model = build_model("moe", "debug")  # one shared expert: not a Mixtral
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raggedfsdp.models import Hybrid, HybridConfig, build_model, fsdp_unit_modules
-from raggedfsdp.models.hybrid import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from raggedfsdp.app.models import Hybrid, HybridConfig, build_model, fsdp_unit_modules
+from raggedfsdp.app.models.hybrid import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 
 def _inputs(B=2, T=37, H=3, Dk=5, Dv=4, seed=0):

@@ -40,7 +40,7 @@ def world():
 
 out = {"before": [len(o._global_optimizer_post_hooks), flag()]}
 w0 = world()
-import raggedfsdp, raggedfsdp.fsdp, raggedfsdp.models, raggedfsdp.train.trainer  # noqa: E401
+import raggedfsdp, raggedfsdp.fsdp, raggedfsdp.app.models, raggedfsdp.app.train.trainer  # noqa: E401
 raggedfsdp.fully_shard  # the lazy public name resolves
 names = sorted(m.name for m in pkgutil.walk_packages(raggedfsdp.__path__, "raggedfsdp."))
 for name in names:
@@ -69,7 +69,7 @@ def test_import_registers_nothing_first_fully_shard_registers_one_hook():
 
 
 def test_help_and_version_import_no_torch():
-    code = ("import sys; from raggedfsdp.cli import build_parser, main; build_parser(); "
+    code = ("import sys; from raggedfsdp.app.cli import build_parser, main; build_parser(); "
             "assert main(['--version']) == 0; print('torch' in sys.modules)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -1,7 +1,9 @@
-"""Imports inside the package go one way through the rooms of docs/architecture.md: placement ->
-planner -> buffer -> fsdp -> optim -> models -> checkpoint -> train/launch -> sizing/bench ->
-commands/cli. A module may import its own layer or lower layers only (checked with ast, function-level
-imports included), and no two files import each other in a circle at module level.
+"""Two layers, one way: the library (``raggedfsdp/``: placement -> planner -> buffer -> fsdp -> optim,
+plus ``_compat``, ``_release``, ``teardown``) needs torch alone and never imports the application
+(``raggedfsdp/app/``: models -> checkpoint -> train/launch -> sizing/bench -> commands/cli), which
+uses the library through its public names only. Inside each layer the rooms of docs/architecture.md
+import their own room or lower rooms only (checked with ast, function-level imports included), and no
+two files import each other in a circle at module level.
 
 ``checkpoint`` sits above ``models`` (not beside ``optim``): ``checkpoint/hf.py`` maps the LLaMA
 model's names and config to Hugging Face's, and nothing below ``train`` saves checkpoints."""
@@ -10,16 +12,22 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "raggedfsdp"
-LAYER = {
+APP = PKG / "app"
+LIBRARY_LAYER = {
     "placement": 0,
     "_compat": 0,
     "_release": 0,
+    "teardown": 0,
     "planner": 1,
     "buffer": 2,
     "fsdp": 3,
     "optim": 4,
+}
+APP_LAYER = {
     "models": 5,
     "checkpoint": 6,
     "train": 7,
@@ -29,38 +37,103 @@ LAYER = {
     "commands": 9,
     "cli": 9,
 }
+# what the library may import besides the standard library and itself
+LIBRARY_THIRD_PARTY = {"torch"}
 
 
-def _layer_of(parts: list[str]) -> int | None:
-    return LAYER.get(parts[0].removesuffix(".py")) if parts else None
+def _room(parts: list[str]) -> tuple[str, int] | None:
+    """("library" | "app", layer) of a module given as its parts below ``raggedfsdp``."""
+    if not parts:
+        return None
+    if parts[0] == "app":
+        layer = APP_LAYER.get(parts[1].removesuffix(".py")) if len(parts) > 1 else None
+        return ("app", layer) if layer is not None else None
+    layer = LIBRARY_LAYER.get(parts[0].removesuffix(".py"))
+    return ("library", layer) if layer is not None else None
 
 
 def _imports(path: pathlib.Path):
+    """(module, names, lineno) of every absolute import in ``path``, function-level included."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                yield a.name
+                yield a.name, [], node.lineno
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
+            yield node.module, [a.name for a in node.names], node.lineno
+
+
+def _package_files():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = list(path.relative_to(PKG).parts)
+        if rel in (["__init__.py"], ["app", "__init__.py"]):
+            continue  # the package roots re-export / describe; checked below on their own
+        yield path, rel
+
+
+def test_every_module_has_a_room():
+    loose = [str(p.relative_to(PKG.parent)) for p, rel in _package_files() if _room(rel) is None]
+    assert not loose, f"modules not assigned to a room in tests/unit/test_layering.py: {loose}"
 
 
 def test_imports_go_one_way():
     bad = []
-    for path in PKG.rglob("*.py"):
-        rel = path.relative_to(PKG).parts
-        if rel == ("__init__.py",):
-            continue  # the package root re-exports the public API
-        own = _layer_of(list(rel))
-        assert own is not None, f"{path}: module not assigned to a layer in tests/unit/test_layering.py"
-        for mod in _imports(path):
+    for path, rel in _package_files():
+        own = _room(rel)
+        for mod, _, line in _imports(path):
             parts = mod.split(".")
             if parts[0] != "raggedfsdp" or len(parts) == 1:
                 continue
-            dep = _layer_of(parts[1:])
-            if dep is not None and dep > own:
-                bad.append(f"{path.relative_to(PKG.parent)} (layer {own}) imports {mod} (layer {dep})")
+            dep = _room(parts[1:])
+            if dep is None:
+                continue
+            where = f"{path.relative_to(PKG.parent)}:{line}"
+            if own[0] == "library" and dep[0] == "app":
+                bad.append(f"{where}: the library imports the application ({mod})")
+            elif own[0] == dep[0] and dep[1] > own[1]:
+                bad.append(f"{where} (layer {own[1]}) imports {mod} (layer {dep[1]})")
     assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def test_library_needs_torch_alone():
+    """No numpy, no transformers: ``import raggedfsdp`` and ``fully_shard`` run where only torch is."""
+    bad = []
+    for path, rel in _package_files():
+        if _room(rel)[0] != "library":
+            continue
+        for mod, _, line in _imports(path):
+            top = mod.split(".")[0]
+            if top not in sys.stdlib_module_names and top not in LIBRARY_THIRD_PARTY | {"raggedfsdp"}:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {mod}")
+    assert not bad, "the library imports more than torch:\n" + "\n".join(bad)
+
+
+def test_application_uses_public_library_names_only():
+    """The application imports ``raggedfsdp.<room>`` names that do not start with ``_``, from modules
+    whose path has no ``_`` segment: a private name it needs gets a public home in the library."""
+    bad = []
+    for path, rel in _package_files():
+        if _room(rel)[0] != "app":
+            continue
+        for mod, names, line in _imports(path):
+            parts = mod.split(".")
+            if parts[0] != "raggedfsdp" or (len(parts) > 1 and parts[1] == "app"):
+                continue
+            private = [p for p in parts[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+            if private:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} from {mod} import {names}")
+    assert not bad, "the application uses private library names:\n" + "\n".join(bad)
+
+
+def test_library_imports_and_trains_without_the_application():
+    """``tests/library_only.py`` (what CI runs in a venv holding only torch) in processes where
+    ``raggedfsdp.app`` cannot be imported: fully_shard trains as a plain model does."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "library_only.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "--block-imports"], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "library only: ok" in r.stdout, r.stdout
 
 
 def _module_of(path: pathlib.Path) -> str:

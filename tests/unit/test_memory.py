@@ -1,4 +1,4 @@
-"""The peak-memory method (raggedfsdp.bench.memory.PeakMemory) against known allocations and RSS.
+"""The peak-memory method (raggedfsdp.app.bench.memory.PeakMemory) against known allocations and RSS.
 
 Known allocations: fresh tensors, a storage freed and regrown with ``untyped_storage().resize_``
 (how DBuffer and FSDP2 free unsharded buffers), a kernel's internal temporary, windows split with
@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from raggedfsdp.bench.memory import (
+from raggedfsdp.app.bench.memory import (
     PeakMemory,
     enable_cpu_allocator_accounting,
     live_tensor_bytes,
@@ -113,9 +113,7 @@ def test_frees_on_other_threads_are_counted():
     """gloo frees collective scratch on its worker thread; c10's process-wide accounting sees it."""
     import threading
 
-    from raggedfsdp.placement import _patches as _torch_patches
-
-    assert _torch_patches.enable_cpu_allocator_accounting(), "c10 flag not exported by this torch build"
+    assert enable_cpu_allocator_accounting(), "c10 flag not exported by this torch build"
     holder = [None]
 
     def drop():
@@ -144,7 +142,7 @@ def test_gc_scan_sees_python_held_tensors():
 _RSS_SCRIPT = textwrap.dedent(
     """
     import torch
-    from raggedfsdp.bench.memory import PeakMemory, enable_cpu_allocator_accounting
+    from raggedfsdp.app.bench.memory import PeakMemory, enable_cpu_allocator_accounting
     enable_cpu_allocator_accounting()  # before `keep` is allocated: its resize_(0) free must be reported
     torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raggedfsdp.train.metrics import MetricsLogger, format_line, model_flops_per_token
+from raggedfsdp.app.train.metrics import MetricsLogger, format_line, model_flops_per_token
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ def test_flops_per_token_matches_flop_counter(name, flavor, kw, tol):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     m = build_model(name, flavor, **kw)
     m.init_weights(0)
@@ -78,7 +78,7 @@ def test_mfu_memory_and_tensorboard(tmp_path):
 
 def test_plot_accepts_run_folder(tmp_path):
     pytest.importorskip("matplotlib")
-    from raggedfsdp.train.plot import plot_metrics
+    from raggedfsdp.app.train.plot import plot_metrics
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text(

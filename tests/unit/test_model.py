@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raggedfsdp.models import LLAMA_FLAVORS, Llama, LlamaConfig, build_model
-from raggedfsdp.models.llama import Attention, RMSNorm, apply_rope, precompute_rope
+from raggedfsdp.app.models import LLAMA_FLAVORS, Llama, LlamaConfig, build_model
+from raggedfsdp.app.models.llama import Attention, RMSNorm, apply_rope, precompute_rope
 
 
 def _model(**overrides) -> Llama:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.models import apply_fsdp, build_model, make_mp_policy
+from raggedfsdp.app.models import apply_fsdp, build_model, make_mp_policy
 
 BACKENDS = [
     "torch",

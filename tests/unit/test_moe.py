@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raggedfsdp.models import MOE_FLAVORS, MoE, MoEConfig, aux_loss, build_model
-from raggedfsdp.models.moe import MoEFeedForward
+from raggedfsdp.app.models import MOE_FLAVORS, MoE, MoEConfig, aux_loss, build_model
+from raggedfsdp.app.models.moe import MoEFeedForward
 
 
 def _expert_mats(ff: MoEFeedForward, e: int):

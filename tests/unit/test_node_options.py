@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raggedfsdp.launch.env import NodeOptions, first_slurm_host, node_options
+from raggedfsdp.app.launch.env import NodeOptions, first_slurm_host, node_options
 
 
 def test_single_node_is_standalone():

@@ -2,7 +2,7 @@
 
 With no ``shard_placement_fn`` a parameter is element-granular (the least padding). AdamW8bit (32x32
 tiles) and Shampoo (whole bands) refuse such a layout with a ValueError naming the fix, and accept the
-layout of ``raggedfsdp.train.optimizers.shard_placement_fn_for(name)``, the policy the job gives
+layout of ``raggedfsdp.app.train.optimizers.shard_placement_fn_for(name)``, the policy the job gives
 ``fully_shard``; Muon and AdamW declare nothing and run on the default. Fake process group, 7 ranks,
 rank 3 (uneven element pieces).
 """
@@ -21,7 +21,7 @@ def _case(rank, ws):
 
     import raggedfsdp
     from raggedfsdp.optim import AdamW8bit, Muon, Shampoo
-    from raggedfsdp.train.optimizers import shard_placement_fn_for
+    from raggedfsdp.app.train.optimizers import shard_placement_fn_for
 
     warnings.simplefilter("ignore")  # the padding warning of the block layouts
     mesh = init_device_mesh("cpu", (ws,))

@@ -78,8 +78,8 @@ def test_eligibility_and_policy_use_the_global_shape():
 
 
 def _llama_matrices(ws, policy):
-    from raggedfsdp.sizing.archs import model_units
-    from raggedfsdp.sizing.modelplan import plan_model
+    from raggedfsdp.app.sizing.archs import model_units
+    from raggedfsdp.app.sizing.modelplan import plan_model
 
     mats = []
     for up in plan_model(model_units("llama3-8b"), ws, policy=policy).units:
@@ -106,7 +106,7 @@ def test_owner_balance_on_llama3_8b_at_4_ranks(policy):
 
 
 def test_muon_param_groups_on_llama():
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     model = build_model("llama", "debug")
     groups = muon_param_groups(model)
@@ -188,8 +188,8 @@ def test_fast_encoder_equals_bucketize_nearest_code():
 
 
 def _hsdp_matrices(model, reps, shards):
-    from raggedfsdp.sizing.archs import model_units
-    from raggedfsdp.sizing.modelplan import plan_model
+    from raggedfsdp.app.sizing.archs import model_units
+    from raggedfsdp.app.sizing.modelplan import plan_model
 
     holders = tuple(tuple(r * shards + s for r in range(reps)) for s in range(shards))
     mats = []

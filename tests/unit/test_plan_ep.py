@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.sizing.archs import model_units
-from raggedfsdp.sizing.ep import plan_model_ep, split_units_for_ep
+from raggedfsdp.app.sizing.archs import model_units
+from raggedfsdp.app.sizing.ep import plan_model_ep, split_units_for_ep
 
 
 @pytest.fixture
@@ -28,8 +28,8 @@ def test_split_matches_apply_ep_local_shapes(fake_world8, ep):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.models import apply_ep, build_model
-    from raggedfsdp.sizing.registry import model_units as our_units
+    from raggedfsdp.app.models import apply_ep, build_model
+    from raggedfsdp.app.sizing.registry import model_units as our_units
 
     world = init_device_mesh("cpu", (8 // ep, ep), mesh_dim_names=("dp", "ep"))
     kw = {"experts": "fused", "n_experts": 8, "n_dense_layers": 1}
@@ -98,7 +98,7 @@ def test_gpt_oss_120b_at_256_fsdp2_doubles_the_all_gather_ours_does_not(ep):
 def test_plan_cli_ep(capsys):
     import json
 
-    from raggedfsdp.cli import main as top_main
+    from raggedfsdp.app.cli import main as top_main
 
     assert top_main(["plan", "--model", "gpt-oss-120b", "--world-size", "256", "--ep", "8", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -120,8 +120,8 @@ def test_plan_cli_ep(capsys):
 
 
 def test_estimate_memory_ep_matches_the_ep_plan(capsys):
-    from raggedfsdp.cli import main as top_main
-    from raggedfsdp.sizing.memory_estimate import estimate_memory
+    from raggedfsdp.app.cli import main as top_main
+    from raggedfsdp.app.sizing.memory_estimate import estimate_memory
 
     units = model_units("gpt-oss-120b")
     plan = plan_model_ep(units, 256, 8, align=8, order="best")
@@ -153,8 +153,8 @@ def test_fully_shard_with_ep_on_fake_8_ranks_matches_the_ep_plan(fake_world8):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.models import apply_ep, apply_fsdp, build_model
-    from raggedfsdp.sizing.registry import model_units as our_units
+    from raggedfsdp.app.models import apply_ep, apply_fsdp, build_model
+    from raggedfsdp.app.sizing.registry import model_units as our_units
 
     kw = {"experts": "fused", "n_experts": 8, "n_shared_experts": 1}
     world = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "ep"))

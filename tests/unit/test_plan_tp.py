@@ -11,8 +11,8 @@ import math
 import pytest
 import torch.distributed as dist
 
-from raggedfsdp.sizing.archs import model_units
-from raggedfsdp.sizing.tp import plan_model_tp, split_units_for_tp
+from raggedfsdp.app.sizing.archs import model_units
+from raggedfsdp.app.sizing.tp import plan_model_tp, split_units_for_tp
 
 
 @pytest.fixture
@@ -46,13 +46,13 @@ def test_tp_plan_matches_apply_tp_and_fully_shard(fake_world16):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.models import Llama, LlamaConfig, apply_fsdp, apply_tp
-    from raggedfsdp.sizing.memory_estimate import estimate_memory
-    from raggedfsdp.sizing.registry import model_units as our_units
+    from raggedfsdp.app.models import Llama, LlamaConfig, apply_fsdp, apply_tp
+    from raggedfsdp.app.sizing.memory_estimate import estimate_memory
+    from raggedfsdp.app.sizing.registry import model_units as our_units
 
     names = ("dp_replicate", "dp_shard", "tp")
     mesh = init_device_mesh("cpu", (2, 4, 2), mesh_dim_names=names)
-    from raggedfsdp.models import build_model
+    from raggedfsdp.app.models import build_model
 
     with pytest.raises(ValueError, match=r"apply_tp: layers \[0, 1\] of MoE are mixture-of-experts.*EP x TP"):
         apply_tp(build_model("moe", "debug"), mesh["tp"])
@@ -117,7 +117,7 @@ def test_llama3_70b_tp8_shapes_by_hand_and_fsdp2_brute_force():
         assert pu.fsdp2_padding == f2
         assert pu.layout.total_numel == sum(math.prod(s) for s in shapes)
         assert 128 * pu.layout.shard_size >= pu.layout.total_numel
-    from raggedfsdp.sizing.memory_estimate import estimate_memory
+    from raggedfsdp.app.sizing.memory_estimate import estimate_memory
 
     est = estimate_memory(units=units, world_size=1024, tp=8, replicate=2)
     assert est.shard_world == 64 and est.num_params == sum(u.numel for u in units)
@@ -127,7 +127,7 @@ def test_llama3_70b_tp8_shapes_by_hand_and_fsdp2_brute_force():
 
 
 def test_plan_and_estimate_cli_tp(capsys):
-    from raggedfsdp.cli import main as top_main
+    from raggedfsdp.app.cli import main as top_main
 
     assert top_main(["plan", "--model", "llama3-70b", "-m", "1024", "--tp", "8", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from raggedfsdp.sizing.archs import model_units
-from raggedfsdp.sizing.autounit import choose_unit_size
-from raggedfsdp.commands.plan import main as plan_main
-from raggedfsdp.sizing.modelplan import gcd_fallback, plan_model
+from raggedfsdp.app.sizing.archs import model_units
+from raggedfsdp.app.sizing.autounit import choose_unit_size
+from raggedfsdp.app.commands.plan import main as plan_main
+from raggedfsdp.app.sizing.modelplan import gcd_fallback, plan_model
 
 TARGET = 0.03
 

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from raggedfsdp.planner import plan_layout
-from raggedfsdp.sizing.archs import model_units
-from raggedfsdp.commands.plan import main as plan_main
-from raggedfsdp.sizing.modelplan import fsdp1_padding, fsdp2_padding, plan_model
+from raggedfsdp.app.sizing.archs import model_units
+from raggedfsdp.app.commands.plan import main as plan_main
+from raggedfsdp.app.sizing.modelplan import fsdp1_padding, fsdp2_padding, plan_model
 
 
 def _plan_json(capsys, *argv):
@@ -180,7 +180,7 @@ def test_bad_input_exits_2(capsys, argv, match):
 
 def _one_clean_error(capsys, argv) -> str:
     """`raggedfsdp plan ARGV` exits 2 with exactly one error line and no traceback; returns it."""
-    from raggedfsdp.cli import main as top_main
+    from raggedfsdp.app.cli import main as top_main
 
     assert top_main(["plan", *argv]) == 2
     captured = capsys.readouterr()
@@ -255,7 +255,7 @@ def test_gcd_fallback_for_sweeps(capsys):
 
 
 def test_text_report_and_toplevel_cli(capsys):
-    from raggedfsdp.cli import main as top_main
+    from raggedfsdp.app.cli import main as top_main
 
     assert top_main(["plan", "--model", "llama3-8b", "--world-size", "128", "--granularity", "rows:32"]) == 0
     out = capsys.readouterr().out
@@ -265,7 +265,7 @@ def test_text_report_and_toplevel_cli(capsys):
 def test_moe_2_4t_plans_each_distinct_unit_once(monkeypatch):
     """Whole-model planning of the 2.4T MoE at M=1024 costs one plan_layout per *distinct* unit, not
     per unit (the speed itself is a benchmark: benchmarks/README.md planner table 8, not a timed test)."""
-    import raggedfsdp.sizing.modelplan as mp
+    import raggedfsdp.app.sizing.modelplan as mp
 
     calls = []
     real = mp.plan_layout
@@ -283,7 +283,7 @@ def test_text_report_groups_repeating_patterns_and_aligns_columns(capsys):
     column). The reference: the ``--json`` plan of the same command, unit by unit."""
     import json as _json
 
-    from raggedfsdp.cli import main as cli
+    from raggedfsdp.app.cli import main as cli
 
     argv = ["plan", "--model", "hybrid-27b", "--world-size", "64"]
     assert cli(argv) == 0

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from raggedfsdp.train.config import add_config_args, load_config
-from raggedfsdp.train.presets import PRESETS
+from raggedfsdp.app.train.config import add_config_args, load_config
+from raggedfsdp.app.train.presets import PRESETS
 
 
 def test_trainable_presets_load_and_override():
@@ -30,8 +30,8 @@ def test_trainable_presets_load_and_override():
 
 
 def test_real_size_presets_match_planner_tables():
-    from raggedfsdp.models import build_model_config
-    from raggedfsdp.sizing.archs import model_units
+    from raggedfsdp.app.models import build_model_config
+    from raggedfsdp.app.sizing.archs import model_units
 
     p = PRESETS["llama3-8b"]
     m = p.config["model"]
@@ -54,7 +54,7 @@ def test_config_list(capsys):
 
 def test_dense_layer_types_is_not_hybrid():
     """transformers 5 writes layer_types for dense Qwen3 too: only linear_attention entries make a hybrid."""
-    from raggedfsdp.sizing.archs import layers_per_unit
+    from raggedfsdp.app.sizing.archs import layers_per_unit
 
     with pytest.raises(ValueError, match="needs a hybrid model"):
         layers_per_unit({"model_type": "qwen3", "layer_types": ["full_attention"] * 4}, "superblock")

@@ -18,7 +18,7 @@ _PROFILE = (
 
 def test_profiler_session_prints_nothing_after_quiet_profiler_logs():
     env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}
-    pre = "from raggedfsdp.launch.env import quiet_profiler_logs; quiet_profiler_logs()\n"
+    pre = "from raggedfsdp.app.launch.env import quiet_profiler_logs; quiet_profiler_logs()\n"
     quiet = subprocess.run([sys.executable, "-c", _PROFILE.format(pre=pre)], capture_output=True, text=True, check=False,
                            env=env, timeout=240)  # fmt: skip
     assert quiet.returncode == 0, quiet.stderr[-2000:]
@@ -31,14 +31,14 @@ def test_profiler_session_prints_nothing_after_quiet_profiler_logs():
 
 
 def test_user_value_wins_and_launchers_apply_it(monkeypatch):
-    from raggedfsdp.launch.env import QUIET_PROFILER_ENV, quiet_profiler_logs
+    from raggedfsdp.app.launch.env import QUIET_PROFILER_ENV, quiet_profiler_logs
 
     env = {"KINETO_LOG_LEVEL": "0"}
     quiet_profiler_logs(env)
     assert env == {**QUIET_PROFILER_ENV, "KINETO_LOG_LEVEL": "0"}
     import torch.distributed.run as tdr
 
-    from raggedfsdp.cli import main
+    from raggedfsdp.app.cli import main
 
     for argv in (["wrap-bench", "--nproc", "1", "--steps", "1"], ["bench", "--nproc", "1", "--steps", "1"]):
         for key in QUIET_PROFILER_ENV:

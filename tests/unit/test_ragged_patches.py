@@ -41,7 +41,7 @@ def test_import_and_plan_apply_nothing():
         codes = (T.distribute_tensor.__code__, _utils._compute_local_shape_and_global_offset.__code__)
         import raggedfsdp
         from raggedfsdp.placement import _patches as tp
-        from raggedfsdp.cli import main
+        from raggedfsdp.app.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["plan", "--model", "llama3-8b", "--world-size", "8", "--json"]) == 0
         assert not tp.is_applied() and tp.patched_symbols() == []

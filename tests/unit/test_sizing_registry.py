@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from raggedfsdp.cli import main as cli_main
-from raggedfsdp.sizing.archs import load_config
-from raggedfsdp.sizing.archs import model_units as table_units
-from raggedfsdp.sizing.memory_estimate import estimate_memory
-from raggedfsdp.sizing.registry import resolve
+from raggedfsdp.app.cli import main as cli_main
+from raggedfsdp.app.sizing.archs import load_config
+from raggedfsdp.app.sizing.archs import model_units as table_units
+from raggedfsdp.app.sizing.memory_estimate import estimate_memory
+from raggedfsdp.app.sizing.registry import resolve
 
 
 def test_readme_estimate_memory_command_runs(capsys):
@@ -35,7 +35,7 @@ def test_readme_estimate_memory_command_runs(capsys):
 
 
 def test_resolve_every_kind(tmp_path):
-    from raggedfsdp.models import build_model, fsdp_unit_modules
+    from raggedfsdp.app.models import build_model, fsdp_unit_modules
 
     assert resolve("hybrid-27b").config == load_config("hybrid-27b")  # a preset with a table
     assert resolve("llama3-70b").config == load_config("llama3-70b")  # a table, no preset
@@ -57,10 +57,10 @@ def test_resolve_every_kind(tmp_path):
 
 
 def test_one_unit_vocabulary():
-    from raggedfsdp.bench.registry import get_bench_model
-    from raggedfsdp.models import build_model, fsdp_unit_modules
-    from raggedfsdp.models.parallelize import parse_unit
-    from raggedfsdp.sizing.archs import layers_per_unit
+    from raggedfsdp.app.bench.registry import get_bench_model
+    from raggedfsdp.app.models import build_model, fsdp_unit_modules
+    from raggedfsdp.app.models.parallelize import parse_unit
+    from raggedfsdp.app.sizing.archs import layers_per_unit
 
     assert [parse_unit(u) for u in ("layer", "superblock", "layers:1", "layers:4")] == [1, None, 1, 4]
     for bad in ("block", "layers:0", "layers:x", "layers:"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raggedfsdp.train.straggler import attribute, describe
+from raggedfsdp.app.train.straggler import attribute, describe
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from raggedfsdp.train.data import BatchSampler, check_data, load_corpus
-from raggedfsdp.train.data import token_bin_info, write_token_bin
+from raggedfsdp.app.train.data import BatchSampler, check_data, load_corpus
+from raggedfsdp.app.train.data import token_bin_info, write_token_bin
 
 
 def _text_corpus(tmp_path: Path, min_bytes: int = 400_000) -> Path:
     """One text file of Python standard-library sources (present wherever Python is). The test used a
     file under /work/shared, which exists only on the project's own machine: a clean checkout elsewhere
     failed with FileNotFoundError."""
-    from raggedfsdp.train.data import stdlib_source_files
+    from raggedfsdp.app.train.data import stdlib_source_files
 
     parts, size = [], 0
     for f in stdlib_source_files():
@@ -90,8 +90,8 @@ def test_tokenize_and_train(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from raggedfsdp.cli import main
-    from raggedfsdp.train.config import load_config
+    from raggedfsdp.app.cli import main
+    from raggedfsdp.app.train.config import load_config
 
     corpus = _text_corpus(tmp_path)
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
@@ -133,7 +133,7 @@ def test_tokenize_and_train(tmp_path):
         [
             sys.executable,
             "-m",
-            "raggedfsdp.launch.worker",
+            "raggedfsdp.app.launch.worker",
             "--config",
             "debug",
             "--data",

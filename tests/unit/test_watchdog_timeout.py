@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from raggedfsdp.train.watchdog import MIN_HANG_S, PG_FRACTION, STEP_FACTOR, Watchdog
+from raggedfsdp.app.train.watchdog import MIN_HANG_S, PG_FRACTION, STEP_FACTOR, Watchdog
 
 
 def _wd(**kw):
@@ -40,7 +40,7 @@ def test_effective_timeout_rule():
 def test_dcp_file_writes_are_not_a_collective():
     from torch.distributed.checkpoint import filesystem
 
-    from raggedfsdp.train.watchdog import in_collective
+    from raggedfsdp.app.train.watchdog import in_collective
 
     class F:  # a stand-in for a frame inside DCP's FileSystemWriter (this rank's own I/O)
         f_code = type("C", (), {"co_filename": filesystem.__file__})()

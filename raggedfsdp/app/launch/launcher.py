@@ -1,0 +1,97 @@
+"""Run torchrun in-process so that a failed job ends with one line (``raggedfsdp train``, ``bench``,
+``wrap-bench``).
+
+:func:`run_reported` calls torch's own launcher (``torch.distributed.run``) with the given torchrun
+arguments and tells the ranks (:data:`~raggedfsdp.app.launch.failures.REPORTED_ENV`) that it prints the
+root cause's error itself, so they print no one-line error of their own (their workers report with
+:func:`~raggedfsdp.app.launch.failures.report_rank_failure`). When a rank fails the job ends with one line
+on stderr, ``PROG: [rank R/W] error: Type: message (every rank's report: OUT/failure.log)``; above it
+only the traceback of an unexpected error (once, lines tagged ``[rank R/W]``). ``OUT/failure.log``
+holds torchrun's rank-tagged failure table and every rank's traceback, ``OUT/launcher.log`` torchrun's
+own log lines (both created only when there is something to write).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from raggedfsdp.app.launch.failures import (
+    REPORTED_ENV,
+    STOPPED_CODES,
+    capture_torchrun_logs,
+    failure_report,
+    write_failure_log,
+)
+
+__all__ = ["default_report_dir", "run_reported"]
+
+
+def default_report_dir(name: str) -> str:
+    """A fresh ``raggedfsdp-NAME-YYYYmmdd-HHMMSS-PID`` path in the system's temporary folder (not
+    created: :func:`run_reported` creates it only when there is something to write)."""
+    import tempfile
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(tempfile.gettempdir(), f"raggedfsdp-{name}-{stamp}-{os.getpid()}")
+
+
+def run_reported(
+    torchrun_argv: list[str],
+    *,
+    prog: str,
+    world_size: int,
+    out_dir: str | os.PathLike,
+    tag: str = "",
+    what: str = "job",
+    on: str = "",
+    resume_hint: str = "",
+) -> int:
+    """Launch ``torchrun_argv`` (torchrun's own arguments, e.g. ``["--standalone", "--nproc-per-node=2",
+    "--module", "raggedfsdp.app.bench.worker", ...]``) in this process; returns the exit code.
+
+    0: every rank succeeded. 128 + signum: the launcher was interrupted (Ctrl-C, SIGTERM, SIGHUP,
+    forwarded to the ranks by torchrun), or every failed rank stopped on a signal: one line
+    ``PROG: interrupted ...`` plus ``resume_hint``. Otherwise a rank failed: the one last line above
+    (the root cause: :func:`~raggedfsdp.app.launch.failures.failure_report`), the full report written to
+    ``out_dir/failure{tag}.log`` (``tag``: e.g. ``.node1`` for one node of several; if it cannot be
+    written, the failure table goes to stderr instead), exit code 1, or 2 when the root cause is a
+    checkpoint that cannot be loaded. ``what`` names the job in the report's header (``job``,
+    ``bench``), ``on`` its place (`` (node 1 of 2)``). Call it on the launching process only; it
+    leaves no environment variable or logging handler behind.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    out_dir = Path(out_dir)
+    os.environ[REPORTED_ENV] = "1"
+    restore_logs = capture_torchrun_logs(out_dir / f"launcher{tag}.log")
+    try:
+        run(parse_args(torchrun_argv))
+    except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
+        name = signal.Signals(e.sigval).name
+        print(f"{prog}: interrupted by {name}{resume_hint}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes and codes <= set(STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
+            code = min(codes)
+            print(f"{prog}: interrupted (exit code {code}){on}{resume_hint}", file=sys.stderr, flush=True)
+            return code
+        report = out_dir / f"failure{tag}.log"
+        summary, last_line = failure_report(e, world_size, details=str(report), prog=prog)
+        try:
+            write_failure_log(report, e, f"the {world_size}-rank {what} failed{on}\n{summary}", last_line)
+        except OSError as err:  # OUT not writable any more: the table goes to stderr instead
+            print(f"{summary}\n(cannot write {report}: {err})", file=sys.stderr)
+            last_line = failure_report(e, world_size, prog=prog)[1]
+        print(last_line, file=sys.stderr, flush=True)
+        return 2 if "CheckpointError: cannot load" in last_line else 1
+    finally:
+        restore_logs()
+        os.environ.pop(REPORTED_ENV, None)  # a launcher called in-process leaves nothing behind
+    return 0
