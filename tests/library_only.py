@@ -5,8 +5,9 @@ CI runs it in a venv that holds torch and nothing else (``.ci/run``); the suite 
 ``--block-imports``, which makes ``raggedfsdp.app`` unimportable in every process
 (tests/unit/test_layering.py; numpy cannot be blocked there: torch imports it when it is installed,
 so the venv is what proves the library runs without it). Each rank trains a sharded copy of a small
-model for 3 AdamW steps and compares its losses and ``full_tensor()`` parameters with a plain single-process copy trained on the
-same batches (the reference). Prints ``library only: ok`` on success; exits non-zero otherwise.
+model for 3 AdamW steps and compares its losses and ``full_tensor()`` parameters with a plain
+single-process copy trained on the same batches (the reference). Prints ``library only: ok`` on
+success; exits non-zero otherwise.
 
     python tests/library_only.py [--block-imports]
 """

@@ -200,14 +200,6 @@ def test_rank_configs_sorted_and_complete():
     assert all(c["dp_shard"] * c["dp_replicate"] * c["tp"] == 16 for c, _ in rows)
 
 
-def test_the_old_import_path_of_the_search_half_still_works():
-    from raggedfsdp.app.sizing import steptime, steptime_search
-
-    assert steptime.rank_configs is steptime_search.rank_configs
-    assert steptime.calibrate is steptime_search.calibrate
-    assert steptime.format_time_report is steptime_search.format_time_report
-
-
 def _tensors(units) -> int:
     return sum(len(u.params) for u in units)
 

@@ -507,14 +507,3 @@ def estimate_time(
         work_s=work,
     )
 
-
-_MOVED = {"calibrate", "format_time_report", "rank_configs"}
-
-
-def __getattr__(name: str):
-    # the search / fit / report half lives in sizing/steptime_search.py; the old path still works
-    if name in _MOVED:
-        from raggedfsdp.app.sizing import steptime_search
-
-        return getattr(steptime_search, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

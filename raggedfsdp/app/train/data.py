@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from raggedfsdp.app.train.tokens import (  # re-exported: the .bin format and reader live in train/tokens.py
+    DataError,
     TokenArray,
     _TokenFile,
     is_token_bin,
@@ -396,10 +397,6 @@ def parse_batch_id(text: str) -> tuple[int, range]:
     if m is None or int(m.group(3)) < int(m.group(2)):
         raise ValueError(f"--reproduce-batch: bad batch id {text!r}; expected step<S>:rows<A>-<B>")
     return int(m.group(1)), range(int(m.group(2)), int(m.group(3)) + 1)
-
-
-class DataError(ValueError):
-    """A batch of the wrong shape or with token ids outside the vocabulary (names rank/step/sample)."""
 
 
 def check_batch(

@@ -10,7 +10,7 @@ Reading (:class:`TokenArray`): nothing is read until a batch needs its windows (
 memory work), and then with one positional read per window (``os.preadv``, straight into the batch's
 buffer), not through a memory map. A memory map turns a file truncated while the job reads it (a
 shared file system where the data is replaced or cut mid-run) into SIGBUS, which kills the rank with
-no error recorded and no rank named; a checked read is a ``data.DataError`` naming the file, the
+no error recorded and no rank named; a checked read is a :class:`DataError` naming the file, the
 token and byte offsets and the fix, which the job reports like any other failure (one
 ``[rank R/W] error: ...`` line). Cost, measured by ``benchmarks/token_read_cost.py``: lower than the
 memory map's fancy indexing (see benchmarks/README.md).
@@ -29,6 +29,11 @@ import torch
 __all__ = ["DTYPES", "TokenArray", "TokenBinInfo", "is_token_bin", "token_bin_info", "write_token_bin"]
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """A batch of the wrong shape, token ids outside the vocabulary (names rank/step/sample), or a
+    token file that changed under a running job (names the file)."""
 
 
 def is_token_bin(path: str) -> bool:
@@ -104,8 +109,6 @@ class _TokenFile:
             view, pos = view[got:], pos + got
 
     def _truncated(self, start: int, count: int):
-        from raggedfsdp.app.train.data import DataError  # (function-level: data imports this module)
-
         item = self.dtype.itemsize
         try:
             now = f"{os.fstat(self.fd).st_size} bytes now"
