@@ -506,4 +506,3 @@ def estimate_time(
         allgather_bytes=max((u.padded for u in costs), default=0) * param_bytes,
         work_s=work,
     )
-
