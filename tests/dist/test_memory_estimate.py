@@ -36,7 +36,8 @@ def test_recipes_hsdp_and_errors():
         "bf16": 8,
         "fp32": 16,
         "muon": 12,
-        "adamw8bit": 2 + 2 + 4 + 2 + 8 / 256,
+        "adamw8bit": 2 + 2 + 4 + 2 + 8 / 1024,
+        "shampoo": 2 + 2 + 4 + 8 + 16,
     }
     # HSDP: 4 replicas of 16 ranks shard like plain FSDP on 16 ranks.
     a = estimate_memory(27e9, world_size=64, replicate=4)

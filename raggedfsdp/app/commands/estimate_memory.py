@@ -22,7 +22,13 @@ import argparse
 import json
 import sys
 
-RECIPE_NAMES = ("mixed", "bf16", "fp32", "muon", "adamw8bit")
+from raggedfsdp.app.train.optimizer_table import OPTIMIZER_TABLE
+
+# --recipe: the three AdamW precisions, then one per optimizer of the job (train/optimizer_table.py)
+
+
+def _recipe_names() -> tuple[str, ...]:
+    return ("mixed", "bf16", "fp32", *(n for n in OPTIMIZER_TABLE if n != "adamw"))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,9 +55,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         default="mixed",
-        choices=RECIPE_NAMES,
+        choices=_recipe_names(),
         help="bytes per parameter: mixed (default: bf16 params/grads, fp32 master + AdamW moments, 16 B), "
-        "bf16 (8 B), fp32 (16 B, no master), muon (12 B), adamw8bit (~10 B)",
+        "bf16 (8 B), fp32 (16 B, no master), or an optimizer of --optim: "
+        + ", ".join(
+            f"{s.name} ({8 + s.state_bytes:.3g} B)" for s in OPTIMIZER_TABLE.values() if s.name != "adamw"
+        ),
     )
     p.add_argument(
         "--replicate",

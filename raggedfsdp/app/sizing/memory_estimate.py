@@ -42,6 +42,7 @@ from typing import Any
 
 from raggedfsdp.app.sizing.archs import Unit
 from raggedfsdp.app.sizing.modelplan import resolve_unit_blocks
+from raggedfsdp.app.train.optimizer_table import OPTIMIZER_TABLE, OptimizerSpec
 from raggedfsdp.planner.planner import plan_layout
 from raggedfsdp.planner.policy import DEFAULT_BLOCK, make_policy
 
@@ -78,8 +79,17 @@ class Recipe:
         return self.param + self.grad + self.optim
 
 
-# 8-bit block-wise AdamW: one uint8 per element per moment + one fp32 absmax per block and moment.
-ADAMW8BIT_BLOCK = 256
+def _optimizer_recipe(spec: OptimizerSpec) -> Recipe:
+    """bf16 params + grads, fp32 master weights + the optimizer's own state (``--recipe <optimizer>``)."""
+    total = 2 + 2 + 4 + spec.state_bytes
+    return Recipe(
+        spec.name,
+        2,
+        2,
+        4 + spec.state_bytes,
+        f"bf16 params + grads, fp32 master, {spec.state_note} ({total:.4g} B/param)",
+    )
+
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
@@ -95,15 +105,8 @@ RECIPES: dict[str, Recipe] = {
             "raggedfsdp train's default --param-dtype fp32)",
             param_dtype="fp32",
         ),
-        Recipe("muon", 2, 2, 8, "bf16 params + grads, fp32 master + 1 fp32 Muon momentum (12 B/param)"),
-        Recipe(
-            "adamw8bit",
-            2,
-            2,
-            4 + 2 * (1 + 4 / ADAMW8BIT_BLOCK),
-            f"bf16 params + grads, fp32 master, 2 uint8 AdamW moments with one fp32 scale per "
-            f"{ADAMW8BIT_BLOCK} elements (~10.03 B/param)",
-        ),
+        # one per optimizer of the job except adamw (= "mixed")
+        *(_optimizer_recipe(s) for s in OPTIMIZER_TABLE.values() if s.name != "adamw"),
     )
 }
 

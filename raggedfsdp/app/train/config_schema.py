@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from raggedfsdp.app.train.optimizer_table import OPTIMIZER_NAMES, optimizer_help
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -132,9 +134,7 @@ class TrainingConfig:
 class OptimizerConfig:
     name: str = _f(
         "adamw",
-        "adamw (torch.optim.AdamW) | muon (raggedfsdp.optim.Muon + AdamW for embeddings/head/norms) | "
-        "adamw8bit (raggedfsdp.optim.AdamW8bit, 32x32-tile layout) | shampoo (raggedfsdp.optim.Shampoo, "
-        "128-row-band layout); also picks the layout",
+        optimizer_help(),
         flag="--optim",
     )
     lr: float = _f(3e-3, "peak learning rate", flag="--lr")
@@ -318,7 +318,7 @@ class TrainConfig:
         if not 0.0 <= o.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         choices = {
-            "optimizer.name": (o.name, ("adamw", "muon", "adamw8bit", "shampoo")),
+            "optimizer.name": (o.name, OPTIMIZER_NAMES),
             "optimizer.schedule": (o.schedule, ("cosine", "constant")),
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),

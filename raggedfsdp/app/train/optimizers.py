@@ -1,5 +1,5 @@
-"""The training job's optimizers: ``adamw`` | ``muon`` | ``adamw8bit`` | ``shampoo``, each with the layout it
-needs.
+"""The training job's optimizers (the names and layouts of ``train/optimizer_table.py``), each with the
+layout it needs.
 
 ``--optimizer.name`` (``--optim``) picks both the optimizer and the ``shard_placement_fn`` given to
 ``fully_shard``, so a user never has to know about granularity:
@@ -29,20 +29,18 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon", "adamw8bit", "shampoo")
+from raggedfsdp.app.train.optimizer_table import OPTIMIZER_TABLE
 
 
 def shard_placement_fn_for(name: str):
-    """The ``fully_shard`` block policy optimizer ``name`` needs (``None``: the default layout)."""
-    if name == "adamw8bit":
-        from raggedfsdp.optim import AdamW8bit
+    """The ``fully_shard`` block policy optimizer ``name`` needs (``None``: the default layout), from
+    :data:`~raggedfsdp.app.train.optimizer_table.OPTIMIZER_TABLE`."""
+    layout = OPTIMIZER_TABLE[name].layout
+    if layout is None:
+        return None
+    import raggedfsdp.optim
 
-        return AdamW8bit.shard_placement_fn
-    if name == "shampoo":
-        from raggedfsdp.optim import Shampoo
-
-        return Shampoo.shard_placement_fn
-    return None
+    return getattr(raggedfsdp.optim, layout).shard_placement_fn
 
 
 def _ns_dtype(params) -> torch.dtype:

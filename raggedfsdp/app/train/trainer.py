@@ -166,7 +166,7 @@ class Trainer:
         self.straggler = StragglerProbe(model, self.world_size, self.rank)
         self._slow_s = inject_slow_rank(model, cfg.debug, self.rank, self.straggler)
 
-        # Optimizer (adamw | muon | adamw8bit): decay matrices and embeddings, not norm gains.
+        # Optimizer (train/optimizer_table.py): decay matrices and embeddings, not norm gains.
         self.optimizer = build_optimizer(cfg.optimizer, model)
 
         # Checkpoint / resume.
