@@ -3,6 +3,7 @@
     python benchmarks/fixed_runs.py --out /tmp/fixed-before            # on the old commit
     python benchmarks/fixed_runs.py --out /tmp/fixed-after             # on the new one
     python benchmarks/fixed_runs.py --compare /tmp/fixed-before /tmp/fixed-after
+    python benchmarks/fixed_runs.py --rehash /tmp/fixed-before     # after a change of what is hashed
 
 Each run writes into its own folder under ``--out``; ``OUT/hashes.json`` holds one SHA-256 (first 16
 hex digits) per run. Runs (CPU, gloo, 2 ranks where a launcher is involved):
@@ -13,7 +14,8 @@ hex digits) per run. Runs (CPU, gloo, 2 ranks where a launcher is involved):
 - ``plan-*``: ``raggedfsdp plan --json``; ``estimate-*``: ``raggedfsdp estimate-memory --json``.
 
 What is hashed: for a train, every ``metrics.jsonl`` record without its wall-clock fields
-(``DROP_TRAIN``: throughput, step time, elapsed time, process peak memory) -- i.e. step, loss,
+(``DROP_TRAIN``: throughput, step time, elapsed time, process peak memory, the straggler report) --
+i.e. step, loss,
 grad_norm, lr, tokens_seen, eval_loss, eval_ppl and whatever else a record holds; for a JSON command,
 its stdout JSON without the keys matching ``DROP_JSON`` (timings, throughput and ratios built from
 them, the measured local floor). The exit code is hashed with it, so a run that fails before and
@@ -82,7 +84,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     ),
 }
 
-DROP_TRAIN = {"tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "elapsed_s", "peak_memory_bytes", "mfu"}
+# the straggler report names the slowest unit of a step by wall clock
+DROP_TRAIN = {"tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "elapsed_s", "peak_memory_bytes"}
+DROP_TRAIN |= {"mfu", "straggler"}
 DROP_JSON = re.compile(r"seconds|tokens_per_second|throughput|overhead|local_floor|cpu_time")
 
 
@@ -108,6 +112,14 @@ def run_one(name: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "raggedfsdp.app.cli", *argv]
     with open(folder / "stdout.txt", "w") as so, open(folder / "stderr.txt", "w") as se:
         rc = subprocess.run(cmd, stdout=so, stderr=se, cwd=folder, env=os.environ.copy()).returncode
+    return hash_run(name, folder, rc)
+
+
+def hash_run(name: str, folder: Path, rc: int) -> dict:
+    """The record of run ``name`` whose outputs are in ``folder`` (``--rehash`` recomputes it)."""
+    kind, argv = RUNS[name]
+    if kind == "train":
+        argv = argv + ["--out", str(folder / "run")]
     if kind == "train":
         path = folder / "run" / "metrics.jsonl"
         recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -145,7 +157,20 @@ def main() -> int:
         metavar=("BEFORE", "AFTER"),
         help="print the table of two earlier --out folders and exit",
     )
+    ap.add_argument(
+        "--rehash",
+        type=Path,
+        metavar="OUT",
+        help="recompute OUT/hashes.json from the runs' saved outputs (after DROP_TRAIN / DROP_JSON change)",
+    )
     a = ap.parse_args()
+    if a.rehash:
+        path = a.rehash / "hashes.json"
+        hashes = json.loads(path.read_text())
+        for name, h in hashes.items():
+            hashes[name] = hash_run(name, a.rehash / name, h["rc"])
+        path.write_text(json.dumps(hashes, indent=1))
+        return 0
     if a.compare:
         before, after = (json.loads((p / "hashes.json").read_text()) for p in a.compare)
         print("| run | before | after | same |\n|---|---|---|---|")
