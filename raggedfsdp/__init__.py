@@ -28,6 +28,11 @@ _PUBLIC = {
     "MixedPrecisionPolicy": "raggedfsdp.fsdp",
     "OffloadPolicy": "raggedfsdp.fsdp",
     "CPUOffloadPolicy": "raggedfsdp.fsdp",
+    "DataParallelMeshDims": "raggedfsdp.fsdp",
+    "register_fsdp_forward_method": "raggedfsdp.fsdp",
+    "share_comm_ctx": "raggedfsdp.fsdp",
+    "patch_torch": "raggedfsdp.fsdp",
+    "unpatch_torch": "raggedfsdp.fsdp",
     "clip_grad_norm_": "raggedfsdp.optim.clip",
     "get_total_norm": "raggedfsdp.optim.clip",
 }
