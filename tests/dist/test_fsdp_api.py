@@ -131,6 +131,8 @@ def _structures(ws):
         for b in m.blocks:
             fs(b)
         fs(m)
+        for b in m.blocks:  # no backward prefetch: only the hooks on the outputs re-gather a unit
+            b.set_modules_to_backward_prefetch([])
         res[name] = _train(m, ws, 6)
         # dataclass input, param_dtype float64 on a float32 model: the cast reaches the dataclass
         mp = MixedPrecisionPolicy(param_dtype=torch.float64)
