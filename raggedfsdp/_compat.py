@@ -7,7 +7,8 @@ inside the functions (``import raggedfsdp`` imports no torch).
 
 Checked on 2.11.0, 2.13.0, 2.14.1, 2.15.0 (docs/raggedshard.md "torch versions"):
 
-* ``DeviceMesh._get_root_mesh`` and ``DeviceMesh._concatenate`` exist on all of them;
+* ``DeviceMesh._get_root_mesh``, ``DeviceMesh._concatenate`` and ``DeviceMesh._flatten`` exist on all of
+  them;
 * ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` exist on 2.13 - 2.15; 2.11 has only
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same arguments).
 """
@@ -58,6 +59,20 @@ def concatenate_meshes(meshes):
     if concat is None:
         raise _gone("DeviceMesh._concatenate")
     return concat(list(meshes))
+
+
+def flatten_mesh(mesh, name: str):
+    """``mesh`` (a multi-dim sub-mesh) as one 1-D mesh named ``name`` over the same ranks. Collective the
+    first time (it makes a process group), over every rank of the root mesh.
+
+    torch internal: ``DeviceMesh._flatten`` (what FSDP2's ``_fsdp_init.py: _get_mesh_info_from_named_dims``
+    uses for ``DataParallelMeshDims`` with several shard or replicate dims). Raises ``RuntimeError`` if
+    this torch lacks it.
+    """
+    flat = getattr(mesh, "_flatten", None)
+    if flat is None:
+        raise _gone("DeviceMesh._flatten")
+    return flat(name)
 
 
 def single_tensor_collectives():

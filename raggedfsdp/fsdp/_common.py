@@ -131,6 +131,14 @@ class InvariantError(RuntimeError):
     """A broken internal invariant of the FSDP runtime (a bug, never a user error)."""
 
 
+def state_of(module: nn.Module):
+    """The raggedfsdp ``FSDPState`` that ``fully_shard`` put on ``module`` itself, else ``None``. Read from
+    the instance ``__dict__``, not with ``getattr``: a wrapper that forwards attribute lookups to its
+    inner module (``CheckpointWrapper.__getattr__``, accelerate / the HF Trainer's activation
+    checkpointing) must not look sharded because its inner module is. Local."""
+    return module.__dict__.get("_raggedfsdp_state")
+
+
 def labelled(name: str):
     """``torch.profiler.record_function(name)`` while a profiler runs, else a no-op: names the FSDP
     work that allocates each buffer in traces and in ``PeakMemory(breakdown=...)`` (as FSDP2's
@@ -166,6 +174,10 @@ class FSDPParam:
     got_grad: bool = False  # autograd accumulated into the unsharded grad since the last reduce
     hooked: bool = False  # the unsharded param's gradient pre-hook is registered (Note [grad hooks])
     tp_spec: DTensorSpec | None = None  # the param's own DTensor spec (TP/EP mesh) before fully_shard
+    # dp_mesh_dims (Note [dp_mesh_dims] in _init.py): the param's spec on the full SPMD mesh (Replicate on
+    # the DP dims), which the unsharded param keeps, and the indices of the DP dims in it
+    spmd_spec: DTensorSpec | None = None
+    dp_dims: frozenset[int] = frozenset()
 
     @property
     def global_shape(self) -> torch.Size:
@@ -176,14 +188,11 @@ class FSDPParam:
         """``t`` (a view of the planned shape) as the tensor the module computes with: plain, or for a TP
         parameter the TP-local DTensor on its TP mesh with the param's TP placements (FSDP2's
         ``init_unsharded_param``), so TP's own hooks and redistributes keep working. Local."""
-        if self.tp_spec is None:
+        own = self.spmd_spec if self.spmd_spec is not None else self.tp_spec
+        if own is None:
             return t
-        meta = self.tp_spec.tensor_meta
-        spec = DTensorSpec(
-            self.tp_spec.mesh,
-            self.tp_spec.placements,
-            tensor_meta=TensorMeta(meta.shape, meta.stride, t.dtype),
-        )
+        meta = own.tensor_meta
+        spec = DTensorSpec(own.mesh, own.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, t.dtype))
         return DTensor(t, spec, requires_grad=False)
 
     def local_grad(self, g: torch.Tensor) -> torch.Tensor:
@@ -192,7 +201,13 @@ class FSDPParam:
         post-backward does). Collective over the TP mesh only in that redistribute case."""
         if not isinstance(g, DTensor):
             return g
-        if self.tp_spec is not None and tuple(g.placements) != tuple(self.tp_spec.placements):
+        if self.spmd_spec is not None:  # as FSDP2's _get_grad_inner_tensor: only the non-DP dims are
+            # redistributed; a Partial on a DP dim is left to the reduce-scatter / all-reduce
+            own = tuple(self.spmd_spec.placements)
+            want = tuple(g.placements[i] if i in self.dp_dims else own[i] for i in range(len(own)))
+            if want != tuple(g.placements):
+                g = g.redistribute(self.spmd_spec.mesh, want)
+        elif self.tp_spec is not None and tuple(g.placements) != tuple(self.tp_spec.placements):
             g = g.redistribute(self.tp_spec.mesh, self.tp_spec.placements)
         return g._local_tensor
 

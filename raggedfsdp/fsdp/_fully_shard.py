@@ -17,8 +17,9 @@ from typing import Any, overload
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fsdp_impl
 
-from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
+from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError, state_of
 from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._module import FSDPModule, UnshardHandle
 from raggedfsdp.fsdp._init import (
@@ -28,11 +29,15 @@ from raggedfsdp.fsdp._init import (
     _make_load_pre_hook,
     _managed_params,
     _move_states_to_device,
+    _spmd_dp_mesh,
+    _spmd_params,
 )
 from raggedfsdp.fsdp._param_group import FSDPParamGroup, _mark_units_stepped
 from raggedfsdp.fsdp._state import FSDPState
 
 _cls_cache: dict[type, type] = {}
+# torch's own fully_shard, captured before raggedfsdp.patch_torch() can point torch's names at ours
+_TORCH_FULLY_SHARD = _torch_fsdp_impl.fully_shard
 
 
 def _picklable_state_dict(module, state_dict, prefix, local_metadata) -> None:
@@ -62,7 +67,7 @@ def _after_load(group: FSDPParamGroup) -> None:
     group.mark_master_changed()
 
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "get_cls_to_fsdp_cls"]
 
 
 _OPTIMIZER_HOOK = None
@@ -76,6 +81,30 @@ def _register_optimizer_hook() -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_mark_units_stepped)
+
+
+def _check_later_kwargs(kwargs: dict, mp_policy) -> None:
+    """Arguments of a later torch's ``fully_shard`` (read from the installed torch's signature): raise
+    ``NotImplementedError`` naming them; anything else ``TypeError``, as Python. Also a
+    ``MixedPrecisionPolicy`` field raggedfsdp does not implement (2.15's ``param_dtype_override_fn``)."""
+    import inspect
+
+    import torch
+
+    known = inspect.signature(_TORCH_FULLY_SHARD).parameters
+    for name in kwargs:
+        if name in known:
+            raise NotImplementedError(
+                f"fully_shard: argument {name}= of torch {torch.__version__}'s fully_shard is not "
+                "implemented by raggedfsdp yet; drop it or use torch's fully_shard for this module"
+            )
+        raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
+    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
+        raise NotImplementedError(
+            "fully_shard: MixedPrecisionPolicy(param_dtype_override_fn=...) (torch 2.15) is not implemented "
+            "by raggedfsdp: a unit's parameters share one param_dtype; shard the parameters kept in their "
+            "own dtype as a separate unit (fully_shard on their submodule with its own mp_policy)"
+        )
 
 
 @overload
@@ -93,7 +122,9 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
     zero_stage: int = 3,
+    **later_torch_kwargs: Any,
 ):
     """Shard ``module``'s parameters (those not already managed by a nested ``fully_shard``) as one FSDP unit.
 
@@ -129,6 +160,13 @@ def fully_shard(
             with one H2D copy (fused with the ``param_dtype`` cast), each reduce-scatter ends with
             one D2H copy. (On a CPU-only mesh it changes nothing.)
         ignored_params: parameters left unsharded and unreduced.
+        dp_mesh_dims: ``None`` or a ``torch.distributed.fsdp.DataParallelMeshDims(shard=, replicate=)``:
+            ``mesh`` is then the full SPMD mesh and every managed parameter a DTensor on it with
+            ``Replicate()`` on the named DP dims (torchtitan's ``full_dtensor`` mode); several shard (or
+            replicate) dims are flattened into one, as torch does. The unsharded parameters keep their
+            SPMD placements; the sharded ones are ``([Replicate(),] RaggedShard, *other dims)``. Needs
+            the DP dims first in the mesh (replicate then shard) and a shard dim (Note [dp_mesh_dims] in
+            ``fsdp/_init.py``).
         zero_stage: raggedfsdp extension (keyword-only, default 3). ``3`` shards params, grads and
             optimizer state (ZeRO-3). ``2`` keeps params unsharded from forward to backward
             (``reshard_after_forward=False``: no all-gather in backward). ``1`` keeps params
@@ -138,6 +176,10 @@ def fully_shard(
             step over other params never makes ranks disagree). Grads are always
             reduce-scattered (RS + AG moves the same bytes as ZeRO-1's all-reduce) and optimizer
             state is always sharded.
+        **later_torch_kwargs: an argument a later torch's ``fully_shard`` has and raggedfsdp does not
+            implement raises ``NotImplementedError`` naming it (checked against the installed torch's
+            signature); any other unknown argument raises ``TypeError``, as Python does. (torch 2.14
+            and 2.15 add no ``fully_shard`` argument.)
 
     Which ranks: every rank of ``mesh`` must call it, in the same order, on the same module tree.
 
@@ -153,9 +195,12 @@ def fully_shard(
         TypeError: a non-module, a non-DeviceMesh mesh, a non-bool/int ``reshard_after_forward``, an
             unsupported ``shard_placement_fn`` result and a non-int (or bool) ``zero_stage`` (these three
             also ``ValueError``), an ``mp_policy`` or ``offload_policy`` of the wrong type.
-        NotImplementedError: int ``reshard_after_forward`` on a 2-D mesh, ``Shard(dim>0)`` placements, a
-            non-contiguous (e.g. ``channels_last``) parameter.
+        NotImplementedError: a non-contiguous (e.g. ``channels_last``) parameter, a
+            ``ShardPlacementResult`` on a mesh other than the unit's, ``dp_mesh_dims`` without a shard dim
+            or with the DP dims not leading the mesh, int ``reshard_after_forward`` with ``dp_mesh_dims``
+            (torch raises it too), a later torch's argument (above).
     """
+    _check_later_kwargs(later_torch_kwargs, mp_policy)
     _register_optimizer_hook()
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -168,7 +213,7 @@ def fully_shard(
                 f"fully_shard: {type(m).__name__} has no forward, so its hooks would never run; "
                 "call fully_shard on each child module instead"
             )
-        if getattr(m, "_raggedfsdp_state", None) is not None:
+        if state_of(m) is not None:
             raise FSDPValueError(
                 f"fully_shard: {type(m).__name__} is already fully_shard'ed; call fully_shard once per module"
             )
@@ -205,6 +250,14 @@ def fully_shard(
             f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
         )
     offload = isinstance(offload_policy, CPUOffloadPolicy)
+    spmd_mesh, n_dp = None, 0
+    if dp_mesh_dims is not None:  # Note [dp_mesh_dims] in _init.py: mesh is the full SPMD mesh
+        spmd_mesh = mesh
+        mesh, n_dp = _spmd_dp_mesh(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(  # torch's message (_fully_shard.py)
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
+            )
     mesh = _init_mesh(mesh)
     post_forward_mesh = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
@@ -214,33 +267,34 @@ def fully_shard(
                 f"fully_shard: reshard_after_forward={k} must be a positive divisor of the shard world size "
                 f"{m} (the size of the smaller group params are resharded to after forward)"
             )
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                f"fully_shard: int reshard_after_forward={k} is supported on 1-D meshes only (got "
-                f"{mesh.ndim}-D); with HSDP use reshard_after_forward=True/False"
-            )
         if k == m:
             reshard_after_forward = True
         elif k == 1:
             reshard_after_forward = False
         else:
-            # consecutive groups of k ranks (e.g. one node): collective, every rank builds the same mesh
+            # consecutive groups of k ranks (e.g. one node), over the whole mesh as FSDP2's
+            # _get_post_forward_mesh_info (HSDP: k divides the shard size, so each group lies in one
+            # replica; replicas hold equal unsharded params). Collective: every rank builds the same mesh
             post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k))
             reshard_after_forward = True
     ignored = set(ignored_params or ())
     params = _managed_params(modules, ignored)
-    _move_states_to_device(modules, params, mesh, offload)  # a CPU-built module on a CUDA mesh, like FSDP2
-    device = _device_of(params, mesh, offload)
-    gran_fn = _granularity_fn(shard_placement_fn)
+    planned, spmd_specs = params, None
+    if spmd_mesh is not None:
+        planned, spmd_specs = _spmd_params(params, spmd_mesh, n_dp)
+    _move_states_to_device(modules, planned, mesh, offload)  # a CPU-built module on a CUDA mesh, like FSDP2
+    device = _device_of(planned, mesh, offload)
+    gran_fn = _granularity_fn(shard_placement_fn, mesh)
     group = (
         FSDPParamGroup(
-            params,
+            planned,
             mesh,
             mp_policy,
             device,
             gran_fn,
             offload=offload,
             pin_memory=getattr(offload_policy, "pin_memory", True),
+            spmd_specs=spmd_specs,
         )
         if params
         else None
@@ -283,10 +337,19 @@ def _fsdp_class(cls: type) -> type:
     return _cls_cache[cls]
 
 
-def _state_of(module: nn.Module) -> FSDPState | None:
-    """``fully_shard.state(module)``: the module's ``FSDPState`` (``None`` if not ``fully_shard``'ed by
-    raggedfsdp), as torch's ``fully_shard.state``. Local."""
-    return getattr(module, "_raggedfsdp_state", None)
+def get_cls_to_fsdp_cls() -> dict[type, type]:
+    """The ``{Cls: FSDP<Cls>}`` classes raggedfsdp's ``fully_shard`` made so far, as torch's
+    ``get_cls_to_fsdp_cls`` returns its own (the live dict). Local."""
+    return _cls_cache
+
+
+def _state_of(module: nn.Module):
+    """``fully_shard.state(module)``: the module's raggedfsdp ``FSDPState``, as torch's ``fully_shard.state``;
+    for a module raggedfsdp did not shard, torch's ``fully_shard.state(module)`` (``None`` for an unsharded
+    one), so torch's own ``fully_shard``, whose body looks its module-global ``fully_shard.state`` up,
+    keeps working while :func:`raggedfsdp.patch_torch` points that global here. Local."""
+    st = state_of(module)
+    return st if st is not None else _TORCH_FULLY_SHARD.state(module)
 
 
 fully_shard.state = _state_of  # type: ignore[attr-defined]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError
+from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError, state_of
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.placement._redistribute import has_ragged, local_piece_of_full
 
@@ -48,7 +50,7 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
     order: list[int] = []
 
     def visit(mod: nn.Module, prefix: str, top: bool):
-        if not top and getattr(mod, "_raggedfsdp_state", None) is not None:
+        if not top and state_of(mod) is not None:
             return
         for name, p in mod._parameters.items():
             if p is None or p in ignored:
@@ -120,7 +122,7 @@ def _make_load_pre_hook(unit_module: nn.Module, group: FSDPParamGroup):
 def _owner_of(p: nn.Parameter, modules) -> str:
     for top in modules:
         for name, mod in top.named_modules():
-            st = getattr(mod, "_raggedfsdp_state", None)
+            st = state_of(mod)
             if st is not None and st.group is not None:
                 for fp in st.group.fsdp_params:
                     if fp.sharded is p:
@@ -156,7 +158,7 @@ def _states_to_move(modules, params, mesh, offload: bool = False) -> tuple[torch
     move_b = []
 
     def visit(mod: nn.Module, top: bool):
-        if not top and getattr(mod, "_raggedfsdp_state", None) is not None:
+        if not top and state_of(mod) is not None:
             return
         for name, b in mod._buffers.items():
             if b is not None and not isinstance(b, DTensor) and b.device.type == "cpu":
@@ -225,40 +227,196 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
     return _mesh_device(mesh)
 
 
-def _granularity_fn(shard_placement_fn):
+def _granularity_fn(shard_placement_fn, mesh: DeviceMesh | None = None):
     """Map ``shard_placement_fn(param)`` to a block size in elements. ``None`` (or no
     ``shard_placement_fn``): ``planner.DEFAULT_BLOCK``, element granularity, the least padding (issue 22);
-    ``Shard(0)``: row blocks (what the user asked torch's fully_shard for); TP/EP DTensors: the same,
-    on the TP-local tensor."""
+    ``Shard(0)``: row blocks (what the user asked torch's fully_shard for); ``Shard(d)``, ``d > 0``:
+    blocks of ``prod(shape[d+1:])`` elements (see :func:`_shard_dim_block`); a torch
+    ``ShardPlacementResult`` whose mesh is the unit's ``mesh``: its placement; TP/EP DTensors: the
+    same, on the TP-local tensor."""
     from torch.distributed.tensor import Shard
 
     from raggedfsdp.planner.policy import BlockSpec, granularity_for, granularity_for_local
 
     def fn(p: nn.Parameter, fqn: str = ""):
         r = shard_placement_fn(p) if shard_placement_fn is not None else None
+        r = _unwrap_placement_result(r, p, fqn, mesh)
+        local_shape = p._local_tensor.shape if isinstance(p, DTensor) else p.shape
+        if isinstance(r, Shard):
+            return _shard_dim_block(local_shape, r.dim, fqn)
         if isinstance(p, DTensor):  # TP/EP: blocks of the global shape, seen in the TP-local tensor
-            if isinstance(r, Shard) and r.dim == 0:  # FSDP2: Shard(0) of the TP-local tensor, one local row
-                return granularity_for(p._local_tensor.shape, "row", name=fqn)[0]
             if r is None or isinstance(r, (str, tuple, BlockSpec)):
                 return granularity_for_local(p.shape, p._local_tensor.shape, r, name=fqn)[0]
         if r is None:
             return granularity_for(p.shape, None, name=fqn)[0]
-        if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec, Shard)):
+        if isinstance(r, bool) or not isinstance(r, (int, str, tuple, BlockSpec)):
             raise FSDPTypeError(
-                f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(0), an int "
+                f"fully_shard: shard_placement_fn returned {r!r} for {fqn!r}; return None, Shard(d), an int "
                 "block size in elements, or a block spec such as 'element', 'row', 'rows:32', 'tile:32x32', "
                 "'matrix'"
             )
-        if isinstance(r, Shard):
-            if r.dim != 0:
-                raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn returned {r} for {fqn!r} of shape {tuple(p.shape)}; "
-                    f"raggedfsdp "
-                    "lays parameters out flat, so only Shard(0) (row blocks) or a block spec is supported"
-                )
-            return granularity_for(p.shape, "row", name=fqn)[0]
         if isinstance(r, int):
             return r
         return granularity_for(p.shape, r, name=fqn)[0]
 
     return fn
+
+
+def _shard_dim_block(shape: torch.Size, dim: int, fqn: str) -> int:
+    """The block size (elements) that stands for torch's ``Shard(dim)`` in raggedfsdp's flat row-major
+    layout. ``Shard(0)``: one row (``shape[-1]`` elements; 1 for a vector), as before. ``Shard(d)``,
+    ``d > 0``: torch keeps every ``shape[d+1:]`` slice of a parameter whole on one rank (it splits dim
+    ``d`` itself, strided in memory); a contiguous RaggedShard piece cannot hold a strided column slice,
+    so the unit is planned in blocks of ``prod(shape[d+1:])`` elements (1 for the last dim): no rank
+    boundary cuts such a slice, the values and ``full_tensor()`` are the same, only the placement is
+    ``RaggedShard`` and every rank gets contiguous whole slices. Never refused (torch even needs
+    ``shape[d]`` divisible by the shard world size; this layout does not). Raises ``ValueError`` for a
+    ``dim`` out of range."""
+    from raggedfsdp.planner.policy import granularity_for
+
+    nd = len(shape)
+    if not -nd <= dim < nd:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned Shard({dim}) for {fqn!r} of shape {tuple(shape)}: dim "
+            f"out of range; return Shard(d) with -{nd} <= d < {nd}"
+        )
+    d = dim % nd
+    if d == 0:
+        return granularity_for(shape, "row", name=fqn)[0]
+    return max(math.prod(shape[d + 1 :]), 1)
+
+
+def _unwrap_placement_result(r, p, fqn: str, mesh: DeviceMesh | None):
+    """torch 2.13's ``ShardPlacementResult(placement, mesh_info)`` (``_fsdp_common.py``): its placement when
+    ``mesh_info.mesh`` is the unit's mesh. A parameter on another mesh (torch then makes a second param
+    group with its own collectives) raises ``NotImplementedError``: a raggedfsdp unit is one flat buffer
+    sharded over one mesh. Other results pass through. Local."""
+    if not (hasattr(r, "mesh_info") and hasattr(r, "placement")):
+        return r
+    other = getattr(r.mesh_info, "mesh", None)
+    if mesh is not None and other is not None and other != mesh:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned a ShardPlacementResult for {fqn!r} on mesh {other}, "
+            f"which is not this unit's mesh {mesh}: per-parameter meshes within one unit are not supported "
+            "(a raggedfsdp unit is one flat buffer sharded over one mesh). Call fully_shard(..., mesh=...) "
+            "separately on the submodules whose parameters use the other mesh (e.g. the experts)"
+        )
+    return r.placement
+
+
+# Note [dp_mesh_dims]
+#     torch 2.13's ``fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard=,
+#     replicate=))`` (``_fsdp_init.py: _get_mesh_info_from_named_dims``, ``_fsdp_param.py:
+#     _init_sharding_spec_spmd``; torchtitan's ``full_dtensor`` mode): ``mesh`` is the full SPMD mesh,
+#     every managed parameter is already a DTensor on it with ``Replicate()`` on the DP dims. As torch:
+#
+#     * the DP mesh is ``mesh[shard]`` (several shard dims flattened, ``_compat.flatten_mesh``); with
+#       ``replicate`` it is the 2-D HSDP mesh ``(replicate, shard)`` (several replicate dims flattened);
+#     * the sharded parameter is one DTensor on ``(dp dims..., other dims...)`` with placements
+#       ``([Replicate(),] RaggedShard, *other)``: raggedfsdp plans the parameter's local tensor over the
+#       other (TP / CP / EP) dims exactly as Note [FSDP x TP] does, so the other dims' placements act as
+#       the TP placements;
+#     * the unsharded parameter in forward / backward is the DTensor on the full SPMD mesh with the
+#       original placements (``FSDPParam.spmd_spec``), and its gradient is redistributed on the other dims
+#       only (a ``Partial`` on a DP dim is what the reduce-scatter / all-reduce reduces), as FSDP2's
+#       ``_get_grad_inner_tensor``.
+#
+#     Not supported (``NotImplementedError`` naming the case): ``shard=None`` (pure replication, torch's
+#     ``DDPMeshInfo``: raggedfsdp always shards) and DP dims that do not lead the mesh in the order
+#     ``replicate..., shard...`` (the sharded spec keeps the dp dims first, as ``(Replicate, RaggedShard,
+#     *tp)``; torchtitan's ``(dp_replicate, dp_shard, cp, tp)`` meets it); int ``reshard_after_forward``
+#     raises as in torch.
+
+
+def _spmd_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims):
+    """Note [dp_mesh_dims]: validate ``dp_mesh_dims`` against the full SPMD ``mesh`` (torch's messages and
+    exception types, ``_fsdp_init.py: _validate_mesh``) and return ``(dp_mesh, n_dp)``: the 1-D shard or
+    2-D ``(replicate, shard)`` mesh FSDP runs on and the number of leading DP dims of ``mesh``.
+    Collective when several dims are flattened (a new process group), over every rank of ``mesh``."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from raggedfsdp._compat import concatenate_meshes, flatten_mesh
+
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise FSDPTypeError(
+            f"fully_shard: dp_mesh_dims must be None or a torch.distributed.fsdp.DataParallelMeshDims, got "
+            f"{type(dp_mesh_dims).__name__} {dp_mesh_dims!r}; e.g. DataParallelMeshDims(shard='dp')"
+        )
+    if mesh is None or not isinstance(mesh, DeviceMesh):
+        raise FSDPTypeError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} needs mesh= the full SPMD DeviceMesh its dim names "
+            f"refer to, got {mesh!r}"
+        )
+    if dp_mesh_dims.shard is None and dp_mesh_dims.replicate is None:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, rep = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
+    for name in shard + rep:
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if not shard:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} has no shard dim (pure replication, torch's "
+            "DDPMeshInfo); raggedfsdp always shards: name a shard dim (a size-1 one is fine, as torchtitan "
+            "keeps dp_shard), or use torch's fully_shard / replicate for this module"
+        )
+    if names[: len(rep) + len(shard)] != rep + shard:
+        want = rep + shard + tuple(n for n in names if n not in rep + shard)
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} on a mesh with dims {names}: raggedfsdp needs the DP "
+            f"dims first, replicate then shard ({want}), as torchtitan orders them (dp_replicate, "
+            "dp_shard, cp, tp); the sharded parameters keep their DP dims first. Build the mesh in that order"
+        )
+
+    def sub(ns: tuple[str, ...]) -> DeviceMesh:
+        return mesh[ns[0]] if len(ns) == 1 else flatten_mesh(mesh[ns], "_".join(ns))
+
+    dp = sub(shard) if not rep else concatenate_meshes([sub(rep), sub(shard)])
+    return dp, len(rep) + len(shard)
+
+
+def _spmd_params(params, mesh: DeviceMesh, n_dp: int):
+    """Note [dp_mesh_dims]: each managed parameter (a DTensor on ``mesh``, ``Replicate()`` on its first
+    ``n_dp`` dims) as the tensor the unit plans: a DTensor on the other dims with the other placements
+    (the TP path), or its local tensor when there are none. Returns ``(planned params, spmd_specs)`` for
+    ``FSDPParamGroup``. Raises ``ValueError`` (torch's messages) for a plain tensor, another mesh or a
+    non-Replicate DP placement. Local."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    names = mesh.mesh_dim_names
+    others = names[n_dp:]
+    other_mesh = None if not others else (mesh[others[0]] if len(others) == 1 else mesh[others])
+    planned, specs = [], []
+    for p, fqn, owners in params:
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. "
+                f"via distribute_module). Got plain tensor for parameter '{fqn}'."
+            )
+        if p.device_mesh != mesh:
+            raise ValueError(
+                f"Expected param's DTensor mesh to be the same mesh passed to fully_shard, but parameter "
+                f"{fqn!r} is on {p.device_mesh} and fully_shard got {mesh}"
+            )
+        for i in range(n_dp):
+            if not isinstance(p.placements[i], Replicate):
+                raise ValueError(
+                    f"Expected Replicate() on DP dim '{names[i]}' (index {i}) but got {p.placements[i]} for "
+                    f"parameter {fqn!r}"
+                )
+        spec = p._spec
+        if other_mesh is None:
+            proxy = p._local_tensor
+        else:
+            proxy = DTensor(
+                p._local_tensor,
+                DTensorSpec(other_mesh, tuple(spec.placements[n_dp:]), tensor_meta=spec.tensor_meta),
+                requires_grad=False,
+            )
+        proxy = nn.Parameter(proxy, requires_grad=p.requires_grad)
+        planned.append((proxy, fqn, owners))
+        specs.append((spec, frozenset(range(n_dp))))
+    return planned, specs

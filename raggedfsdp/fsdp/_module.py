@@ -15,9 +15,9 @@ import sys
 
 import torch.distributed.fsdp as torch_fsdp
 
-from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTypeError
+from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTypeError, state_of
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
-from raggedfsdp.fsdp._state import FSDPState
+from raggedfsdp.fsdp._state import FSDPState, share_streams
 
 # where torch's disable_fsdp_module_new_init() keeps its flag (read with a default: private,
 # version-dependent)
@@ -69,7 +69,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
             return [self._fsdp_state()]
         out = []
         for m in self.modules():  # type: ignore[attr-defined]
-            st = getattr(m, "_raggedfsdp_state", None)
+            st = state_of(m)
             if st is not None and st not in out:
                 out.append(st)
         return out
@@ -257,8 +257,22 @@ class FSDPModule(torch_fsdp.FSDPModule):
         )
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        """Not supported (raises ``NotImplementedError``); HSDP's replicate all-reduce is built in."""
-        _unsupported("set_all_reduce_hook", "use a 2-D mesh for HSDP's replicate all-reduce")
+        """``hook(reduce_output)`` runs on this unit's reduced gradient shard, in place, after the
+        reduce-scatter (HSDP: after the replicate all-reduce) and before the gradients are divided and
+        installed, as torch's (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``). ``reduce_output``
+        is this rank's 1-D flat shard of the unit's gradients in ``reduce_dtype`` (padding included; its
+        size is raggedfsdp's layout, not torch's). With ``stream`` (not allowed with HSDP, as torch) it
+        runs on that stream, ordered after the reduction and before the install. Local setting; every
+        rank should set it. Raises ``ValueError`` for ``stream`` with HSDP, ``TypeError`` for a
+        non-callable ``hook``."""
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+        g = self._fsdp_state().group
+        if g is None:
+            return
+        if stream is not None and g.is_hsdp:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
+        g.all_reduce_hook, g.all_reduce_hook_stream = hook, stream
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Only ``False`` is supported (raises ``NotImplementedError`` for ``True``)."""
@@ -301,6 +315,31 @@ class FSDPModule(torch_fsdp.FSDPModule):
             "raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before fully_shard, "
             "or copy through a state dict"
         )
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several ``fully_shard`` roots (e.g. the model chunks of pipeline stages) use one set of
+    all-gather / reduce-scatter / all-reduce streams, as torch's ``share_comm_ctx``
+    (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``), so memory is not fragmented across
+    per-root streams. Call it after ``fully_shard`` (before or after the first forward). Only the
+    streams are shared: each root keeps its own in-flight reductions and agreement checks. Local.
+    Raises ``ValueError`` (also ``TypeError``) for a module that raggedfsdp did not shard."""
+    if len(modules) == 0:
+        return
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise FSDPTypeError(
+                f"share_comm_ctx: expects a list of raggedfsdp FSDPModules, got {type(m).__name__}; call "
+                "raggedfsdp.fully_shard on it first"
+            )
+    shared: dict = {}
+    for m in modules:
+        for st in m._fsdp_states(True):
+            st.shared_streams = shared
+    for m in modules:  # roots already initialised by a forward: share now
+        st = m._fsdp_state()
+        if st.is_root:
+            share_streams(st.comm, shared)
 
 
 def _unsupported(what: str, why: str) -> None:

@@ -87,6 +87,7 @@ class FSDPParamGroup:
         granularity_fn: Callable[[nn.Parameter], int | None] | None = None,
         offload: bool = False,
         pin_memory: bool = True,
+        spmd_specs: list | None = None,
     ):
         self.mesh = mesh
         self.device = device  # compute device: unsharded params and grads live here
@@ -124,7 +125,7 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
 
         self.fsdp_params: list[FSDPParam] = []
-        for p, fqn, owners in params:
+        for pi, (p, fqn, owners) in enumerate(params):
             if p.ndim == 0:
                 raise ValueError(
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp "
@@ -156,6 +157,8 @@ class FSDPParamGroup:
                     fqn, owners, shape, p.dtype, p.requires_grad, g, ragged_dims(shape, g), tp_spec=tp_spec
                 )
             )
+            if spmd_specs is not None and spmd_specs[pi] is not None:  # dp_mesh_dims (_init.py)
+                self.fsdp_params[-1].spmd_spec, self.fsdp_params[-1].dp_dims = spmd_specs[pi]
         elsizes = {
             torch.empty((), dtype=d).element_size()
             for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}
@@ -195,6 +198,8 @@ class FSDPParamGroup:
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
+        self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: hook(reduce_output) before the divide
+        self.all_reduce_hook_stream = None
         # int reshard_after_forward (set_post_forward_mesh): a group of k consecutive ranks keeps a 1/k slice
         self.post_forward_group = None
         self.post_forward_k: int | None = None

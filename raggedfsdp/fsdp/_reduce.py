@@ -139,6 +139,8 @@ class PendingReduce:
         ``(S,)`` temporary here (only when the current stream is the one that allocated it)."""
         g = self.group
         out = self.out.data
+        if g.all_reduce_hook is not None:  # FSDPModule.set_all_reduce_hook: FSDP2 runs it on the reduce
+            _run_all_reduce_hook(g, out)  # output after the HSDP all-reduce, before the post-divide
         if self.post_divide is not None and self.post_divide != 1.0:
             out.div_(self.post_divide)
         if not self.direct:
@@ -330,6 +332,24 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)
     return rec
+
+
+def _run_all_reduce_hook(group: FSDPParamGroup, out: torch.Tensor) -> None:
+    """``hook(out)`` on the unit's ``(S,)`` reduce output (this rank's flat shard of the reduced grads,
+    padding included; its sum over the data-parallel ranks, or their mean when the collective averaged),
+    in place, on the current stream or on the hook's own stream ordered both ways with it (FSDP2's
+    ``foreach_reduce`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). Local."""
+    stream = group.all_reduce_hook_stream
+    if stream is None:
+        group.all_reduce_hook(out)
+        return
+    from raggedfsdp.buffer.streams import current_stream
+
+    here = current_stream(out.device)
+    stream.wait_stream(here)
+    with on_stream(stream):
+        group.all_reduce_hook(out)
+    here.wait_stream(stream)
 
 
 def _nonfinite(bufs) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from raggedfsdp.fsdp._common import state_of
 from raggedfsdp.planner.layout import Layout
 
 __all__ = ["FSDPUnit", "fsdp_units"]
@@ -44,7 +45,7 @@ def fsdp_units(module: torch.nn.Module) -> list[FSDPUnit]:
     a model not sharded by raggedfsdp (torch's ``fully_shard`` included). Local, any rank."""
     out, seen = [], set()
     for m in module.modules():
-        g = getattr(getattr(m, "_raggedfsdp_state", None), "group", None)
+        g = getattr(state_of(m), "group", None)
         if g is None or id(g) in seen:
             continue
         seen.add(id(g))

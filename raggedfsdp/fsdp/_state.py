@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._comm import CommContext
-from raggedfsdp.fsdp._common import ParamState, TrainingState
+from raggedfsdp.fsdp._common import ParamState, TrainingState, state_of
 from raggedfsdp.fsdp._compile import dynamo_disable
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
+from raggedfsdp.fsdp._tree import cast_floating, grad_tensors, map_tensors, replace_grad_tensors
 
 
 class _RegisterPostBackward(torch.autograd.Function):
@@ -77,6 +77,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self._final_callback_queued = False  # root only: this backward's final callback is queued
         self._is_last_backward = True  # set_is_last_backward (accepted for API parity)
+        self.shared_streams: dict | None = None  # share_comm_ctx: one stream set for several roots
 
     # ---- root / lazy init -----------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -87,7 +88,7 @@ class FSDPState:
         seen = []
         for module in self.modules:
             for sub in module.modules():
-                st = getattr(sub, "_raggedfsdp_state", None)
+                st = state_of(sub)
                 if st is not None and st not in seen:
                     seen.append(st)
         for st in seen:
@@ -106,10 +107,12 @@ class FSDPState:
         comm = CommContext(devices[0] if devices else None, options=self.comm.options)
         comm.post_optim_event = self.comm.post_optim_event
         comm.reduces.max_inflight = max(st.comm.reduces.max_inflight for st in seen)
+        if self.shared_streams is not None:
+            share_streams(comm, self.shared_streams)
         names = {}
         for module in self.modules:
             for name, sub in module.named_modules():
-                st = getattr(sub, "_raggedfsdp_state", None)
+                st = state_of(sub)
                 if st is not None and id(st) not in names:
                     names[id(st)] = name or type(sub).__name__
         modnames: dict[int, str] = {}
@@ -142,11 +145,8 @@ class FSDPState:
             self._begin_iteration()
             args, kwargs = _inputs_to_device(args, kwargs, self._compute_device())
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            dt = self.mp_policy.param_dtype
-            args, kwargs = tree_map(
-                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                (args, kwargs),
-            )
+            cast = cast_floating(self.mp_policy.param_dtype)  # any structure, as FSDP2 (fsdp/_tree.py)
+            args, kwargs = map_tensors(cast, args), map_tensors(cast, kwargs)
         first_of_group = True
         if len(self.modules) > 1 and not in_bw:
             first_of_group = not self._group_fwd_left
@@ -158,19 +158,16 @@ class FSDPState:
         if not in_bw and first_of_group:
             self._forward_prefetch()
         if torch.is_grad_enabled() and self.group is not None and self.group.any_trainable:
-            flat, spec = tree_flatten((args, kwargs))
-            idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            inputs = grad_tensors((args, kwargs))  # dataclasses / NamedTuples too (fsdp/_tree.py)
             if len(self.modules) > 1 and not in_bw:
-                if idx:
+                if inputs:
                     self._group_bwd_left += 1
                 else:  # this module's backward is not observable: leave the reduce to the final callback
                     self._group_bwd_uncounted = True
-            if idx:
-                outs = _RegisterPostBackward.apply(self, *[flat[i] for i in idx])
+            if inputs:
+                outs = _RegisterPostBackward.apply(self, *inputs)
                 outs = (outs,) if isinstance(outs, torch.Tensor) else outs
-                for i, o in zip(idx, outs):
-                    flat[i] = o
-                args, kwargs = tree_unflatten(flat, spec)
+                args, kwargs = replace_grad_tensors((args, kwargs), iter(outs))
         return args, kwargs
 
     def _begin_iteration(self) -> None:
@@ -219,15 +216,10 @@ class FSDPState:
                     st.group.reshard()
                     st.group.drop_post_forward_slice()  # int reshard_after_forward slice
         if torch.is_grad_enabled():
-            flat, _ = tree_flatten(output)
-            for t in flat:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            for t in grad_tensors(output):  # dataclasses / NamedTuples too, as FSDP2 (fsdp/_tree.py)
+                t.register_hook(self._pre_backward)
         if self.mp_policy.output_dtype is not None:
-            dt = self.mp_policy.output_dtype
-            output = tree_map(
-                lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
-            )
+            output = map_tensors(cast_floating(self.mp_policy.output_dtype), output)
         return output
 
     # ---- backward -------------------------------------------------------------------------
@@ -315,6 +307,17 @@ class FSDPState:
         root._end_backward(states)
 
 
+def share_streams(comm: CommContext, shared: dict) -> None:
+    """``share_comm_ctx``: the first root to build its context records its all-gather, reduce-scatter and
+    all-reduce streams in ``shared``; every later root takes them (FSDP2 shares its ``FSDPCommContext``
+    between pipeline-stage roots the same way). Local."""
+    if not shared:
+        shared.update(ag=comm.ag_stream, rs=comm.reduces.rs_stream, ar=comm.reduces.ar_stream)
+    else:
+        comm.ag_stream = shared["ag"]
+        comm.reduces.rs_stream, comm.reduces.ar_stream = shared["rs"], shared["ar"]
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -325,6 +328,5 @@ def _inputs_to_device(args: tuple, kwargs: dict, device: torch.device | None) ->
     does. Nothing moves for a CPU (or unknown) compute device. Local."""
     if device is None or device.type == "cpu":
         return args, kwargs
-    return tree_map(
-        lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, (args, kwargs)
-    )
+    move = lambda t: t.to(device) if t.device != device else t  # noqa: E731
+    return map_tensors(move, args), map_tensors(move, kwargs)

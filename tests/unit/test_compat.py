@@ -27,6 +27,8 @@ def test_mesh_readers_match_the_mesh_they_slice(fake_world):
     assert both.mesh_dim_names == ("dp", "tp") and both.mesh.tolist() == root.mesh.tolist()
     flipped = _compat.concatenate_meshes([root["tp"], root["dp"]])
     assert flipped.mesh_dim_names == ("tp", "dp") and flipped.mesh.tolist() == root.mesh.T.tolist()
+    flat = _compat.flatten_mesh(root["dp", "tp"], "dp_tp")
+    assert flat.mesh_dim_names == ("dp_tp",) and flat.mesh.tolist() == root.mesh.flatten().tolist()
 
 
 def test_missing_torch_internals_raise_naming_the_port(monkeypatch):
@@ -38,6 +40,8 @@ def test_missing_torch_internals_raise_naming_the_port(monkeypatch):
     monkeypatch.delattr(DeviceMesh, "_concatenate")
     with pytest.raises(RuntimeError, match=r"DeviceMesh\._concatenate.*raggedfsdp/_compat\.py"):
         _compat.concatenate_meshes([])
+    with pytest.raises(RuntimeError, match=r"DeviceMesh\._flatten.*raggedfsdp/_compat\.py"):
+        _compat.flatten_mesh(NoRoot(), "x")
 
 
 def test_single_tensor_collectives_by_torch_minor(monkeypatch):

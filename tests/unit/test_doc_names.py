@@ -3,7 +3,8 @@ in backticks exists in the tree.
 
 Checked forms (in backticks, anywhere in the text):
 - ``path/to/file.py`` (relative to the repository, ``raggedfsdp/``, ``raggedfsdp/app/``, ``tests/``
-  or ``benchmarks/``, as the docs write room-relative paths), optionally ``:Name`` or ``:Name.attr``
+  or ``benchmarks/``, as the docs write room-relative paths; a path whose first folder is none of
+  theirs is another project's and skipped), optionally ``:Name`` or ``:Name.attr``
   after it: the file exists and defines ``Name`` (and ``attr`` inside it);
 - ``raggedfsdp.module.Name`` dotted paths: the module (or package) exists and defines ``Name``.
 Names are resolved with ``ast`` (defined at any level of the file: class, function, assignment,
@@ -75,8 +76,9 @@ def _problems(doc: pathlib.Path) -> list[str]:
         for code in _CODE.findall(line):
             code = code.strip()
             where = f"{doc.name}:{lineno} `{code}`"
-            if code.startswith("torch/"):
-                continue  # torch's own files: not this tree
+            first = code.split("/", 1)[0]
+            if "/" in code and not any((root / first).is_dir() for root in ROOTS):
+                continue  # another project's file (torch/..., torchtitan/...): not this tree
             if m := _FILE.match(code):
                 if "/" not in m.group(1) and not m.group(2):
                     continue  # a bare file name (`worker.py`) is prose about its room, not a path
