@@ -1,0 +1,127 @@
+"""A PEFT-style LoRA model and the per-rank measurement of its trainable state, for raggedfsdp and torch.
+
+``LoRALinear`` is a frozen ``nn.Linear`` plus trainable adapters ``lora_A`` ``(r, in)`` and ``lora_B``
+``(out, r)`` (Hu et al., arXiv 2106.09685: ``y = base(x) + (alpha / r) * x A^T B^T``; written here, no
+``peft`` dependency; ``B`` starts small and random instead of zero so that both adapters get gradients
+from the first step). ``LoraNet``: ``n`` blocks of six LoRA linears (q, k, v, o of ``d x d``, up
+``d -> 2d``, down ``2d -> d``), one FSDP unit each, and a frozen root head.
+
+:func:`measure` (``fn(rank, ws, ...)`` for ``tests/_dist.run_distributed``) trains the same model from
+the same init with ``raggedfsdp.fully_shard`` and torch's ``fully_shard`` (AdamW, a few steps) and
+returns, per backend and per rank, what each rank holds of the trainable state: elements of the
+trainable sharded params, the bytes of their sharded ``.grad`` (the pieces, and the distinct storages
+behind them), and the bytes of the AdamW state; plus every step's loss. Used by
+``tests/dist/test_lora_balance.py`` and ``benchmarks/lora_balance.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, r: int, alpha: float = 16.0):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(r, d_in) / d_in**0.5)
+        self.lora_B = nn.Parameter(torch.randn(d_out, r) * 0.02)
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+
+class LoraBlock(nn.Module):
+    def __init__(self, d: int, r: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.norm.requires_grad_(False)
+        self.q, self.k, self.v, self.o = (LoRALinear(d, d, r) for _ in range(4))
+        self.up = LoRALinear(d, 2 * d, r)
+        self.down = LoRALinear(2 * d, d, r)
+
+    def forward(self, x):
+        h = self.norm(x)
+        att = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2) / h.shape[-1] ** 0.5, dim=-1) @ self.v(h)
+        x = x + self.o(att)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class LoraNet(nn.Module):
+    def __init__(self, d: int = 48, r: int = 8, n: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(LoraBlock(d, r) for _ in range(n))
+        self.head = nn.Linear(d, d)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def trainable_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's share of the trainable state (after a step, before ``zero_grad``). Local."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads if g.numel()}
+    state = [
+        _local(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.ndim
+    ]
+    return {
+        "param_elems": sum(_local(p).numel() for p in params),
+        "grad_bytes": sum(map(_nbytes, grads)),
+        "grad_storage_bytes": sum(storages.values()),
+        "adamw_state_bytes": sum(map(_nbytes, state)),
+    }
+
+
+def measure(rank: int, ws: int, r: int = 8, steps: int = 4, d: int = 48, n: int = 2) -> dict:
+    """Train ``LoraNet(d, r, n)`` ``steps`` AdamW steps with each backend on a ``(ws,)`` mesh; return
+    ``{backend: {"state": trainable_state after the first step, "losses": [per step], "full":
+    {name: full param after the last step}}}``. Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import raggedfsdp
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    ref = LoraNet(d, r, n)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(ws * 2, 5, d, generator=g) for _ in range(steps)]
+    out = {}
+    for name, fs in (("ragged", raggedfsdp.fully_shard), ("torch", torch_fully_shard)):
+        model = copy.deepcopy(ref)
+        for b in model.blocks:
+            fs(b, mesh=mesh)
+        fs(model, mesh=mesh)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        losses, state = [], None
+        for step in range(steps):
+            x = data[step][rank * 2 : rank * 2 + 2]
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            if step == 0:
+                state = trainable_state(model, opt)
+            opt.zero_grad()
+            losses.append(loss.item())
+        full = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.named_parameters()
+        }
+        out[name] = {"state": state, "losses": losses, "full": full}
+    return out
