@@ -4,11 +4,12 @@
 ``(out, r)`` (Hu et al., arXiv 2106.09685: ``y = base(x) + (alpha / r) * x A^T B^T``; written here, no
 ``peft`` dependency; ``B`` starts small and random instead of zero so that both adapters get gradients
 from the first step). ``LoraNet``: ``n`` blocks of six LoRA linears (q, k, v, o of ``d x d``, up
-``d -> 2d``, down ``2d -> d``), one FSDP unit each, and a frozen root head.
+``d -> 2d``, down ``2d -> d``), one FSDP unit each, a LoRA head (a unit of one LoRA linear) and a
+frozen input projection in the root unit.
 
 :func:`measure` (``fn(rank, ws, ...)`` for ``tests/_dist.run_distributed``) trains the same model from
 the same init with ``raggedfsdp.fully_shard`` and torch's ``fully_shard`` (AdamW, a few steps) and
-returns, per backend and per rank, what each rank holds of the trainable state: elements of the
+returns, per backend, per unit and in all, what this rank holds of the trainable state: elements of the
 trainable sharded params, the bytes of their sharded ``.grad`` (the pieces, and the distinct storages
 behind them), and the bytes of the AdamW state; plus every step's loss. Used by
 ``tests/dist/test_lora_balance.py`` and ``benchmarks/lora_balance.py``.
@@ -23,16 +24,20 @@ import torch.nn as nn
 
 
 class LoRALinear(nn.Module):
+    """PEFT's ``lora.Linear`` layout: ``base_layer`` (frozen), then ``lora_A`` ``Linear(in, r)`` and
+    ``lora_B`` ``Linear(r, out)``, both without bias; ``y = base(x) + (alpha / r) * lora_B(lora_A(x))``."""
+
     def __init__(self, d_in: int, d_out: int, r: int, alpha: float = 16.0):
         super().__init__()
-        self.base = nn.Linear(d_in, d_out)
-        self.base.requires_grad_(False)
-        self.lora_A = nn.Parameter(torch.randn(r, d_in) / d_in**0.5)
-        self.lora_B = nn.Parameter(torch.randn(d_out, r) * 0.02)
+        self.base_layer = nn.Linear(d_in, d_out)
+        self.base_layer.requires_grad_(False)
+        self.lora_A = nn.Linear(d_in, r, bias=False)
+        self.lora_B = nn.Linear(r, d_out, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)
         self.scaling = alpha / r
 
     def forward(self, x):
-        return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
 class LoraBlock(nn.Module):
@@ -52,16 +57,25 @@ class LoraBlock(nn.Module):
 
 
 class LoraNet(nn.Module):
+    """``n`` blocks (one FSDP unit each), a LoRA head ``d -> 2d`` (a unit of one LoRA linear), a frozen
+    input projection (the root unit)."""
+
     def __init__(self, d: int = 48, r: int = 8, n: int = 2):
         super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.inp.requires_grad_(False)
         self.blocks = nn.ModuleList(LoraBlock(d, r) for _ in range(n))
-        self.head = nn.Linear(d, d)
-        self.head.requires_grad_(False)
+        self.head = LoRALinear(d, 2 * d, r)
 
     def forward(self, x):
+        x = self.inp(x)
         for b in self.blocks:
             x = b(x)
         return self.head(x)
+
+    def units(self) -> list[nn.Module]:
+        """The submodules ``measure`` shards as units (the root follows them)."""
+        return [*self.blocks, self.head]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -72,20 +86,29 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def trainable_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's share of the trainable state (after a step, before ``zero_grad``). Local."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads if g.numel()}
-    state = [
-        _local(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.ndim
-    ]
-    return {
-        "param_elems": sum(_local(p).numel() for p in params),
-        "grad_bytes": sum(map(_nbytes, grads)),
-        "grad_storage_bytes": sum(storages.values()),
-        "adamw_state_bytes": sum(map(_nbytes, state)),
-    }
+def trainable_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """This rank's share of the trainable state, per FSDP unit (``blocks.0``, ..., ``head``) and
+    ``"all"`` (after a step, before ``zero_grad``). Local."""
+    units = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            unit = ".".join(n.split(".")[:2]) if n.startswith("blocks.") else n.split(".")[0]
+            units.setdefault(unit, []).append(p)
+            units.setdefault("all", []).append(p)
+    out = {}
+    for unit, params in units.items():
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads if g.numel()}
+        state = [
+            _local(v) for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.ndim
+        ]
+        out[unit] = {
+            "param_elems": sum(_local(p).numel() for p in params),
+            "grad_bytes": sum(map(_nbytes, grads)),
+            "grad_storage_bytes": sum(storages.values()),
+            "adamw_state_bytes": sum(map(_nbytes, state)),
+        }
+    return out
 
 
 def measure(rank: int, ws: int, r: int = 8, steps: int = 4, d: int = 48, n: int = 2) -> dict:
@@ -105,8 +128,8 @@ def measure(rank: int, ws: int, r: int = 8, steps: int = 4, d: int = 48, n: int 
     out = {}
     for name, fs in (("ragged", raggedfsdp.fully_shard), ("torch", torch_fully_shard)):
         model = copy.deepcopy(ref)
-        for b in model.blocks:
-            fs(b, mesh=mesh)
+        for u in model.units():
+            fs(u, mesh=mesh)
         fs(model, mesh=mesh)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
         losses, state = [], None

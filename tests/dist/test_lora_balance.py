@@ -2,7 +2,9 @@
 
 A unit that mixes frozen and trainable params (``tests/_lora.py``: six LoRA linears per block, one
 unit each) is planned with its trainable tensors as their own segment (Note [segmented layout] in
-``raggedfsdp/planner/layout.py``). Measured per rank at ws 2 and 3 after one AdamW step, for
+``raggedfsdp/planner/layout.py``); a LoRA head is a unit of one LoRA linear (PEFT's order: base weight,
+bias, then the adapters -- planned as one buffer, the adapters all landed on the last rank). Measured per
+rank and per unit at ws 2 and 3 after one AdamW step, for
 raggedfsdp and for torch's ``fully_shard`` on the same model: elements of the trainable sharded params,
 bytes of their sharded grads (and of the storage behind them) and of the AdamW state. Ours must be
 within 1.25x of an even split on every rank (before: ws 2 rank 0 held 0 B, rank 1 everything); the
@@ -18,6 +20,27 @@ from _dist import run_distributed
 EVEN_SLACK = 1.25
 
 
+def _check_even(states, ws, r, unit):
+    """Every rank's share of ``unit``'s trainable state within ``EVEN_SLACK`` of an even split."""
+    total = sum(s["ragged"][unit]["param_elems"] for s in states)
+    # the reference is what the test says it is: torch holds the same trainable elements in all
+    assert total == sum(s["torch"][unit]["param_elems"] for s in states), unit
+    even = total / ws
+    elsize = 4  # fp32 params and grads; AdamW keeps two fp32 tensors per param
+    for rank, s in enumerate(states):
+        ours = s["ragged"][unit]
+        where = (
+            f"ws={ws} r={r} {unit} rank {rank}: {ours} (even: {even:.0f} elements; torch: {s['torch'][unit]})"
+        )
+        assert even / EVEN_SLACK <= ours["param_elems"] <= EVEN_SLACK * even, where
+        assert ours["grad_bytes"] <= EVEN_SLACK * even * elsize, where
+        # the grad storage is the unit's compacted (Sg,) shard: the largest rank's pieces, on every rank
+        assert ours["grad_storage_bytes"] <= EVEN_SLACK * even * elsize, where
+        assert (
+            2 * even * elsize / EVEN_SLACK <= ours["adamw_state_bytes"] <= EVEN_SLACK * 2 * even * elsize
+        ), where
+
+
 def _case(rank, ws, r):
     import torch.distributed as dist
     from _lora import measure
@@ -25,30 +48,16 @@ def _case(rank, ws, r):
     res = measure(rank, ws, r=r)
     states = [None] * ws
     dist.all_gather_object(states, {b: res[b]["state"] for b in res})
-    for b in ("ragged", "torch"):
-        print(f"ws={ws} r={r} rank={rank} {b}: {res[b]['state']} losses {res[b]['losses']}")
-    # the reference is what the test says it is: torch holds the same trainable elements in all
-    total = sum(s["ragged"]["param_elems"] for s in states)
-    assert total == sum(s["torch"]["param_elems"] for s in states)
-    even = total / ws
-    elsize = 4  # fp32 params, grads; AdamW keeps two fp32 tensors per param
-    for r_, s in enumerate(states):
-        ours = s["ragged"]
-        where = f"ws={ws} r={r} rank {r_}: {ours} (even: {even:.0f} elements; torch: {s['torch']})"
-        assert ours["param_elems"] <= EVEN_SLACK * even, where
-        assert ours["param_elems"] >= even / EVEN_SLACK, where
-        assert ours["grad_bytes"] <= EVEN_SLACK * even * elsize, where
-        # the grad storage is the compacted (Sg,) shard: the largest rank's pieces, equal on every rank
-        assert ours["grad_storage_bytes"] <= EVEN_SLACK * even * elsize, where
-        assert ours["adamw_state_bytes"] <= EVEN_SLACK * 2 * even * elsize, where
-        assert ours["adamw_state_bytes"] >= 2 * even * elsize / EVEN_SLACK, where
-    # parity with torch: per-step losses (this rank's batch) and the final params
+    for unit in states[0]["ragged"]:  # blocks.0, blocks.1, head (one LoRA linear), all
+        _check_even(states, ws, r, unit)
+    # parity with torch: per-step losses (this rank's batch) and the final params (AdamW divides by
+    # sqrt(v): a gradient element near 0 turns a summation-order difference into ~1e-6 after 4 steps)
     torch.testing.assert_close(
         torch.tensor(res["ragged"]["losses"]), torch.tensor(res["torch"]["losses"]), rtol=1e-5, atol=1e-6
     )
     for k, v in res["torch"]["full"].items():
         torch.testing.assert_close(
-            res["ragged"]["full"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}"
+            res["ragged"]["full"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}"
         )
 
 
