@@ -111,10 +111,13 @@ def trainable_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
     return out
 
 
-def measure(rank: int, ws: int, r: int = 8, steps: int = 4, d: int = 48, n: int = 2) -> dict:
+def measure(
+    rank: int, ws: int, r: int = 8, steps: int = 4, d: int = 48, n: int = 2, param_dtype=None, raf=True
+) -> dict:
     """Train ``LoraNet(d, r, n)`` ``steps`` AdamW steps with each backend on a ``(ws,)`` mesh; return
     ``{backend: {"state": trainable_state after the first step, "losses": [per step], "full":
-    {name: full param after the last step}}}``. Collective."""
+    {name: full param after the last step}}}``. ``param_dtype``, ``raf``: the ``MixedPrecisionPolicy``
+    ``param_dtype`` and the ``reshard_after_forward`` of both backends. Collective."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -126,11 +129,18 @@ def measure(rank: int, ws: int, r: int = 8, steps: int = 4, d: int = 48, n: int 
     g = torch.Generator().manual_seed(1)
     data = [torch.randn(ws * 2, 5, d, generator=g) for _ in range(steps)]
     out = {}
-    for name, fs in (("ragged", raggedfsdp.fully_shard), ("torch", torch_fully_shard)):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    backends = (
+        ("ragged", raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy),
+        ("torch", torch_fully_shard, TorchMP),
+    )
+    for name, fs, mp in backends:
         model = copy.deepcopy(ref)
+        kw = dict(mesh=mesh, mp_policy=mp(param_dtype=param_dtype), reshard_after_forward=raf)
         for u in model.units():
-            fs(u, mesh=mesh)
-        fs(model, mesh=mesh)
+            fs(u, **kw)
+        fs(model, **kw)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
         losses, state = [], None
         for step in range(steps):

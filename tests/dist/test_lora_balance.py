@@ -41,11 +41,11 @@ def _check_even(states, ws, r, unit):
         ), where
 
 
-def _case(rank, ws, r):
+def _case(rank, ws, r, **kw):
     import torch.distributed as dist
     from _lora import measure
 
-    res = measure(rank, ws, r=r)
+    res = measure(rank, ws, r=r, **kw)
     states = [None] * ws
     dist.all_gather_object(states, {b: res[b]["state"] for b in res})
     for unit in states[0]["ragged"]:  # blocks.0, blocks.1, head (one LoRA linear), all
@@ -64,8 +64,20 @@ def _case(rank, ws, r):
 def _cases(rank, ws):
     for r in (4, 8):
         _case(rank, ws, r)
+    # the segmented all-gather's cast path (param_dtype: one cast into each segment's rank slice)
+    _case(rank, ws, 8, param_dtype=torch.float64)
+
+
+def _int_reshard(rank, ws):
+    # int reshard_after_forward=2 of 4: each rank keeps a 1/2 slice of the segment-major unsharded buffer
+    # after forward and backward re-gathers it within its pair
+    _case(rank, ws, 8, raf=2)
 
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_lora_trainable_state_balanced_and_matches_torch(ws):
     run_distributed(_cases, ws)
+
+
+def test_lora_int_reshard_after_forward_ws4():
+    run_distributed(_int_reshard, 4)
