@@ -94,7 +94,7 @@ def trainable_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
         if p.requires_grad:
             unit = ".".join(n.split(".")[:2]) if n.startswith("blocks.") else n.split(".")[0]
             units.setdefault(unit, []).append(p)
-            units.setdefault("all", []).append(p)
+    units["all"] = [p for ps in units.values() for p in ps]
     out = {}
     for unit, params in units.items():
         grads = [_local(p.grad) for p in params if p.grad is not None]
