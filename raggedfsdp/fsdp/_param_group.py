@@ -44,7 +44,7 @@ from raggedfsdp.fsdp._common import ParamTensors
 from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
+from raggedfsdp.planner import padding_vs_fsdp2, plan_segments
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
@@ -164,10 +164,14 @@ class FSDPParamGroup:
             for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}
         }
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
-        self.layout = plan_layout(
+        # a unit that mixes frozen and trainable params (LoRA) gets its trainable ones as their own segment,
+        # so their pieces -- and with them the grads and the optimizer state -- are spread over every rank
+        # (Note [segmented layout] in raggedfsdp/planner/layout.py); the plan follows requires_grad now
+        self.layout = plan_segments(
             [fp.shape.numel() for fp in self.fsdp_params],
             [fp.granularity for fp in self.fsdp_params],
             self.shard_world,
+            [int(fp.requires_grad) for fp in self.fsdp_params],
             align=align,
             order="best",
             shapes=[tuple(fp.shape) for fp in self.fsdp_params],
@@ -218,9 +222,12 @@ class FSDPParamGroup:
         import torch.distributed as dist
 
         ours, ref = padding_vs_fsdp2(self.layout)
-        lay = self.layout  # the collective alignment alone (no block) pads the unit to m x align elements
+        lay = self.layout  # the collective alignment alone (no block) pads each segment to m x align elements
         chunk = lay.world_size * lay.align
-        aligned = (-(-lay.total_numel // chunk) * chunk - lay.total_numel) / max(lay.total_numel, 1)
+        seg = [0] * len(lay.segment_spans)
+        for i, e in enumerate(lay.numels):
+            seg[lay.segment_of(i)] += e
+        aligned = sum(-(-e // chunk) * chunk - e for e in seg) / max(lay.total_numel, 1)
         key = tuple(fp.fqn for fp in self.fsdp_params)
         if ours - max(ref, aligned) <= PADDING_WARN_EXCESS or key in _padding_warned:
             return
