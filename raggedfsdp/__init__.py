@@ -28,6 +28,7 @@ _PUBLIC = {
     "MixedPrecisionPolicy": "raggedfsdp.fsdp",
     "OffloadPolicy": "raggedfsdp.fsdp",
     "CPUOffloadPolicy": "raggedfsdp.fsdp",
+    "QuantizedAllGatherPolicy": "raggedfsdp.fsdp",
     "clip_grad_norm_": "raggedfsdp.optim.clip",
     "get_total_norm": "raggedfsdp.optim.clip",
 }

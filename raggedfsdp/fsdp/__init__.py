@@ -2,6 +2,7 @@
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from raggedfsdp.buffer.quant_gather import QuantizedAllGatherPolicy
 from raggedfsdp.fsdp._common import RuntimeOptions
 from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from raggedfsdp.fsdp._module import set_runtime_options
@@ -13,6 +14,7 @@ __all__ = [
     "FSDPUnit",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "QuantizedAllGatherPolicy",
     "RuntimeOptions",
     "UnshardHandle",
     "fsdp_units",
