@@ -201,6 +201,7 @@ class FSDPParamGroup:
         self._version_guard = None  # _unsafe_preserve_version_counter of the in-flight all-gather
         self._gathered_version = -1  # sharded-buffer version the unsharded buffer was gathered from
         self.reduce_grads = True
+        self.rs_wire_dtype: torch.dtype | None = None  # FSDPModule.set_reduce_scatter_wire_dtype
         self.nonfinite_probe: list | None = None  # FSDPModule.set_nonfinite_grad_probe
         self.all_reduce_grads = True
         self.reshard_after_backward = True

@@ -282,6 +282,7 @@ def test_accuracy_300_steps_within_3_percent():
     q = mp.get_context("spawn").Queue()
     run_distributed(_accuracy_case, 2, q)
     final = q.get(timeout=60)
+    print("final losses (mean of the last 30 steps):", final)
     assert final["none"] < 0.5 * 2.30, final  # it learned (ln 10 = 2.30 at chance)
     for name in ("fp8_e4m3", "int8"):
         assert abs(final[name] - final["none"]) <= 0.03 * final["none"], final
