@@ -6,7 +6,8 @@ Run (CPU, gloo):
 
 Four systems train the same LLaMA (same init, same data, AdamW, ``param_dtype`` bf16, ``reduce_dtype``
 fp32, one FSDP unit per block plus the root): torch's ``fully_shard``, raggedfsdp's ``fully_shard``
-without and with ``all_gather_policy=QuantizedAllGatherPolicy("fp8_e4m3" | "int8")`` (32x32 tiles).
+without and with ``all_gather_policy=QuantizedAllGatherPolicy("fp8_e4m3" | "int8")`` (32x32 tiles), and
+fp8 plus the bf16-wire reduce-scatter (``set_reduce_scatter_wire_dtype(torch.bfloat16)``).
 Each system's wire bytes of one whole step (forward all-gathers, backward re-gathers, reduce-scatters)
 are counted with ``raggedfsdp.buffer.wire.count_wire_bytes`` (every c10d collective, the larger of its
 input and output in bytes), on a step after the warm-up; the step time is the median of the other steps
@@ -45,10 +46,13 @@ def _build(system: str, flavor: str, mesh):
         fs = fully_shard
         kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
         if system != "ragged":
-            kw["all_gather_policy"] = QuantizedAllGatherPolicy(system.removeprefix("ragged-"))
+            dtype = system.removeprefix("ragged-").removesuffix("+rs-bf16")
+            kw["all_gather_policy"] = QuantizedAllGatherPolicy(dtype)
     for layer in model.layers:
         fs(layer, mesh=mesh, **kw)
     fs(model, mesh=mesh, **kw)
+    if system.endswith("+rs-bf16"):
+        model.set_reduce_scatter_wire_dtype(torch.bfloat16)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -80,7 +84,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1 + rank)
     data = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps)]
     rows = {}
-    for system in ("torch", "ragged", "ragged-fp8_e4m3", "ragged-int8"):
+    for system in ("torch", "ragged", "ragged-fp8_e4m3", "ragged-int8", "ragged-fp8_e4m3+rs-bf16"):
         model, opt = _build(system, args.flavor, mesh)
         times, loss, wire = [], None, None
         for i, tok in enumerate(data):
@@ -99,6 +103,7 @@ def main() -> None:
             "world_size": ws,
             "flavor": args.flavor,
             **wire.as_dict(),
+            "all_to_all_wire_bytes": wire.all_to_all,
             "step_time_s": round(t[0].item() / ws, 4),
             "loss": round(t[1].item() / ws, 6),
         }
@@ -108,16 +113,21 @@ def main() -> None:
         for r in rows.values():
             print(json.dumps(r))
         print(
-            "\n| system | all-gather bytes/step | vs torch bf16 | reduce-scatter+all-reduce bytes | step s "
-            "| loss |"
+            "\n| system | all-gather bytes/step | vs torch | gradient-reduction bytes/step | vs torch "
+            "| step s | loss |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
+
+        def red(
+            r,
+        ):  # gloo: raggedfsdp's reduce-scatter is an all-reduce of the same buffer; bf16 wire: all-to-all
+            return r["reduce_scatter_wire_bytes"] + r["all_reduce_wire_bytes"] + r["all_to_all_wire_bytes"]
+
         for r in rows.values():
-            rs = r["reduce_scatter_wire_bytes"] + r["all_reduce_wire_bytes"]
             print(
                 f"| {r['system']} | {r['all_gather_wire_bytes']:,} | "
-                f"{r['all_gather_wire_bytes'] / ref['all_gather_wire_bytes']:.3f} | {rs:,} | "
-                f"{r['step_time_s']} | {r['loss']} |"
+                f"{r['all_gather_wire_bytes'] / ref['all_gather_wire_bytes']:.3f} | {red(r):,} | "
+                f"{red(r) / red(ref):.3f} | {r['step_time_s']} | {r['loss']} |"
             )
     dist.destroy_process_group()
 

@@ -116,6 +116,7 @@ class PayloadPlan:
         shapes: the tensors' (TP-local) shapes, layout order.
         policy: the :class:`QuantizedAllGatherPolicy`.
         param_dtype: the unsharded params' dtype (of the unquantized pieces on the wire).
+        names: optional tensor names for error messages.
 
     Attributes: ``payload_bytes`` (``P``, the largest rank's payload, 16-byte aligned), ``quantized``
     (per tensor), ``pieces[r]`` (rank ``r``'s pieces with their byte offsets).
@@ -126,9 +127,15 @@ class PayloadPlan:
     """
 
     def __init__(
-        self, layout, shapes: Sequence[Sequence[int]], policy: QuantizedAllGatherPolicy, param_dtype
+        self,
+        layout,
+        shapes: Sequence[Sequence[int]],
+        policy: QuantizedAllGatherPolicy,
+        param_dtype,
+        names: Sequence[str] | None = None,
     ):
         self.layout, self.policy, self.param_dtype = layout, policy, param_dtype
+        name = (lambda i: repr(names[i])) if names is not None else layout.name
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.quantized = [policy.eligible(s) for s in self.shapes]
         itemsize = torch.empty((), dtype=param_dtype).element_size()
@@ -148,7 +155,7 @@ class PayloadPlan:
                         cut = a if a % g else b
                         raise ValueError(
                             f"quantized all-gather: the boundary of rank {r} cuts a {policy.block[0]}x"
-                            f"{policy.block[1]} block of {layout.name(i)} (shape {self.shapes[i]}) at "
+                            f"{policy.block[1]} block of {name(i)} (shape {self.shapes[i]}) at "
                             f"element {cut}, not a multiple of {g} (= {policy.block[0]} rows of "
                             f"{self.shapes[i][-1]}); "
                             "each block must be quantized by one rank: plan the unit with granularity "
@@ -238,19 +245,19 @@ class PayloadPlan:
 class QuantizedGather:
     """The quantized all-gather of one unit: payload plan, the cached local payload, the collective.
 
-    Args: ``layout``, ``shapes``, ``policy`` as :class:`PayloadPlan` (the plan is rebuilt when
+    Args: ``layout``, ``shapes``, ``policy``, ``names`` as :class:`PayloadPlan` (the plan is rebuilt when
     ``param_dtype`` changes, e.g. after ``module.to(dtype)``).
     """
 
-    def __init__(self, layout, shapes, policy: QuantizedAllGatherPolicy):
-        self.layout, self.shapes, self.policy = layout, list(shapes), policy
+    def __init__(self, layout, shapes, policy: QuantizedAllGatherPolicy, names: Sequence[str] | None = None):
+        self.layout, self.shapes, self.policy, self.names = layout, list(shapes), policy, names
         self._plan: PayloadPlan | None = None
         self._cache: tuple | None = None  # (sharded DBuffer, master version, payload)
         self.quantizations = 0  # how many times a payload was built (tests: once per step)
 
     def plan(self, param_dtype) -> PayloadPlan:
         if self._plan is None or self._plan.param_dtype != param_dtype:
-            self._plan = PayloadPlan(self.layout, self.shapes, self.policy, param_dtype)
+            self._plan = PayloadPlan(self.layout, self.shapes, self.policy, param_dtype, self.names)
         return self._plan
 
     def payload(self, bufs, version: int) -> torch.Tensor:

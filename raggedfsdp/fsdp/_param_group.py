@@ -177,7 +177,10 @@ class FSDPParamGroup:
         self.quant_gather = None  # Note [quantized all-gather] in raggedfsdp/buffer/quant_gather.py
         if all_gather_policy is not None:
             self.quant_gather = QuantizedGather(
-                self.layout, [fp.shape for fp in self.fsdp_params], all_gather_policy
+                self.layout,
+                [fp.shape for fp in self.fsdp_params],
+                all_gather_policy,
+                names=[fp.fqn for fp in self.fsdp_params],
             )
             self.quant_gather.plan(self.param_dtype)  # checks that no rank boundary cuts a block
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)

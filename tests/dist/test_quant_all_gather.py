@@ -299,3 +299,24 @@ def test_policy_bad_input():
         QuantizedAllGatherPolicy("int8", min_numel=-1)
     with pytest.raises(TypeError, match="all_gather_policy must be None or a QuantizedAllGatherPolicy"):
         fully_shard(copy.deepcopy(nn.Linear(4, 4)), all_gather_policy="fp8_e4m3")
+
+
+def _doc_case(rank, ws):
+    import io
+    import pathlib
+    import re
+    from contextlib import redirect_stdout
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "quantized_comm.md"
+    (code,) = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        exec(compile(code, str(doc), "exec"), {"__name__": "__main__"})
+    lines = re.findall(r"loss (\S+) all-gather (\d+) B, gradient all-to-all (\d+) B", buf.getvalue())
+    assert len(lines) == 3, buf.getvalue()
+    assert float(lines[2][0]) < float(lines[0][0])
+    assert all(int(ag) > 0 and int(a2a) > 0 for _, ag, a2a in lines)
+
+
+def test_doc_snippet_runs():
+    run_distributed(_doc_case, 2)
