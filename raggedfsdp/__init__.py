@@ -37,6 +37,7 @@ _PUBLIC = {
     "share_comm_ctx": "raggedfsdp.fsdp",
     "patch_torch": "raggedfsdp.fsdp",
     "unpatch_torch": "raggedfsdp.fsdp",
+    "QuantizedAllGatherPolicy": "raggedfsdp.fsdp",
     "clip_grad_norm_": "raggedfsdp.optim.clip",
     "get_total_norm": "raggedfsdp.optim.clip",
     "shutdown_process_group": "raggedfsdp.teardown",

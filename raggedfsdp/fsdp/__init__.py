@@ -15,6 +15,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp._fully_shard._fully_shard import disable_fsdp_module_new_init
 
+from raggedfsdp.buffer.quant_gather import QuantizedAllGatherPolicy
 from raggedfsdp.fsdp._common import RuntimeOptions
 from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard, get_cls_to_fsdp_cls
@@ -29,6 +30,7 @@ __all__ = [
     "FSDPUnit",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "QuantizedAllGatherPolicy",
     "RuntimeOptions",
     "TorchPatch",
     "UnshardHandle",
