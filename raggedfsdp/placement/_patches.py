@@ -162,6 +162,12 @@ TARGETS = (
         _P + "_checkpoint:make_get_tensor_shard",
     ),
     (
+        "torch.distributed.tensor._utils",
+        "ExplicitRedistributionContext.observe_redistribution",
+        ("cls", "src_spec", "dst_spec", "redistribution_msg"),
+        _P + "_implicit:make_observe_redistribution",
+    ),
+    (
         "torch.distributed._state_dict_utils",
         "_distribute_tensors",
         ("local_state_dict", "keys", "device"),
@@ -294,12 +300,13 @@ def _swap(module: str, qualname: str, params: tuple[str, ...], factory: str) -> 
 def _install_handlers() -> None:
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _foreach, _ops, _random
+    from raggedfsdp.placement import _foreach, _ops, _random, _reductions
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for name, install in (
         ("_random", _random.install),
         ("_ops", _ops.install_norm_handlers),
+        ("_reductions", _reductions.install),
         ("_foreach", _foreach.install),
     ):
         for op in install(handlers):  # idempotent; raises if torch gained its own handler
