@@ -133,14 +133,23 @@ def note_implicit(op, src: DTensorSpec, dst: DTensorSpec) -> None:
         _BY_OP[name] += 1
 
 
+def _op_name(msg) -> str:
+    """The op's name from torch's message (a ``LazyString`` from Python, a callable from C++) of
+    ``_format_implicit_redistribution_msg``: "Implicit redistribution occurred for Op(op=aten...."."""
+    text = str(msg() if callable(msg) and not isinstance(msg, str) else msg)
+    import re
+
+    m = re.search(r"(aten|prims|c10d_functional|_c10d_functional)\.[\w.]+", text)
+    return m.group(0) if m else text[:200]
+
+
 def make_observe_redistribution(stock):
     """``ExplicitRedistributionContext.observe_redistribution(cls, src_spec, dst_spec, msg)``: torch calls
     it for every implicit redistribution (``OpDispatcher.redistribute_local_args``)."""
 
     def observe_redistribution(cls, src_spec, dst_spec, redistribution_msg, *args, **kwargs):
         if _has_ragged(src_spec.placements) or _has_ragged(dst_spec.placements):
-            lazy = getattr(redistribution_msg, "args", None)
-            note_implicit(lazy[0] if lazy else "an op", src_spec, dst_spec)
+            note_implicit(_op_name(redistribution_msg), src_spec, dst_spec)
         return stock(cls, src_spec, dst_spec, redistribution_msg, *args, **kwargs)
 
     return observe_redistribution
