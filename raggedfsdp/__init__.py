@@ -24,6 +24,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "RaggedShard": "raggedfsdp.placement",
     "RaggedShardOpError": "raggedfsdp.placement",
+    "strict_ops": "raggedfsdp.placement",
+    "implicit_redistribution_count": "raggedfsdp.placement",
     "Layout": "raggedfsdp.planner",
     "plan_layout": "raggedfsdp.planner",
     "fully_shard": "raggedfsdp.fsdp",
