@@ -6,9 +6,9 @@ Every name of torch 2.13's FSDP2 API (``torch.distributed.fsdp.__all__``'s FSDP2
 torch's own (they work on raggedfsdp's modules), the rest raggedfsdp's (tests/unit/test_fsdp_api_surface.py).
 """
 
+import torch.distributed.fsdp as _torch_fsdp
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
-    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
     register_fsdp_forward_method,
@@ -23,9 +23,14 @@ from raggedfsdp.fsdp._module import set_runtime_options, share_comm_ctx
 from raggedfsdp.fsdp._report import FSDPUnit, fsdp_units
 from raggedfsdp.fsdp._switch import TorchPatch, patch_torch, torch_is_patched, unpatch_torch
 
+# torch >= 2.13 (``dp_mesh_dims``); torch 2.11 / 2.12 have no DataParallelMeshDims (and no dp_mesh_dims)
+_SINCE_2_13 = ["DataParallelMeshDims"] if hasattr(_torch_fsdp, "DataParallelMeshDims") else []
+if _SINCE_2_13:
+    DataParallelMeshDims = _torch_fsdp.DataParallelMeshDims
+
 __all__ = [
+    *_SINCE_2_13,
     "CPUOffloadPolicy",
-    "DataParallelMeshDims",
     "FSDPModule",
     "FSDPUnit",
     "MixedPrecisionPolicy",
