@@ -388,10 +388,29 @@ class InfNormPartial(RaggedPartial):
         return f"InfNormP({self.reduce_op})"
 
 
+# torch's own DTensor custom handlers that a raggedfsdp handler stands in front of (op -> torch's
+# handler; e.g. torch 2.11's ``minmax_dim_handler`` for ``aten.max.dim``): a call raggedfsdp does not
+# handle itself goes to them. One writer: :func:`chain_handler`.
+TORCH_HANDLERS: dict = {}
+
+
+def chain_handler(custom_handlers: dict, op, fn) -> None:
+    """Register ``fn`` as ``op``'s DTensor custom handler; a handler torch already has for ``op`` is kept
+    in :data:`TORCH_HANDLERS` and runs the calls ``fn`` passes to :func:`call_torch_dispatch`."""
+    cur = custom_handlers.get(op)
+    if cur is not None and cur is not fn and op not in TORCH_HANDLERS:
+        TORCH_HANDLERS[op] = cur
+    custom_handlers[op] = fn
+
+
 def call_torch_dispatch(op_call, args, kwargs):
-    """Run ``op_call`` through torch's own DTensor dispatch, with this op's custom handler stepped aside."""
+    """Run ``op_call`` as torch would: its own custom handler for the op if it has one
+    (:data:`TORCH_HANDLERS`), else its DTensor dispatch with raggedfsdp's handler stepped aside."""
     from torch.distributed.tensor import DTensor
 
+    torch_handler = TORCH_HANDLERS.get(op_call)
+    if torch_handler is not None:
+        return torch_handler(op_call, args, kwargs)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     with _HANDLER_LOCK:
         mine = handlers.pop(op_call)

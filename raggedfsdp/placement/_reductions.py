@@ -36,7 +36,7 @@ import math
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from raggedfsdp.placement._ops import RaggedPartial, _is_ragged, call_torch_dispatch
+from raggedfsdp.placement._ops import RaggedPartial, _is_ragged, call_torch_dispatch, chain_handler
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 aten = torch.ops.aten
@@ -220,15 +220,11 @@ def local_scalar_dense_handler(op_call, args, kwargs):
 
 
 def install(custom_handlers: dict) -> list:
-    """Register the reduction and ``_local_scalar_dense`` handlers; returns the ops. Idempotent; raises
-    ``RuntimeError`` if torch has its own handler for one of them."""
+    """Register the reduction and ``_local_scalar_dense`` handlers; returns the ops. Idempotent. A handler
+    torch has for one of them (torch 2.11's ``minmax_dim_handler`` for ``max.dim`` / ``min.dim``) runs
+    every call without a RaggedShard / RaggedPartial operand (``_ops.chain_handler``)."""
     mine = {op: reduction_handler for op in REDUCTION_OPS}
     mine[aten._local_scalar_dense.default] = local_scalar_dense_handler
     for op, fn in mine.items():
-        cur = custom_handlers.get(op)
-        if cur is not None and cur is not fn:
-            raise RuntimeError(
-                f"raggedfsdp: torch now has a DTensor custom handler for {op}; port placement/_reductions.py"
-            )
-        custom_handlers[op] = fn
+        chain_handler(custom_handlers, op, fn)
     return list(mine)
