@@ -708,6 +708,7 @@ def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_pa
     assert elapsed < 30, f"{elapsed:.1f}s from the fault to the job's end"
 
 
+@pytest.mark.core
 def test_prelaunch_refusals(tmp_path, capsys):
     """No launch: a byte-flipped --resume PATH, a second job on a locked --out, a fresh run into an
     --out that holds one, --resume auto without --out: one line each, exit 2."""
@@ -839,6 +840,7 @@ def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_p
     assert integrity.verify_step_folder(ck / "step-4") is None
 
 
+@pytest.mark.core
 @pytest.mark.skipif(
     not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("setpriv")),
     reason="needs root and setpriv to run the launcher as an unprivileged user",
