@@ -25,7 +25,9 @@ job.pg_timeout_s``), since a save makes no marks while DCP writes; DCP's file wr
 every ``interval_s``: if there was no progress for ``timeout_s``
 (``Watchdog.effective_timeout``: at most ``job.hang_timeout_s``, at most ``max(30 s, 20 x`` the slowest
 recent step``)`` once steps were seen, and always ``0.6 x job.pg_timeout_s`` or less, so that the hung
-rank fires before a waiting peer's collective times out) and this rank's main thread is *not* inside a
+rank fires before a waiting peer's collective times out; while torch.compile compiles on the main
+thread, :func:`compile_timeout`, since a first compiling step takes a minute on a small CPU box) and
+this rank's main thread is *not* inside a
 collective (its innermost
 Python frame is not in ``torch/distributed`` or ``raggedfsdp/fsdp|buffer``), this rank is the hung
 one: it prints its main thread's Python stack and one line naming itself, the step and the frame,
@@ -61,6 +63,13 @@ PG_FRACTION = 0.6  # the hang timeout never exceeds this fraction of the process
 _LOCAL_IO_PATHS = (
     os.path.join("torch", "distributed", "checkpoint", "filesystem.py"),
 )  # not waiting on peers
+# torch.compile's compiler on the main thread's stack (not the compiled code running): dynamo's frame
+# conversion (forward graphs) and inductor's compile_fx (AOT autograd compiles the backward lazily, at
+# the first backward); a first compiling step takes 47-60 s on 2 CPU cores (issue 41 item 12)
+_COMPILE_PATHS = (
+    os.path.join("torch", "_dynamo", "convert_frame.py"),
+    os.path.join("torch", "_inductor", "compile_fx.py"),
+)
 _COLLECTIVE_PATHS = (
     os.path.join("torch", "distributed") + os.sep,
     os.path.join("raggedfsdp", "fsdp") + os.sep,
@@ -90,6 +99,23 @@ def in_collective(frame) -> bool:
         return False
     path = frame.f_code.co_filename
     return any(p in path for p in _COLLECTIVE_PATHS) and not any(p in path for p in _LOCAL_IO_PATHS)
+
+
+def compiling(frame, depth: int = 400) -> bool:
+    """True if torch.compile is compiling on this stack (a frame of ``_COMPILE_PATHS`` among the
+    innermost ``depth``): long legitimate work without progress marks, not a hang."""
+    while frame is not None and depth > 0:
+        path = frame.f_code.co_filename
+        if any(p in path for p in _COMPILE_PATHS):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def compile_timeout(timeout_s: float, pg_timeout_s: float) -> float:
+    """The hang limit while compiling: ``job.pg_timeout_s`` (a peer that finished compiling first waits
+    in a collective for at most that long), never less than ``job.hang_timeout_s``; 0 when off."""
+    return 0.0 if timeout_s <= 0 else max(timeout_s, pg_timeout_s)
 
 
 def _where(frame) -> str:
@@ -334,6 +360,11 @@ class Watchdog:
         limit, why = self.effective_timeout()
         if limit <= 0 or self._paused or idle < limit:
             return
+        if not waiting and compiling(frame):  # torch.compile's first step: not a hang (issue 41 item 12)
+            limit = compile_timeout(self.timeout_s, self.pg_timeout_s)
+            why = f"compiling (torch.compile): job.pg_timeout_s={self.pg_timeout_s:g}, at least {why}"
+            if idle < limit:
+                return
         if not waiting:
             self._fail(
                 self.rank,

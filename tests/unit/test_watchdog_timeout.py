@@ -3,6 +3,7 @@ time once steps were seen, always below the process-group timeout. Reference: th
 
 from __future__ import annotations
 
+import sys
 import time
 
 from raggedfsdp.train.watchdog import MIN_HANG_S, PG_FRACTION, STEP_FACTOR, Watchdog
@@ -46,3 +47,38 @@ def test_dcp_file_writes_are_not_a_collective():
         f_code = type("C", (), {"co_filename": filesystem.__file__})()
 
     assert not in_collective(F())
+
+
+def _in_fake_compiler(fn):
+    """Call ``fn()`` from a frame whose code says it is torch's ``_dynamo/convert_frame.py``."""
+    import os
+
+    path = os.path.join("site-packages", "torch", "_dynamo", "convert_frame.py")
+    scope = {"fn": fn}
+    exec(compile("def _compile():\n    return fn()\n", path, "exec"), scope)
+    return scope["_compile"]()
+
+
+def test_a_compiling_main_thread_is_not_a_hang_until_the_compile_limit():
+    """torch.compile's first step makes no progress marks for a minute on 2 CPU cores: the watchdog
+    killed ``--compile true`` runs as hung (issue 41 item 12). While the compiler is on the main thread's
+    stack the limit is ``compile_timeout`` (job.pg_timeout_s); outside it, the usual rule."""
+    from raggedfsdp.train.watchdog import compile_timeout, compiling
+
+    assert _in_fake_compiler(lambda: compiling(sys._getframe()))
+    assert not compiling(sys._getframe())
+    assert compile_timeout(60.0, 120.0) == 120.0 and compile_timeout(60.0, 0.0) == 60.0
+    assert compile_timeout(0.0, 120.0) == 0.0
+
+    wd = _wd(timeout_s=0.2, pg_timeout_s=2.0)
+    failed = []
+    wd._fail = lambda culprit, message, frame: failed.append(message)
+    wd.arm()
+    wd._last = time.monotonic() - 1.0  # 1 s without progress: past 0.2 s, within the compile limit
+    _in_fake_compiler(wd._tick)
+    assert failed == []
+    wd._tick()  # the same idle time outside the compiler: a hang (the control)
+    assert len(failed) == 1 and "hang timeout 0.2s" in failed[0], failed
+    wd._last = time.monotonic() - 3.0  # past job.pg_timeout_s while compiling: named, saying so
+    _in_fake_compiler(wd._tick)
+    assert len(failed) == 2 and "compiling (torch.compile): job.pg_timeout_s=2" in failed[1], failed
