@@ -137,7 +137,7 @@ def run_train(args: argparse.Namespace) -> int:
         # nodes, node 0's launcher checks and locks --out; the others only validate.
         reproduce = getattr(args, "reproduce_batch", None)
         world = args.nproc * node.nnodes
-        prepared = run_dir.prepare(cfg, world, rank=node.node_rank, check_out=not reproduce)
+        prepared = run_dir.prepare(cfg, world, rank=node.node_rank, check_out=not reproduce, check_model=True)
         for note in prepared.notes:  # e.g. a run.json recovered from the checkpoints' manifests
             print(f"raggedfsdp train: note: {note}", file=sys.stderr, flush=True)
         overrides["job.out"] = cfg.job.out  # the default --out (a fresh folder) is chosen once, here

@@ -233,7 +233,7 @@ def _resume_mark(cfg) -> dict[str, str]:
 
 
 def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, validate: bool = True,
-            check_data: bool = True) -> PreparedRun:  # fmt: skip
+            check_data: bool = True, check_model: bool = False) -> PreparedRun:  # fmt: skip
     """Every check of a run before it starts, once per process; raises ``ValueError`` (one line: the
     option, the value, the fix) or ``OSError`` (``--out`` not writable).
 
@@ -245,10 +245,11 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
     when the launcher already did it for the same ``--out`` and ``--resume``), and ``OUT/.lock``
     acquired and held by the returned :class:`PreparedRun` (unless :data:`LOCK_HELD_ENV` says the
     launcher holds it), then for ``--resume auto`` a missing or unreadable ``OUT/run.json`` recovered
-    or refused (:func:`recover_run_file`; its note in ``PreparedRun.notes``). The checkpoint to resume
-    (the explicit one, or the run's newest) must hold this model (``check_resume_model``) and
-    ``--model.init_from`` must name a safetensors folder (all ranks). A launcher (``raggedfsdp train``)
-    prints the notes and calls :func:`hand_to_workers` next.
+    or refused (:func:`recover_run_file`; its note in ``PreparedRun.notes``). With ``check_model``
+    (the launcher and the worker; a ``Trainer`` built directly reports it at the load), the
+    checkpoint to resume (the explicit one, or the run's newest) must hold this model
+    (``check_resume_model``). ``--model.init_from`` must name a safetensors folder (all ranks). A
+    launcher (``raggedfsdp train``) prints the notes and calls :func:`hand_to_workers` next.
     """
     if validate:
         cfg.validate(world_size=world_size)
@@ -273,7 +274,8 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
             run.resume_path = Path(mark["path"])
         else:
             run.resume_path = resolve_resume(c.resume, run.ckpt_folder, verify=c.verify)
-            _check_resume_model(cfg, run.resume_path)  # before the lock: a refusal leaves no OUT behind
+            if check_model:  # before the lock: a refusal leaves no OUT behind
+                _check_resume_model(cfg, run.resume_path)
     if os.environ.get(LOCK_HELD_ENV) != str(run.out.resolve()):
         run.lock = OutLock(cfg.job.out).acquire()  # held by this process until the run ends
     try:
@@ -281,7 +283,8 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
             note = recover_run_file(run.out, run.ckpt_folder, overwrite=cfg.job.overwrite)
             if note:
                 run.notes.append(note)
-            _check_resume_model(cfg, _newest_own_step(run))
+            if check_model:
+                _check_resume_model(cfg, _newest_own_step(run))
     except BaseException:
         if run.lock is not None:
             run.lock.release()

@@ -34,7 +34,10 @@ one: it prints its main thread's Python stack and one line naming itself, the st
 records the error for torchrun and exits 1. Its peers, which wait in a collective, are not blamed;
 torchrun stops them. Each rank also publishes a heartbeat in the job's TCPStore, so a rank that
 waits in a collective while a peer's heartbeat has stopped (a frozen process: SIGSTOP, a C call
-holding the GIL) names that peer. A rank waiting in a collective while every peer also waits (a
+holding the GIL) names that peer. A job paused as a whole (a suspended batch job or VM: SIGSTOP of every
+rank, then SIGCONT) is not a hang: each rank's thread sees the gap between two of its own ticks and
+neither counts it as idle time nor judges its peers' (equally old) heartbeats until they had time to
+beat again (:meth:`Watchdog._was_stopped`). A rank waiting in a collective while every peer also waits (a
 mismatched collective) is left to the process-group timeout. Source of the idea: torch's NCCL
 watchdog / flight recorder (``TORCH_NCCL_ENABLE_MONITORING``), which names the rank that never
 issued a collective.
@@ -60,6 +63,7 @@ GRACE_S = 2.0
 MIN_HANG_S = 30.0  # the adaptive hang timeout: max(MIN_HANG_S, STEP_FACTOR x the slowest recent step)
 STEP_FACTOR = 20.0
 PG_FRACTION = 0.6  # the hang timeout never exceeds this fraction of the process-group timeout
+PAUSE_S = 5.0  # a gap this long (at least 10 intervals) between two watchdog ticks: this process was stopped
 _LOCAL_IO_PATHS = (
     os.path.join("torch", "distributed", "checkpoint", "filesystem.py"),
 )  # not waiting on peers
@@ -219,6 +223,8 @@ class Watchdog:
         self._last = time.monotonic()
         self._paused = 1  # start-up (corpus, model init, checkpoint load) is not watched: arm()
         self._gap = 0.0
+        self._tick_at: tuple[float, float] | None = None  # (monotonic, wall) of the previous tick
+        self._resumed_at = -float("inf")  # monotonic time of the end of the last stop of this process
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="raggedfsdp-watchdog", daemon=True)
@@ -322,8 +328,34 @@ class Watchdog:
         """True once this process's parent (torchrun's agent, which hosts the job's store) has died."""
         return os.getppid() != self.parent
 
+    def _was_stopped(self, now: float, wall: float) -> bool:
+        """True on the first tick after this whole process was stopped (issue 41 item 3): a paused batch
+        job or VM (SIGSTOP of the process group, then SIGCONT) is not a hang. The thread ticks every
+        ``interval_s``, so a gap of ``PAUSE_S`` (and at least 10 intervals) between two ticks, by the
+        monotonic or the wall clock (a suspended VM may stop one of them), means nothing of this process
+        ran: the gap is not counted as idle time, and peers' heartbeats are not judged for as long again
+        (:meth:`_frozen_peer`: all ranks resume together and publish fresh ones within an interval).
+        A peer stopped alone still is named: its own thread cannot tick, the others see no gap."""
+        prev, self._tick_at = self._tick_at, (now, wall)
+        if prev is None:
+            return False
+        gap = max(now - prev[0], wall - prev[1])
+        if gap < max(PAUSE_S, 10 * self.interval_s):
+            return False
+        self._last += max(0.0, now - prev[0])  # the stopped time is not idle time
+        self._resumed_at = now
+        print(
+            f"{self.tag} watchdog: this process did not run for {gap:.1f}s (the job was paused or "
+            "suspended?); not counted as a hang",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
     def _tick(self) -> None:
         now = time.monotonic()
+        if self._was_stopped(now, time.time()):
+            return
         frame = self._main_frame()
         waiting = in_collective(frame)
         if self.launcher_gone():
@@ -385,6 +417,8 @@ class Watchdog:
             )
 
     def _frozen_peer(self):
+        if time.monotonic() - self._resumed_at < max(PAUSE_S, 10 * self.interval_s):
+            return None  # just resumed from a stop: the peers' heartbeats are as old as the stop
         now = time.time()
         for r in range(self.world_size):
             if r == self.rank or not self.store.check([f"hb{r}"]):

@@ -840,7 +840,6 @@ def test_ctrl_c_mid_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_p
     assert integrity.verify_step_folder(ck / "step-4") is None
 
 
-@pytest.mark.core
 @pytest.mark.skipif(
     not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("setpriv")),
     reason="needs root and setpriv to run the launcher as an unprivileged user",
