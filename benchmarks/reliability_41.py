@@ -27,11 +27,16 @@ WORKER = [sys.executable, "-m", "raggedfsdp.launch.worker"]
 
 
 def _run(cmd: list[str]) -> tuple[float, int, str]:
+    """(seconds, exit code, the line to show): the last line, or for a run that went on, its note
+    about ``run.json`` and where it resumed."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     lines = (p.stderr.strip() or p.stdout.strip()).splitlines()
-    return time.monotonic() - t0, p.returncode, lines[-1] if lines else ""
+    shown = lines[-1] if lines else ""
+    if p.returncode == 0:
+        shown = " / ".join(ln for ln in lines if "run.json was" in ln or "resumed from" in ln) or shown
+    return time.monotonic() - t0, p.returncode, shown
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -110,7 +115,7 @@ def main() -> None:
             if want and name not in want:
                 continue
             s, rc, last = _run(make())
-            print(f"| `{name}` | {s:.1f} s | {rc} | `{last[:300]}` |", flush=True)
+            print(f"| `{name}` | {s:.1f} s | {rc} | `{last[:400]}` |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ job.pg_timeout_s``), since a save makes no marks while DCP writes; DCP's file wr
 every ``interval_s``: if there was no progress for ``timeout_s``
 (``Watchdog.effective_timeout``: at most ``job.hang_timeout_s``, at most ``max(30 s, 20 x`` the slowest
 recent step``)`` once steps were seen, and always ``0.6 x job.pg_timeout_s`` or less, so that the hung
-rank fires before a waiting peer's collective times out; while torch.compile compiles on the main
-thread, :func:`compile_timeout`, since a first compiling step takes a minute on a small CPU box) and
+rank fires before a waiting peer's collective times out; time during which torch.compile was seen
+compiling on the main thread counts as progress, and one compile may last :func:`compile_timeout`,
+since a first compiling step takes a minute on a small CPU box) and
 this rank's main thread is *not* inside a
 collective (its innermost
 Python frame is not in ``torch/distributed`` or ``raggedfsdp/fsdp|buffer``), this rank is the hung
@@ -105,9 +106,12 @@ def in_collective(frame) -> bool:
     return any(p in path for p in _COLLECTIVE_PATHS) and not any(p in path for p in _LOCAL_IO_PATHS)
 
 
-def compiling(frame, depth: int = 400) -> bool:
+def compiling(frame, depth: int = 2000) -> bool:
     """True if torch.compile is compiling on this stack (a frame of ``_COMPILE_PATHS`` among the
-    innermost ``depth``): long legitimate work without progress marks, not a hang."""
+    innermost ``depth``; a compile's stack is ~100 frames deep): long legitimate work without progress
+    marks, not a hang. The watchdog checks it at every tick and counts the time it saw a compile as
+    progress: the gaps between compiles (the forward's graph is compiled, runs, then the backward's is
+    compiled) are short, but come after a long time without marks."""
     while frame is not None and depth > 0:
         path = frame.f_code.co_filename
         if any(p in path for p in _COMPILE_PATHS):
@@ -224,6 +228,8 @@ class Watchdog:
         self._paused = 1  # start-up (corpus, model init, checkpoint load) is not watched: arm()
         self._gap = 0.0
         self._tick_at: tuple[float, float] | None = None  # (monotonic, wall) of the previous tick
+        self._compiled_at = -float("inf")  # monotonic time a tick last saw torch.compile compiling
+        self._compile_since: float | None = None  # when the compile seen at the last tick began
         self._resumed_at = -float("inf")  # monotonic time of the end of the last stop of this process
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
@@ -357,13 +363,19 @@ class Watchdog:
         if self._was_stopped(now, time.time()):
             return
         frame = self._main_frame()
-        waiting = in_collective(frame)
+        comp = compiling(frame)  # torch.compile's compiler at work (issue 41 item 12): progress, not a hang
+        if comp:  # a new compile unless the last tick saw this one and no mark came since it began
+            seen = now - self._compiled_at <= 2 * self.interval_s + 0.5
+            if self._compile_since is None or not seen or self._last > self._compile_since:
+                self._compile_since = now
+            self._compiled_at = now
+        waiting = in_collective(frame) and not comp
         if self.launcher_gone():
             self.store = None  # its store died with it: no heartbeat (a store call prints a C++ stack)
             if self.interrupts is not None and self.interrupts.signum == 0:
                 self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
         ints = self.interrupts
-        idle = now - self._last
+        idle = now - max(self._last, self._compiled_at)  # time compiling is not idle time
         pending = ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S
         pending = pending and self.phase != "save"  # a save is never cut off (see Interrupts)
         if pending and idle > max(GRACE_S, 3 * self._gap):  # not getting on to the step boundary
@@ -390,13 +402,12 @@ class Watchdog:
             except Exception:  # noqa: BLE001 (the launcher's store is gone: no more heartbeats)
                 self.store = None
         limit, why = self.effective_timeout()
-        if limit <= 0 or self._paused or idle < limit:
-            return
-        if not waiting and compiling(frame):  # torch.compile's first step: not a hang (issue 41 item 12)
+        if comp and limit > 0 and not self._paused:  # one compile may take its own, longer, limit
             limit = compile_timeout(self.timeout_s, self.pg_timeout_s)
             why = f"compiling (torch.compile): job.pg_timeout_s={self.pg_timeout_s:g}, at least {why}"
-            if idle < limit:
-                return
+            idle = now - self._compile_since
+        if limit <= 0 or self._paused or idle < limit:
+            return
         if not waiting:
             self._fail(
                 self.rank,

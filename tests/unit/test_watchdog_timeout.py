@@ -70,18 +70,23 @@ def test_a_compiling_main_thread_is_not_a_hang_until_the_compile_limit():
     assert compile_timeout(60.0, 120.0) == 120.0 and compile_timeout(60.0, 0.0) == 60.0
     assert compile_timeout(0.0, 120.0) == 0.0
 
-    wd = _wd(timeout_s=0.2, pg_timeout_s=2.0)
+    wd = _wd(timeout_s=0.5, pg_timeout_s=4.0)
     failed = []
     wd._fail = lambda culprit, message, frame: failed.append(message)
     wd.arm()
-    wd._last = time.monotonic() - 1.0  # 1 s without progress: past 0.2 s, within the compile limit
+    wd._last = time.monotonic() - 1.0  # 1 s without progress: past 0.5 s, within the compile limit
     _in_fake_compiler(wd._tick)
     assert failed == []
-    wd._tick()  # the same idle time outside the compiler: a hang (the control)
-    assert len(failed) == 1 and "hang timeout 0.2s" in failed[0], failed
-    wd._last = time.monotonic() - 3.0  # past job.pg_timeout_s while compiling: named, saying so
+    wd._tick()  # just after the compile (e.g. the forward runs before the backward's compile): progress
+    assert failed == []
+    wd._compiled_at -= 1.0  # 1 s after the last compile seen, outside the compiler: a hang (the control)
+    wd._tick()
+    assert len(failed) == 1 and "hang timeout 0.5s" in failed[0], failed
+    _in_fake_compiler(wd._tick)  # a compile going on for 5 s, past job.pg_timeout_s: named, saying so
+    wd._compile_since -= 5.0
+    wd._last -= 10.0  # (its last mark came before the compile began)
     _in_fake_compiler(wd._tick)
-    assert len(failed) == 2 and "compiling (torch.compile): job.pg_timeout_s=2" in failed[1], failed
+    assert len(failed) == 2 and "compiling (torch.compile): job.pg_timeout_s=4" in failed[1], failed
 
 
 class _Store:  # the job's TCPStore, as the watchdog uses it
