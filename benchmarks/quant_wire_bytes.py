@@ -32,7 +32,7 @@ def _build(system: str, flavor: str, mesh):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from raggedfsdp import MixedPrecisionPolicy, QuantizedAllGatherPolicy, fully_shard
-    from raggedfsdp.models.llama import Llama, LlamaConfig
+    from raggedfsdp.app.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig.flavor(flavor))

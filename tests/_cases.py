@@ -10,6 +10,10 @@ A case that needs a folder on disk takes ``case_tmpdir()`` (or ``case_tmpdir(key
 across world sizes).
 Cases run in registration order on every rank; a failure stops the group (a half-run collective
 would otherwise desynchronise the next case), so every case after it is reported as not run.
+
+``core`` (world size -> case names) are the cases of the default test tier (tests/conftest.py): when
+no selected test is in the full tier, conftest sets ``CORE_ONLY`` and a spawn runs only its core cases
+(in plan order); a case outside them that a test still asks for gets a spawn of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from _dist import run_distributed
 
 
+CORE_ONLY = False  # set by tests/conftest.py: the default tier runs only the spawns' core cases
 _CASE_DIR: str | None = None
 _ROOT: str | None = None
 
@@ -57,9 +62,19 @@ def _run_cases(rank, ws, fns, cases, done_path, root):
 
 
 class SharedSpawns:
-    def __init__(self, fns: dict, plan: dict[int, list[tuple[str, tuple]]], timeout: float = 300.0):
+    def __init__(
+        self,
+        fns: dict,
+        plan: dict[int, list[tuple[str, tuple]]],
+        timeout: float = 300.0,
+        core: dict[int, set[str]] | None = None,
+    ):
         self.fns, self.plan, self.timeout = fns, plan, timeout
-        self._results: dict[int, tuple[set, str | None]] = {}
+        self.core = core or {}
+        for ws, names in self.core.items():
+            missing = set(names) - {n for n, _ in plan[ws]}
+            assert not missing, f"core cases {missing} are not in the world-size-{ws} plan"
+        self._results: dict[object, tuple[set, str | None]] = {}
         self._root: str | None = None
 
     def scratch(self, key: str = "") -> str:
@@ -71,8 +86,16 @@ class SharedSpawns:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def _spawn(self, ws: int) -> tuple[set, str | None]:
-        if ws not in self._results:
+    def cases(self, ws: int) -> list[tuple[str, tuple]]:
+        """The cases the world-size-``ws`` spawn runs: all of them, or the core ones (``CORE_ONLY``)."""
+        if not CORE_ONLY:
+            return self.plan[ws]
+        return [(n, a) for n, a in self.plan[ws] if n in self.core.get(ws, ())]
+
+    def _spawn(self, ws: int, cases: list | None = None) -> tuple[set, str | None]:
+        key = ws if cases is None else (ws, repr(cases))
+        cases = self.cases(ws) if cases is None else cases
+        if key not in self._results:
             with tempfile.TemporaryDirectory() as tmp:
                 done_path = os.path.join(tmp, "done")
                 err = None
@@ -81,7 +104,7 @@ class SharedSpawns:
                         _run_cases,
                         ws,
                         self.fns,
-                        self.plan[ws],
+                        cases,
                         done_path,
                         self.scratch(),
                         timeout=self.timeout,
@@ -89,16 +112,18 @@ class SharedSpawns:
                 except BaseException as e:  # noqa: BLE001 - reported by every test of this spawn
                     err = f"{type(e).__name__}: {e}"
                 done = set(open(done_path).read().splitlines()) if os.path.exists(done_path) else set()
-            self._results[ws] = (done, err)
-        return self._results[ws]
+            self._results[key] = (done, err)
+        return self._results[key]
 
     def check(self, ws: int, name: str, *args) -> None:
         """Fail unless case ``(name, args)`` passed in the shared world-size-``ws`` spawn."""
         assert (name, tuple(args)) in [(n, tuple(a)) for n, a in self.plan[ws]], (ws, name, args)
-        done, err = self._spawn(ws)
+        own = (name, tuple(args)) not in [(n, tuple(a)) for n, a in self.cases(ws)]
+        cases = [(name, tuple(args))] if own else self.cases(ws)  # own: CORE_ONLY, not a core case
+        done, err = self._spawn(ws, cases if own else None)
         if repr((name, tuple(args))) not in done:
             # cases run in plan order and the first failure stops the group: it is the first one not done
-            first = next(f"{n}{tuple(a)}" for n, a in self.plan[ws] if repr((n, tuple(a))) not in done)
+            first = next(f"{n}{tuple(a)}" for n, a in cases if repr((n, tuple(a))) not in done)
             this = f"{name}{tuple(args)}"
             why = "failed" if first == this else f"did not run: case {first} failed before it"
             raise AssertionError(f"case {this} at world size {ws} {why}:\n{err}")

@@ -11,6 +11,7 @@ machine), ``_reduce.py`` (in-flight reductions), ``_agreement.py`` (unit agreeme
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -75,13 +76,45 @@ _OPTIMIZER_HOOK = None
 
 
 def _register_optimizer_hook() -> None:
-    """Register the global ``torch.optim`` step post-hook ``_mark_units_stepped`` once per process, on
-    the first ``fully_shard`` call (so ``import raggedfsdp`` changes nothing global)."""
+    """Register the global ``torch.optim`` step hooks once per process, on the first ``fully_shard`` call
+    (so ``import raggedfsdp`` changes nothing global): the post-hook ``_mark_units_stepped`` and the
+    pre-hook ``_refuse_replaced_params``."""
     global _OPTIMIZER_HOOK
     if _OPTIMIZER_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_mark_units_stepped)
+        _OPTIMIZER_HOOK = (
+            register_optimizer_step_post_hook(_mark_units_stepped),
+            register_optimizer_step_pre_hook(_refuse_replaced_params),
+        )
+
+
+def _refuse_replaced_params(optimizer, *_args, **_kwargs) -> None:
+    """Global ``torch.optim`` step pre-hook (issue 41 item 7): refuse an optimizer that holds parameters
+    ``fully_shard`` replaced, i.e. one built before ``fully_shard``. Those tensors are no longer the
+    module's: they never get a gradient, so ``step()`` would silently change nothing (torch's
+    ``fully_shard`` behaves the same, silently). Checked on an optimizer's first step and again after
+    ``add_param_group``; afterwards one ``len`` per step. Local. Raises ``ValueError`` naming the
+    optimizer, how many of its parameters were replaced, the first one, and the fix."""
+    n = len(optimizer.param_groups)
+    if optimizer.__dict__.get("_raggedfsdp_params_checked") == n:
+        return
+    replaced = [
+        owner
+        for pg in optimizer.param_groups
+        for owner in map(
+            getattr, pg["params"], itertools.repeat("_raggedfsdp_replaced"), itertools.repeat(None)
+        )
+        if owner is not None
+    ]
+    if replaced:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step(): {len(replaced)} of its parameters were replaced by "
+            f"fully_shard (e.g. {replaced[0]}) after the optimizer was built; they get no gradients, so "
+            "the step would change nothing: build the optimizer after fully_shard, from "
+            "model.parameters() (the sharded DTensors)"
+        )
+    optimizer.__dict__["_raggedfsdp_params_checked"] = n
 
 
 def _check_later_kwargs(kwargs: dict, mp_policy) -> None:
@@ -318,6 +351,7 @@ def fully_shard(
     unit = type(modules[0]).__name__
     for p, fqn, _ in params:
         p._raggedfsdp_owner = f"{unit}:{fqn}"  # the original tensor, now replaced by a DTensor
+        p._raggedfsdp_replaced = f"{fqn!r} of {unit}"  # an optimizer still holding it trains nothing
     for fp in group.fsdp_params if group is not None else ():
         fp.sharded._raggedfsdp_owner = f"{unit}:{fp.fqn}"  # and the DTensor that replaced it
     if group is not None and post_forward_mesh is not None:

@@ -30,6 +30,7 @@ from raggedfsdp.optim._quant import (
     zero_code,
 )
 from raggedfsdp.optim._shards import local_flat, shard_info
+from raggedfsdp.optim._state_check import check_loaded_state
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 _QUANT_KEYS = ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale")
@@ -214,7 +215,13 @@ class AdamW8bit(Optimizer):
 
         (Torch casts every floating/non-``step`` state value to the parameter's dtype, which would turn
         codes into floats and scales into the parameter's dtype.)
+
+        Raises ``ValueError`` naming the parameter, before anything is loaded, when a parameter's state
+        lacks a key of this optimizer's or has another one (another block size, or fp32 moments of an
+        ineligible shape), or a tensor of another shape, layout or code dtype
+        (``_state_check.check_loaded_state``).
         """
+        check_loaded_state(self, state_dict)
         sd = dict(state_dict)
         state = {k: dict(v) for k, v in sd["state"].items()}
         kept = {k: {n: v.pop(n) for n in list(v) if n in _QUANT_KEYS} for k, v in state.items()}

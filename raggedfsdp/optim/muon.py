@@ -47,6 +47,7 @@ from raggedfsdp.optim._newton_schulz import (
     ns_flops,
 )
 from raggedfsdp.optim._shards import ShardInfo, local_flat, matrix_to_tp_major, shard_info, tp_major_to_matrix
+from raggedfsdp.optim._state_check import check_loaded_state
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -178,6 +179,14 @@ class Muon(Optimizer):
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``Optimizer.load_state_dict``, after checking the state (``_state_check.check_loaded_state``):
+        raises ``ValueError`` naming the parameter, before anything is loaded, when its state lacks a key
+        of this optimizer's (``momentum_buffer`` for a Muon group; ``step``, ``exp_avg``, ``exp_avg_sq``
+        for an AdamW group) or has another, or holds a tensor of another shape or layout."""
+        check_loaded_state(self, state_dict)
+        super().load_state_dict(state_dict)
 
     def _info(self, p: Tensor) -> ShardInfo:
         info = self._infos.get(id(p))

@@ -25,6 +25,30 @@ from torch.distributed.tensor.placement_types import Placement, Shard
 from raggedfsdp.placement import _patches
 
 
+def _ints(name: str, values) -> tuple[int, ...]:
+    """``values`` as a tuple of ints (``operator.index``: no float or string is truncated or parsed)."""
+    import operator
+
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        bad = (
+            next((v for v in values if not hasattr(v, "__index__")), values) if _iterable(values) else values
+        )
+        raise TypeError(
+            f"RaggedShard: {name}={values!r} must be a sequence of ints; {bad!r} is a {type(bad).__name__} "
+            "(e.g. RaggedShard(dims=(0,), local_units=(1, 2, 1)); round or scale the values yourself)"
+        ) from None
+
+
+def _iterable(values) -> bool:
+    try:
+        iter(values)
+    except TypeError:
+        return False
+    return True
+
+
 class RaggedShard(Placement):
     """Uneven, contiguous, block-granular sharding of a tensor's flattened leading dims.
 
@@ -40,6 +64,8 @@ class RaggedShard(Placement):
     (possibly 0), the rows ``row_range(shape, rank)`` of the tensor in C order.
 
     Raises:
+        TypeError: ``dims`` or ``local_units`` not a sequence of integers (``1.7`` is not truncated
+            to ``1``; integer-valued objects such as numpy ints pass ``operator.index``).
         ValueError: ``dims`` not a non-empty prefix, ``local_units`` empty, negative or all zero.
             (Shape/mesh mismatches are raised by :meth:`validate_shape` / :meth:`validate_mesh`.)
 
@@ -48,14 +74,8 @@ class RaggedShard(Placement):
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]):
         super().__init__()
-        try:
-            dims = tuple(int(d) for d in dims)
-            local_units = tuple(int(u) for u in local_units)
-        except TypeError as e:
-            raise ValueError(
-                f"RaggedShard: dims={dims!r} and local_units={local_units!r} must be sequences of ints, "
-                "e.g. RaggedShard(dims=(0,), local_units=(1, 2, 1))"
-            ) from e
+        dims = _ints("dims", dims)
+        local_units = _ints("local_units", local_units)
         if len(dims) == 0 or dims != tuple(range(len(dims))):
             raise ValueError(
                 f"RaggedShard: dims={dims} must be a non-empty prefix (0, 1, ..., k-1) of the tensor dims; "

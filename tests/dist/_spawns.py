@@ -84,6 +84,9 @@ SPAWNS = SharedSpawns(
             ("frozen", ()), ("clip_grad_norm", ()), ("redistribute_1d", (True,)), ("hybrid", ())],
     },
     timeout=1500,
+    # the default tier's cases (tests marked core; tests/conftest.py): fsdp fp32 parity with empty
+    # pieces at 3 and 5 ranks, bf16 params at 3, the structure-aware optimizers, RaggedShard redistribute
+    core={3: {"fp32", "bf16", "muon_1d", "redistribute_1d"}, 5: {"fp32"}},
 )  # fmt: skip
 
 # The checkpoint tests: every save at world size 4 in one spawn, the loads at 3, 2 and 1 in one spawn
@@ -107,6 +110,7 @@ CHECKPOINTS = SharedSpawns(
         1: [("fsdp_load", ()), ("optim_load", ()), ("tp_load", (1, 1, "single"))],
     },
     timeout=900,
+    core={4: {"fsdp_save"}, 3: {"fsdp_load"}, 1: {"fsdp_load"}},  # test_dcp_save_at_4_resume_at_3_and_1
 )
 
 # The slow 4-rank cases (still run in CI; ``-m 'not slow'`` skips them all): one spawn instead of 4.

@@ -117,4 +117,4 @@ def test_tied_model_and_errors(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(hf(tok).logits, ours(tok), rtol=1e-5, atol=1e-5)
     assert main(["convert", str(tmp_path / "nope"), "--to", "torch", str(tmp_path / "x.pt")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "checkpoint not found" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -100,6 +101,7 @@ def _load_shared(rank, ws):
     _load_and_resume(rank, ws, case_tmpdir("fsdp"), *_reference())  # the reference: single-process, per rank
 
 
+@pytest.mark.core
 def test_dcp_save_at_4_resume_at_3_and_1():
     CHECKPOINTS.check(4, "fsdp_save")
     CHECKPOINTS.check(3, "fsdp_load")

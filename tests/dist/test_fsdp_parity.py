@@ -98,7 +98,9 @@ def _fp32_parity(rank, ws):
     _assert_close_losses(losses, tlosses, 1e-5, "ragged vs torch fully_shard")
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "ws", [1, 2, pytest.param(3, marks=pytest.mark.core), 4, pytest.param(5, marks=pytest.mark.core)]
+)
 def test_fp32_parity_with_single_process_and_torch_fsdp(ws):
     """fp32: per-step losses (rel 1e-5) and gathered params equal single-process AdamW (foreach and
     for-loop) and torch's fully_shard; ws>=3 has empty pieces and non-divisible sizes."""
@@ -173,7 +175,7 @@ def _bf16_parity(rank, ws):
         torch.testing.assert_close(p1[n], p2[n], rtol=2e-2, atol=2e-3, msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("ws", [2, 3, 5])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.core), 5])
 def test_bf16_param_fp32_reduce_matches_torch_fsdp(ws):
     """param_dtype=bf16, reduce_dtype=fp32: gradients after one backward match the single-process bf16
     model (and torch's fully_shard) to bf16 round-off, and 4 plain-SGD steps match torch's fully_shard."""

@@ -205,7 +205,9 @@ def _api_cases(rank, ws, units, path):
         assert torch.equal(a1, a2)
 
 
-@pytest.mark.parametrize("ws, units", [(3, (2, 0, 1)), (5, (1, 0, 2, 0, 3))])
+@pytest.mark.parametrize(
+    "ws, units", [pytest.param(3, (2, 0, 1), marks=pytest.mark.core), (5, (1, 0, 2, 0, 3))]
+)
 def test_torch_api_with_torch_names_imported_first(ws, units, tmp_path):
     run_distributed(_api_cases, ws, units, str(tmp_path / "ckpt"))
 

@@ -206,7 +206,7 @@ def _autograd(rank, ws, mesh):
         torch.testing.assert_close(x.grad.full_tensor(), 2 * w)
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3, 5])
+@pytest.mark.parametrize("ws", [1, 2, pytest.param(3, marks=pytest.mark.core), 5])
 def test_redistribute_1d(ws):
     SPAWNS.check(ws, "redistribute_1d", ws > 3)
 

@@ -165,6 +165,7 @@ def test_bench_json_moe_ep2_four_ranks():
     assert a["all_to_all_bytes"] == b["all_to_all_bytes"]
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     "argv, match",
     [

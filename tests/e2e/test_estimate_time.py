@@ -108,6 +108,7 @@ def test_help_examples_run(argv):
         assert "speed-up vs fsdp2 layout" in r.stdout
 
 
+@pytest.mark.core
 def test_help_lists_the_examples_tested_here():
     from raggedfsdp.app.commands import estimate_time
 
@@ -138,6 +139,7 @@ def test_bad_dims_one_line():
     assert "--world-size 8 must equal --replicate x dp_shard x --tp" in r.stderr
 
 
+@pytest.mark.core
 def test_readme_lines_are_the_tested_examples():
     """Each ``raggedfsdp estimate-time`` line of the README is one of the examples run above (or the
     --calibrate one, run by the calibration test)."""

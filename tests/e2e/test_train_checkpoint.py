@@ -120,6 +120,7 @@ def test_crash_then_resume_auto_at_1_rank_and_resume_path_at_3_ranks(reference, 
     assert got_eval == pytest.approx(want_eval, rel=RTOL)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("kind", ["missing", "no_metadata", "corrupt_metadata", "empty_parent", "a_file"])
 def test_bad_resume_path_is_a_one_line_error_before_launch(tmp_path, capsys, kind):
     """Checked by the launcher (in-process here: it returns before starting torchrun)."""

@@ -76,6 +76,7 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_train_two_ranks_writes_metrics_and_loss_falls(two_rank_runs, backend):
     out = two_rank_runs[backend]
@@ -92,6 +93,7 @@ def test_train_two_ranks_writes_metrics_and_loss_falls(two_rank_runs, backend):
     assert config["fsdp"]["backend"] == backend and config["training"]["steps"] == 12
 
 
+@pytest.mark.core
 def test_backends_agree(two_rank_runs):
     if "ragged" not in two_rank_runs:
         pytest.skip("no raggedfsdp.fully_shard")
@@ -177,6 +179,7 @@ def test_failing_rank_ends_the_job_with_a_rank_tagged_error(tmp_path, mode):
     assert len(proc.stderr.splitlines()) < 60, proc.stderr
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -272,6 +275,7 @@ def _clean_error(argv: list[str], capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     "name, cause",
     [
@@ -296,12 +300,14 @@ def test_bad_data_fails_before_launch(tmp_path, capsys, name, cause):
         assert "at least 2580 bytes of data" in err
 
 
+@pytest.mark.core
 def test_indivisible_batch_suggests_batch_sizes(capsys):
     err = _clean_error(["--nproc", "3"], capsys)
     assert "global_batch_size=16 must be divisible by world_size * grad_accum = 3 * 1 = 3" in err
     assert "use --batch-size 15 or --batch-size 18" in err and "--nproc 1, 2, 4, 8, 16" in err
 
 
+@pytest.mark.core
 def test_unknown_toml_key_fails_before_launch(tmp_path, capsys):
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[optimizer]\nlearning_rate = 1e-3\n")
@@ -310,6 +316,7 @@ def test_unknown_toml_key_fails_before_launch(tmp_path, capsys):
     assert "unknown key 'learning_rate' in [optimizer]" in err and "'lr'" in err
 
 
+@pytest.mark.core
 def test_unknown_flag_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["train", "--stepz", "3"])

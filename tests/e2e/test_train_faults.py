@@ -708,6 +708,7 @@ def test_nonfinite_loss_stops_the_launched_job_naming_rank_step_and_batch(tmp_pa
     assert elapsed < 30, f"{elapsed:.1f}s from the fault to the job's end"
 
 
+@pytest.mark.core
 def test_prelaunch_refusals(tmp_path, capsys):
     """No launch: a byte-flipped --resume PATH, a second job on a locked --out, a fresh run into an
     --out that holds one, --resume auto without --out: one line each, exit 2."""

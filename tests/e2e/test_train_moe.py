@@ -88,6 +88,7 @@ def test_train_moe_expert_parallel_matches_ep1(tmp_path):
     assert losses[2][-1][1] < losses[2][0][1] - 0.3
 
 
+@pytest.mark.core
 def test_train_ep_bad_combinations_fail_before_launch(capsys):
     """Checked by the launcher before torchrun starts: in-process (no interpreter start per case)."""
     from raggedfsdp.app.cli import main as cli_main

@@ -21,6 +21,7 @@ def test_train_with_structure_aware_optimizer(optim, tmp_path):
     assert evals
 
 
+@pytest.mark.core
 def test_structure_aware_optimizer_needs_the_ragged_backend(capsys):
     assert cli_main(["train", "--optim", "muon", "--backend", "torch"]) == 2
     assert "fsdp.backend='ragged'" in capsys.readouterr().err

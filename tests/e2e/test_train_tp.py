@@ -25,6 +25,7 @@ def test_train_tp2_matches_dp4(tmp_path):
     assert dp4_eval[0]["eval_loss"] == pytest.approx(tp2_eval[0]["eval_loss"], abs=2e-3)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -43,6 +44,7 @@ def test_bad_parallel_layouts_fail_before_launch(argv, message, capsys):
     assert message in err, err
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     "argv,message",
     [

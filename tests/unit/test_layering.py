@@ -236,7 +236,7 @@ def _strongly_connected(deps: dict[str, set[str]]) -> list[set[str]]:
 # one circle by design (the first RaggedShard installs the patches, which name RaggedShard).
 ALLOWED_CIRCLES = [
     {"placement._foreach", "placement._ops", "placement._patches", "placement._random"}
-    | {"placement._redistribute", "placement.ragged_shard"},
+    | {"placement._redistribute", "placement.ragged_shard", "placement._implicit", "placement._reductions"},
     {"fsdp._agreement", "fsdp._comm", "fsdp._grads", "fsdp._param_group", "fsdp._reduce"},
 ]
 

@@ -48,3 +48,29 @@ def test_refusals_name_the_flag_and_fix():
         node_options(2, 0, None, None, environ={})
     with pytest.raises(ValueError, match="must be HOST:PORT"):
         node_options(2, 0, "node0", None, environ={})
+
+
+def test_threads_per_rank_leaves_busy_cores_alone(monkeypatch):
+    """A one-process run took 2 OpenMP threads on a busy 2-core machine and ran 10-20x slower per step
+    than with 1 (issue 41 item 13): the threads per rank are one share of the idle cores, at least 1."""
+    import os
+
+    import torch
+
+    from raggedfsdp.app.launch import env
+
+    monkeypatch.setattr(env, "available_cpus", lambda: 8)
+    for load, nproc, want in [(0.1, 1, 8), (0.1, 2, 4), (0.1, 3, 2), (3.6, 1, 4), (7.9, 1, 1), (20.0, 1, 1),
+                              (20.0, 4, 1), (2.0, 2, 3)]:  # fmt: skip
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert env.threads_per_rank(nproc) == want, (load, nproc)
+    monkeypatch.setattr(os, "getloadavg", lambda: (16.0, 16.0, 16.0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert env.set_threads(1) == 1 and torch.get_num_threads() == 1  # the one-process worker's call
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit value wins
+        assert env.set_threads(1) == 3 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

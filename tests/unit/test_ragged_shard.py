@@ -21,12 +21,34 @@ from raggedfsdp.placement._checkpoint import flat_range_boxes
         ((0,), (), r"local_units=\(\) must be non-negative"),
         ((0,), (1, -1), r"local_units=\(1, -1\) must be non-negative"),
         ((0,), (0, 0, 0), r"local_units=\(0, 0, 0\) must be non-negative with at least one positive"),
-        ((0,), None, r"must be sequences of ints"),
     ],
 )
 def test_constructor_errors(dims, units, match):
     with pytest.raises(ValueError, match=match):
         RaggedShard(dims, units)
+
+
+@pytest.mark.parametrize(
+    "dims, units, match",
+    [
+        ((0,), (1.7, 2), r"local_units=\(1.7, 2\) must be a sequence of ints; 1.7 is a float"),
+        ((0,), (2.0, 2), r"local_units=\(2.0, 2\) must be a sequence of ints; 2.0 is a float"),
+        ((0,), ("1", 2), r"local_units=\('1', 2\) must be a sequence of ints; '1' is a str"),
+        ((0,), None, r"local_units=None must be a sequence of ints; None is a NoneType"),
+        ((0.0,), (1, 2), r"dims=\(0.0,\) must be a sequence of ints; 0.0 is a float"),
+    ],
+)
+def test_non_integer_arguments_are_a_type_error_naming_the_argument(dims, units, match):
+    """``RaggedShard(local_units=(1.7, 2))`` silently became ``(1, 2)`` (issue 41 item 7)."""
+    with pytest.raises(TypeError, match=match):
+        RaggedShard(dims, units)
+
+
+def test_integer_like_values_are_accepted():
+    import numpy as np  # a test may use numpy; the library does not
+
+    rs = RaggedShard((np.int64(0),), (np.int64(1), torch.tensor(2).item(), np.int32(1)))
+    assert rs.local_units == (1, 2, 1) and all(type(u) is int for u in rs.local_units)
 
 
 def test_validate_shape_errors():

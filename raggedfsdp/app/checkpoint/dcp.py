@@ -54,8 +54,11 @@ __all__ = [
     "config_hash",
     "latest_step_folder",
     "load_checkpoint",
+    "open_step_folder",
     "resolve_resume",
     "save_checkpoint",
+    "saved_model_shapes",
+    "short_error",
     "step_folders",
 ]
 
@@ -93,8 +96,9 @@ def latest_step_folder(folder: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _check_step_folder(path: Path) -> Path:
-    """``path`` if it is a readable DCP checkpoint, else a ``CheckpointError`` naming it."""
+def _check_step_folder(path: Path, *, train_state: bool = True) -> Path:
+    """``path`` if it is a readable DCP checkpoint, else a ``CheckpointError`` naming it.
+    ``train_state``: it must also hold ``train.step`` (a ``raggedfsdp train`` save), not only ``model.*``."""
     if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"not a checkpoint: {path} (no DCP .metadata file; expected a step-N folder written by "
@@ -109,7 +113,7 @@ def _check_step_folder(path: Path) -> Path:
             f"corrupt checkpoint: {path}/.metadata cannot be read ({type(e).__name__}: {e})"
         ) from None
     keys = set(meta.state_dict_metadata)
-    if "train.step" not in keys or not any(k.startswith("model.") for k in keys):
+    if (train_state and "train.step" not in keys) or not any(k.startswith("model.") for k in keys):
         raise CheckpointError(f"not a raggedfsdp train checkpoint: {path} (no train.step / model.* entries)")
     return path
 
@@ -136,11 +140,44 @@ def resolve_resume(
         if notes is not None:
             notes.extend(skipped)
         return _check_step_folder(path) if path is not None else None
-    path = Path(resume)
+    return open_step_folder(resume, verify=verify)
+
+
+_UNFINISHED_RE = re.compile(r"^step-(\d+)\.tmp$")
+
+
+def open_step_folder(
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    unchecked: str = "--checkpoint.verify false",
+    train_state: bool = True,
+) -> Path:
+    """The step folder an explicit checkpoint path names, checked as every command that reads one
+    checks it (``train --resume PATH``, ``convert``; issue 41 item 1).
+
+    ``path``: a ``step-N`` folder, or a folder of them (its newest complete one). Refused with a
+    ``CheckpointError`` (one line naming the path and the cause, then a fix): a path that does not
+    exist or is a file; an unfinished save (``step-N.tmp``: interrupted before its final rename,
+    whether or not its files look complete); no DCP ``.metadata``, or one that cannot be read; no
+    ``model.*`` entries (and no ``train.step`` when ``train_state``); and, when ``verify``, any file
+    that does not match the folder's ``manifest.json`` (missing, extra, truncated, or failing its
+    SHA-256: :func:`raggedfsdp.app.checkpoint.integrity.verify_step_folder`). ``unchecked`` is the flag
+    the message offers to skip that last check.
+    """
+    path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     if not path.is_dir():
         raise CheckpointError(f"not a checkpoint: {path} (a file; expected a step-N folder)")
+    if _UNFINISHED_RE.match(path.name):
+        done = path.with_name(path.name.removesuffix(".tmp"))
+        newest = latest_step_folder(path.parent)
+        fix = f"use {newest}" if newest is not None else "no complete step-N folder is next to it"
+        raise CheckpointError(
+            f"unfinished save: {path} (interrupted before its rename to {done.name}; its files may be "
+            f"incomplete): {fix}"
+        )
     if not (path / ".metadata").exists():
         latest = latest_step_folder(path)
         if latest is None:
@@ -148,13 +185,13 @@ def resolve_resume(
                 f"not a checkpoint: {path} (no DCP .metadata file and no complete step-N folders inside)"
             )
         path = latest
-    _check_step_folder(path)
+    _check_step_folder(path, train_state=train_state)
     if verify:
         problem = verify_step_folder(path)
         if problem is not None:
             raise CheckpointError(
-                f"corrupt checkpoint: {path}: {problem} (use an older step-N, or "
-                "--checkpoint.verify false to load it unchecked)"
+                f"corrupt checkpoint: {path}: {problem} (use an older step-N, or {unchecked} to load it "
+                "unchecked)"
             )
     return path
 
@@ -279,6 +316,12 @@ def _writer(path: Path):
     return FileSystemWriter(str(path))
 
 
+def short_error(e: BaseException, load: bool = True) -> str:
+    """The root error of a (possibly multi-rank) DCP failure, in one line (``CheckpointException``, a
+    ``BaseException``, holds each rank's; ``load``: hint at a truncated or corrupt file)."""
+    return _short(e, load)
+
+
 def _short(e: BaseException, load: bool = True) -> str:
     """The root error of a (possibly multi-rank) DCP failure, in one line."""
     failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
@@ -320,6 +363,14 @@ def compare_keys(
         if saved[k] != want[k]
     )
     return missing, unexpected, mismatched
+
+
+def saved_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """``{"model.<fqn>": global shape}`` of a step folder's model tensors, from its DCP ``.metadata``
+    only (no tensor is read). Local; raises what reading the metadata raises."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return _saved_tensors(FileSystemReader(str(path)).read_metadata(), ("model.",))
 
 
 def _saved_tensors(metadata, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
@@ -384,9 +435,15 @@ def load_checkpoint(
             )
         )
         if not allow_partial:
+            matching = len(model_keys) - len(set(missing) | {m.split(" ")[0] for m in mismatched})
+            partial = (
+                ", or pass --checkpoint.allow_partial true to load only the matching keys"
+                if matching > 0
+                else "; no model tensor of it matches, so --checkpoint.allow_partial cannot help"
+            )
             raise CheckpointError(
                 f"checkpoint {path} does not match the model: {report} (resume with the config it "
-                "was saved with, or pass --checkpoint.allow_partial true to load only the matching keys)"
+                f"was saved with{partial})"
             )
         bad = set(missing) | {m.split(" ")[0] for m in mismatched}
         keep = [k for k in model_keys if k not in bad]

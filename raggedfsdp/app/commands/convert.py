@@ -1,5 +1,10 @@
 """``raggedfsdp convert CKPT --to safetensors|torch OUT``: a DCP training checkpoint to Hugging Face
-safetensors (with ``config.json``) or a ``torch.save`` state dict; see :mod:`raggedfsdp.app.checkpoint.hf`."""
+safetensors (with ``config.json``) or a ``torch.save`` state dict; see :mod:`raggedfsdp.app.checkpoint.hf`.
+
+The checkpoint is checked as ``train --resume PATH`` checks it (``checkpoint.dcp.open_step_folder``:
+every file against the step folder's ``manifest.json`` SHA-256, an unfinished ``step-N.tmp`` refused),
+so a corrupt or partial save is one line naming the file, never weights converted from it;
+``--no-verify`` reads a DCP folder without a manifest (not written by ``raggedfsdp train``)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,13 @@ def add_parser(subparsers):
     p.add_argument("checkpoint", help="a step-N DCP folder, or a folder of them (the newest is used)")
     p.add_argument("--to", required=True, choices=("safetensors", "torch"), help="output format")
     p.add_argument("out", help="output folder (safetensors) or .pt file (torch)")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the check of every file against the checkpoint's manifest.json (SHA-256), as train's "
+        "--checkpoint.verify false; for a DCP folder not written by raggedfsdp train",
+    )
     p.add_argument(
         "--model-config",
         default=None,
@@ -65,17 +77,28 @@ def _model_config(args, step_dir: Path):
 def run(args) -> int:
     import torch
 
-    from raggedfsdp.app.checkpoint.hf import read_dcp_model, resolve_step_dir, write_safetensors
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from raggedfsdp.app.checkpoint.dcp import open_step_folder, short_error
+    from raggedfsdp.app.checkpoint.hf import read_dcp_model, write_safetensors
 
     def error(msg: str) -> int:
         print(f"raggedfsdp convert: error: {msg}", file=sys.stderr)
         return 2
 
     try:
-        step_dir = resolve_step_dir(args.checkpoint)
+        step_dir = open_step_folder(
+            args.checkpoint, verify=args.verify, unchecked="--no-verify", train_state=False
+        )
+    except ValueError as e:
+        return error(str(e))
+    try:
         state = read_dcp_model(step_dir)
     except ValueError as e:
         return error(str(e))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's read errors (--no-verify)
+        how = "check it without --no-verify" if not args.verify else "it verified: please report this"
+        return error(f"cannot read checkpoint {step_dir}: {short_error(e)[:300]} ({how})")
     if args.to == "torch":
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

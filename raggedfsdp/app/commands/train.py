@@ -137,7 +137,9 @@ def run_train(args: argparse.Namespace) -> int:
         # nodes, node 0's launcher checks and locks --out; the others only validate.
         reproduce = getattr(args, "reproduce_batch", None)
         world = args.nproc * node.nnodes
-        prepared = run_dir.prepare(cfg, world, rank=node.node_rank, check_out=not reproduce)
+        prepared = run_dir.prepare(cfg, world, rank=node.node_rank, check_out=not reproduce, check_model=True)
+        for note in prepared.notes:  # e.g. a run.json recovered from the checkpoints' manifests
+            print(f"raggedfsdp train: note: {note}", file=sys.stderr, flush=True)
         overrides["job.out"] = cfg.job.out  # the default --out (a fresh folder) is chosen once, here
         if reproduce:
             return _reproduce(cfg, reproduce, args.nproc)
@@ -155,10 +157,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"raggedfsdp train: error: {what}: {e.strerror or e}: {str(e.filename)!r} (choose a path this "
               "user can write)", file=sys.stderr)  # fmt: skip
         return _refused(prepared)
-    if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the local ranks
-        from raggedfsdp.app.launch.env import available_cpus
+    if "OMP_NUM_THREADS" not in os.environ:  # share the (idle) cores between the local ranks
+        from raggedfsdp.app.launch.env import threads_per_rank
 
-        os.environ["OMP_NUM_THREADS"] = str(max(1, available_cpus() // args.nproc))
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(args.nproc))
 
     torchrun_argv = [
         *node.torchrun_argv(args.nproc),

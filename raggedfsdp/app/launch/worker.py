@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, overrides_from_args(args), validate=False)
-        run = run_dir.prepare(cfg, world_size, rank=rank)  # the config validated once per process
+        run = run_dir.prepare(cfg, world_size, rank=rank, check_model=True)  # validated once per process
+        for note in run.notes:  # e.g. a run.json recovered from the checkpoints' manifests
+            print(f"{parser.prog}: note: {note}", file=sys.stderr, flush=True)
     except (ValueError, OSError) as e:  # a config error (or an unwritable --out): one line, no usage text
         # Under `raggedfsdp train` the launcher checked all this before the launch, so it changed since
         # (e.g. a data file truncated): recorded, for the launcher's last line (issue 23 item 5).

@@ -20,12 +20,18 @@ from raggedfsdp.app.checkpoint.dcp import CheckpointError, load_checkpoint, reso
 from raggedfsdp.app.train import run_dir
 from raggedfsdp.app.train.config import TrainConfig
 from raggedfsdp.app.train.optimizers import apply_hparams
+from raggedfsdp.app.train.resume_check import config_diff
 
 logger = logging.getLogger(
     "raggedfsdp.app.train.trainer"
 )  # the trainer's logger: the same log lines as before
 
-__all__ = ["config_change_notice", "config_diff", "load_run_checkpoint", "pick_resume", "save_run_checkpoint"]
+__all__ = [
+    "config_change_notice",
+    "load_run_checkpoint",
+    "pick_resume",
+    "save_run_checkpoint",
+]
 
 
 def pick_resume(cfg: TrainConfig, run: run_dir.PreparedRun, ckpt_folder: Path, run_id: str) -> Path | None:
@@ -54,22 +60,6 @@ def pick_resume(cfg: TrainConfig, run: run_dir.PreparedRun, ckpt_folder: Path, r
     for note in notes:
         logger.warning("%s", note)
     return path
-
-
-def config_diff(cfg: TrainConfig, path: Path) -> list[str]:
-    """``"section.key: saved -> now"`` for the training-relevant fields that differ from the
-    config recorded in ``path/meta.json`` (empty when it records none)."""
-    try:
-        saved = json.loads((path / "meta.json").read_text()).get("config") or {}
-    except (OSError, ValueError):
-        return []
-    now = cfg.to_dict()
-    diff = []
-    for sec in ("model", "training", "optimizer", "fsdp", "data"):
-        for key, value in now.get(sec, {}).items():
-            if key in saved.get(sec, {}) and saved[sec][key] != value:
-                diff.append(f"{sec}.{key}: {saved[sec][key]!r} -> {value!r}")
-    return diff
 
 
 def config_change_notice(cfg: TrainConfig, path: Path, config_hash: str) -> str | None:

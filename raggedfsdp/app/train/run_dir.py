@@ -22,7 +22,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "new_run_id",
     "prepare",
     "read_run_id",
+    "recover_run_file",
     "start_run",
     "write_run_file",
 ]
@@ -60,6 +61,66 @@ def read_run_id(out: Path) -> str | None:
         return json.loads((out / RUN_FILE).read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def _run_file_problem(out: Path) -> str | None:
+    """None when ``OUT/run.json`` names a run id, else why not (``missing``, ``unreadable (...)``)."""
+    path = out / RUN_FILE
+    if not path.exists():
+        return "missing"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable ({type(e).__name__}: {str(e)[:80]})"
+    if not isinstance(data, dict) or not isinstance(data.get("run_id"), str) or not data["run_id"]:
+        return "unreadable (no run_id in it)"
+    return None
+
+
+def recover_run_file(out: Path, ckpt_folder: Path, *, overwrite: bool = False) -> str | None:
+    """``--resume auto`` with ``OUT/run.json`` missing or unreadable (issue 41 item 2): rank 0, before
+    the launch, under the ``OUT`` lock. Returns a note for the user, or None when there was nothing to do.
+
+    Without a run id, ``--resume auto`` would take every checkpoint in ``OUT`` for another run's,
+    start from step 0 and overwrite ``metrics.jsonl``. Instead: when every ``step-N`` manifest under
+    ``ckpt_folder`` carries the same run id, that run is the one to continue: ``run.json`` is written
+    again with it (an unreadable one is kept as ``run.json.unreadable``). When they carry several, a
+    ``ValueError`` names them and the ``--resume PATH`` that continues each (the run that saved a step
+    folder is the one its manifest names). With no checkpoint to continue but a ``metrics.jsonl``
+    that a fresh start would overwrite, a ``ValueError`` unless ``overwrite`` (``--job.overwrite true``)."""
+    problem = _run_file_problem(out)
+    if problem is None:
+        return None
+    owners: dict[str, list[Path]] = {}
+    for _, path in step_candidates(ckpt_folder):  # newest first
+        owner = (read_manifest(path) or {}).get("run_id")
+        if isinstance(owner, str) and owner:
+            owners.setdefault(owner, []).append(path)
+    where = out / RUN_FILE
+    if not owners:
+        if (out / "metrics.jsonl").exists() and not overwrite:
+            raise ValueError(
+                f"--resume auto: {where} is {problem} and no checkpoint of a run is under {ckpt_folder}, "
+                f"so this would start from step 0 and overwrite {out / 'metrics.jsonl'}; start over with "
+                "--job.overwrite true, or choose another --out"
+            )
+        return None
+    if len(owners) > 1:
+        runs = "; ".join(f"run {r}: {', '.join(p.name for p in ps)}" for r, ps in owners.items())
+        raise ValueError(
+            f"--resume auto: {where} is {problem} and the checkpoints under {ckpt_folder} belong to "
+            f"{len(owners)} runs ({runs}); nothing was changed: continue one with --resume PATH, e.g. "
+            f"--resume {next(iter(owners.values()))[0]}"
+        )
+    ((run_id, paths),) = owners.items()
+    if where.exists():
+        os.replace(where, out / (RUN_FILE + ".unreadable"))
+    write_run_file(out, run_id, recovered_from=str(paths[0]))
+    kept = f" (the unreadable one kept as {RUN_FILE}.unreadable)" if problem != "missing" else ""
+    return (
+        f"--resume auto: {where} was {problem}; continuing run {run_id}, named by the manifests of its "
+        f"checkpoints ({', '.join(p.name for p in paths)}), and wrote {RUN_FILE} again{kept}"
+    )
 
 
 def write_run_file(out: Path, run_id: str, **extra: Any) -> None:
@@ -163,6 +224,7 @@ class PreparedRun:
     ckpt_folder: Path
     resume_path: Path | None = None
     lock: OutLock | None = None
+    notes: list[str] = field(default_factory=list)  # for the user (e.g. a recovered run.json)
 
 
 def _resume_mark(cfg) -> dict[str, str]:
@@ -171,7 +233,7 @@ def _resume_mark(cfg) -> dict[str, str]:
 
 
 def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, validate: bool = True,
-            check_data: bool = True) -> PreparedRun:  # fmt: skip
+            check_data: bool = True, check_model: bool = False) -> PreparedRun:  # fmt: skip
     """Every check of a run before it starts, once per process; raises ``ValueError`` (one line: the
     option, the value, the fix) or ``OSError`` (``--out`` not writable).
 
@@ -182,12 +244,18 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
     (``checkpoint.dcp.resolve_resume``; taken without re-hashing from :data:`RESUME_VERIFIED_ENV`
     when the launcher already did it for the same ``--out`` and ``--resume``), and ``OUT/.lock``
     acquired and held by the returned :class:`PreparedRun` (unless :data:`LOCK_HELD_ENV` says the
-    launcher holds it). A launcher (``raggedfsdp train``) calls :func:`hand_to_workers` next.
+    launcher holds it), then for ``--resume auto`` a missing or unreadable ``OUT/run.json`` recovered
+    or refused (:func:`recover_run_file`; its note in ``PreparedRun.notes``). With ``check_model``
+    (the launcher and the worker; a ``Trainer`` built directly reports it at the load), the
+    checkpoint to resume (the explicit one, or the run's newest) must hold this model
+    (``check_resume_model``). ``--model.init_from`` must name a safetensors folder (all ranks). A
+    launcher (``raggedfsdp train``) prints the notes and calls :func:`hand_to_workers` next.
     """
     if validate:
         cfg.validate(world_size=world_size)
     if not cfg.job.out:  # a fresh folder per run (validate refused --resume auto without --out)
         cfg.job.out = default_out()
+    _check_init_from(cfg.model.init_from)
     if check_data:
         try:
             cfg.check_data()
@@ -206,9 +274,60 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
             run.resume_path = Path(mark["path"])
         else:
             run.resume_path = resolve_resume(c.resume, run.ckpt_folder, verify=c.verify)
+            if check_model:  # before the lock: a refusal leaves no OUT behind
+                _check_resume_model(cfg, run.resume_path)
     if os.environ.get(LOCK_HELD_ENV) != str(run.out.resolve()):
         run.lock = OutLock(cfg.job.out).acquire()  # held by this process until the run ends
+    try:
+        if c.resume == "auto":
+            note = recover_run_file(run.out, run.ckpt_folder, overwrite=cfg.job.overwrite)
+            if note:
+                run.notes.append(note)
+            if check_model:
+                _check_resume_model(cfg, _newest_own_step(run))
+    except BaseException:
+        if run.lock is not None:
+            run.lock.release()
+        raise
     return run
+
+
+def _check_resume_model(cfg, path: Path | None) -> None:
+    """Another model's checkpoint is refused before the launch (``resume_check.check_resume_model``)."""
+    if path is not None:
+        from raggedfsdp.app.train.resume_check import check_resume_model
+
+        check_resume_model(cfg, path)
+
+
+def _newest_own_step(run: PreparedRun) -> Path | None:
+    """The newest ``step-N`` (with DCP metadata) of the run in ``OUT/run.json``: what ``--resume auto``
+    will most likely load (the trainer verifies and may fall back to an older one)."""
+    run_id = read_run_id(run.out)
+    for _, path in step_candidates(run.ckpt_folder):
+        if (path / ".metadata").is_file() and (read_manifest(path) or {}).get("run_id") == run_id:
+            return path
+    return None
+
+
+def _check_init_from(path: str) -> None:
+    """``--model.init_from`` must name a folder of ``*.safetensors`` files: refused before the launch
+    (issue 41 item 14: a missing folder failed after a ~40 s launch, with two tracebacks first)."""
+    if not path:
+        return
+    p = Path(path)
+    if not p.exists():
+        why = "not found"
+    elif not p.is_dir():
+        why = "is a file, not a folder"
+    elif not any(p.glob("*.safetensors")):
+        why = "holds no *.safetensors file"
+    else:
+        return
+    raise ValueError(
+        f"--model.init_from {path}: {why} (expected a Hugging Face safetensors folder, e.g. one written by "
+        "raggedfsdp convert --to safetensors)"
+    )
 
 
 def hand_to_workers(cfg, run: PreparedRun) -> None:

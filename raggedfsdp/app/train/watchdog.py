@@ -25,14 +25,20 @@ job.pg_timeout_s``), since a save makes no marks while DCP writes; DCP's file wr
 every ``interval_s``: if there was no progress for ``timeout_s``
 (``Watchdog.effective_timeout``: at most ``job.hang_timeout_s``, at most ``max(30 s, 20 x`` the slowest
 recent step``)`` once steps were seen, and always ``0.6 x job.pg_timeout_s`` or less, so that the hung
-rank fires before a waiting peer's collective times out) and this rank's main thread is *not* inside a
+rank fires before a waiting peer's collective times out; time during which torch.compile was seen
+compiling on the main thread counts as progress, and one compile may last :func:`compile_timeout`,
+since a first compiling step takes a minute on a small CPU box) and
+this rank's main thread is *not* inside a
 collective (its innermost
 Python frame is not in ``torch/distributed`` or ``raggedfsdp/fsdp|buffer``), this rank is the hung
 one: it prints its main thread's Python stack and one line naming itself, the step and the frame,
 records the error for torchrun and exits 1. Its peers, which wait in a collective, are not blamed;
 torchrun stops them. Each rank also publishes a heartbeat in the job's TCPStore, so a rank that
 waits in a collective while a peer's heartbeat has stopped (a frozen process: SIGSTOP, a C call
-holding the GIL) names that peer. A rank waiting in a collective while every peer also waits (a
+holding the GIL) names that peer. A job paused as a whole (a suspended batch job or VM: SIGSTOP of every
+rank, then SIGCONT) is not a hang: each rank's thread sees the gap between two of its own ticks and
+neither counts it as idle time nor judges its peers' (equally old) heartbeats until they had time to
+beat again (:meth:`Watchdog._was_stopped`). A rank waiting in a collective while every peer also waits (a
 mismatched collective) is left to the process-group timeout. Source of the idea: torch's NCCL
 watchdog / flight recorder (``TORCH_NCCL_ENABLE_MONITORING``), which names the rank that never
 issued a collective.
@@ -58,9 +64,17 @@ GRACE_S = 2.0
 MIN_HANG_S = 30.0  # the adaptive hang timeout: max(MIN_HANG_S, STEP_FACTOR x the slowest recent step)
 STEP_FACTOR = 20.0
 PG_FRACTION = 0.6  # the hang timeout never exceeds this fraction of the process-group timeout
+PAUSE_S = 5.0  # a gap this long (at least 10 intervals) between two watchdog ticks: this process was stopped
 _LOCAL_IO_PATHS = (
     os.path.join("torch", "distributed", "checkpoint", "filesystem.py"),
 )  # not waiting on peers
+# torch.compile's compiler on the main thread's stack (not the compiled code running): dynamo's frame
+# conversion (forward graphs) and inductor's compile_fx (AOT autograd compiles the backward lazily, at
+# the first backward); a first compiling step takes 47-60 s on 2 CPU cores (issue 41 item 12)
+_COMPILE_PATHS = (
+    os.path.join("torch", "_dynamo", "convert_frame.py"),
+    os.path.join("torch", "_inductor", "compile_fx.py"),
+)
 _COLLECTIVE_PATHS = (
     os.path.join("torch", "distributed") + os.sep,
     os.path.join("raggedfsdp", "fsdp") + os.sep,
@@ -90,6 +104,26 @@ def in_collective(frame) -> bool:
         return False
     path = frame.f_code.co_filename
     return any(p in path for p in _COLLECTIVE_PATHS) and not any(p in path for p in _LOCAL_IO_PATHS)
+
+
+def compiling(frame, depth: int = 2000) -> bool:
+    """True if torch.compile is compiling on this stack (a frame of ``_COMPILE_PATHS`` among the
+    innermost ``depth``; a compile's stack is ~100 frames deep): long legitimate work without progress
+    marks, not a hang. The watchdog checks it at every tick and counts the time it saw a compile as
+    progress: the gaps between compiles (the forward's graph is compiled, runs, then the backward's is
+    compiled) are short, but come after a long time without marks."""
+    while frame is not None and depth > 0:
+        path = frame.f_code.co_filename
+        if any(p in path for p in _COMPILE_PATHS):
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+def compile_timeout(timeout_s: float, pg_timeout_s: float) -> float:
+    """The hang limit while compiling: ``job.pg_timeout_s`` (a peer that finished compiling first waits
+    in a collective for at most that long), never less than ``job.hang_timeout_s``; 0 when off."""
+    return 0.0 if timeout_s <= 0 else max(timeout_s, pg_timeout_s)
 
 
 def _where(frame) -> str:
@@ -193,6 +227,10 @@ class Watchdog:
         self._last = time.monotonic()
         self._paused = 1  # start-up (corpus, model init, checkpoint load) is not watched: arm()
         self._gap = 0.0
+        self._tick_at: tuple[float, float] | None = None  # (monotonic, wall) of the previous tick
+        self._compiled_at = -float("inf")  # monotonic time a tick last saw torch.compile compiling
+        self._compile_since: float | None = None  # when the compile seen at the last tick began
+        self._resumed_at = -float("inf")  # monotonic time of the end of the last stop of this process
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="raggedfsdp-watchdog", daemon=True)
@@ -296,16 +334,48 @@ class Watchdog:
         """True once this process's parent (torchrun's agent, which hosts the job's store) has died."""
         return os.getppid() != self.parent
 
+    def _was_stopped(self, now: float, wall: float) -> bool:
+        """True on the first tick after this whole process was stopped (issue 41 item 3): a paused batch
+        job or VM (SIGSTOP of the process group, then SIGCONT) is not a hang. The thread ticks every
+        ``interval_s``, so a gap of ``PAUSE_S`` (and at least 10 intervals) between two ticks, by the
+        monotonic or the wall clock (a suspended VM may stop one of them), means nothing of this process
+        ran: the gap is not counted as idle time, and peers' heartbeats are not judged for as long again
+        (:meth:`_frozen_peer`: all ranks resume together and publish fresh ones within an interval).
+        A peer stopped alone still is named: its own thread cannot tick, the others see no gap."""
+        prev, self._tick_at = self._tick_at, (now, wall)
+        if prev is None:
+            return False
+        gap = max(now - prev[0], wall - prev[1])
+        if gap < max(PAUSE_S, 10 * self.interval_s):
+            return False
+        self._last += max(0.0, now - prev[0])  # the stopped time is not idle time
+        self._resumed_at = now
+        print(
+            f"{self.tag} watchdog: this process did not run for {gap:.1f}s (the job was paused or "
+            "suspended?); not counted as a hang",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
     def _tick(self) -> None:
         now = time.monotonic()
+        if self._was_stopped(now, time.time()):
+            return
         frame = self._main_frame()
-        waiting = in_collective(frame)
+        comp = compiling(frame)  # torch.compile's compiler at work (issue 41 item 12): progress, not a hang
+        if comp:  # a new compile unless the last tick saw this one and no mark came since it began
+            seen = now - self._compiled_at <= 2 * self.interval_s + 0.5
+            if self._compile_since is None or not seen or self._last > self._compile_since:
+                self._compile_since = now
+            self._compiled_at = now
+        waiting = in_collective(frame) and not comp
         if self.launcher_gone():
             self.store = None  # its store died with it: no heartbeat (a store call prints a C++ stack)
             if self.interrupts is not None and self.interrupts.signum == 0:
                 self.interrupts._handler(signal.SIGTERM, None)  # launcher gone, no PDEATHSIG seen
         ints = self.interrupts
-        idle = now - self._last
+        idle = now - max(self._last, self._compiled_at)  # time compiling is not idle time
         pending = ints is not None and ints.signum and not self._paused and now - ints.at > GRACE_S
         pending = pending and self.phase != "save"  # a save is never cut off (see Interrupts)
         if pending and idle > max(GRACE_S, 3 * self._gap):  # not getting on to the step boundary
@@ -332,6 +402,10 @@ class Watchdog:
             except Exception:  # noqa: BLE001 (the launcher's store is gone: no more heartbeats)
                 self.store = None
         limit, why = self.effective_timeout()
+        if comp and limit > 0 and not self._paused:  # one compile may take its own, longer, limit
+            limit = compile_timeout(self.timeout_s, self.pg_timeout_s)
+            why = f"compiling (torch.compile): job.pg_timeout_s={self.pg_timeout_s:g}, at least {why}"
+            idle = now - self._compile_since
         if limit <= 0 or self._paused or idle < limit:
             return
         if not waiting:
@@ -354,6 +428,8 @@ class Watchdog:
             )
 
     def _frozen_peer(self):
+        if time.monotonic() - self._resumed_at < max(PAUSE_S, 10 * self.interval_s):
+            return None  # just resumed from a stop: the peers' heartbeats are as old as the stop
         now = time.time()
         for r in range(self.world_size):
             if r == self.rank or not self.store.check([f"hb{r}"]):
