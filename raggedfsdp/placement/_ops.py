@@ -405,11 +405,15 @@ def chain_handler(custom_handlers: dict, op, fn) -> None:
 
 def call_torch_dispatch(op_call, args, kwargs):
     """Run ``op_call`` as torch would: its own custom handler for the op if it has one
-    (:data:`TORCH_HANDLERS`), else its DTensor dispatch with raggedfsdp's handler stepped aside."""
+    (:data:`TORCH_HANDLERS`) and no operand is RaggedShard, else its DTensor dispatch with raggedfsdp's
+    handler stepped aside."""
     from torch.distributed.tensor import DTensor
 
     torch_handler = TORCH_HANDLERS.get(op_call)
-    if torch_handler is not None:
+    if torch_handler is not None and not any(_is_ragged(t) for t in (*args, *kwargs.values())):
+        # torch's handler reads Shard placements only (2.11's minmax_dim_handler would reduce a
+        # RaggedShard operand's local piece as if it were replicated): a RaggedShard operand takes the
+        # propagation path below, which redistributes it
         return torch_handler(op_call, args, kwargs)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     with _HANDLER_LOCK:
