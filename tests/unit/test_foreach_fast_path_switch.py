@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raggedfsdp._compat import torch_minor
+
 
 def test_installed_by_default_on_every_torch(monkeypatch):
     from raggedfsdp.placement import _foreach
@@ -98,7 +100,9 @@ def test_a_new_set_of_grads_needs_no_sharding_propagation(fast, monkeypatch):
             opt.zero_grad(set_to_none=True)
         if fast:
             assert counts == [0, 0, 0, 0], (counts, propagated)
-        else:  # torch's dispatch: a new list is a new cache key; a list seen before hits the cache
+        elif torch_minor() >= (2, 13):  # torch's dispatch: a new list is a new cache key; a list seen
+            # before hits the cache (on 2.11 foreach ops do not reach the counted propagation: measured
+            # [0, 0, 0, 0] with the fast path off, so there is nothing to compare there)
             assert counts[0] > 0 and counts[1] == 0 and counts[2] > 0 and counts[3] > 0, counts
     finally:
         _foreach.install(handlers) if _foreach.wanted() else _foreach.uninstall(handlers)
