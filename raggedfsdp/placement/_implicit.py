@@ -236,6 +236,41 @@ VIEW_OPS = {
 }
 
 
+# squeeze / unsqueeze take dims, not a size: the local rewrite to ``view(local, [numel])`` needs the
+# op to be ``view`` itself (torch 2.11's dispatcher runs the original op on the rewritten args), so a
+# handler turns them into ``view`` of the output shape first.
+_DIM_VIEW_OPS = (aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+
+
+def dim_view_handler(op_call, args, kwargs):
+    """DTensor custom handler of ``squeeze`` / ``unsqueeze``: a contiguous RaggedShard input becomes
+    ``view`` of the output shape (a local view, :func:`view_sharding`); anything else runs as torch
+    runs it."""
+    from torch.distributed.tensor import DTensor
+
+    from raggedfsdp.placement._ops import call_torch_dispatch
+
+    x = args[0] if args else None
+    if (
+        isinstance(x, DTensor)
+        and _has_ragged(x._spec.placements)
+        and x._spec.tensor_meta is not None
+        and _contiguous(x._spec.tensor_meta)
+    ):
+        shape = op_call(torch.empty(x.shape, device="meta"), *args[1:], **kwargs).shape
+        return aten.view.default(x, list(shape))
+    return call_torch_dispatch(op_call, args, kwargs)
+
+
+def install_view_handlers(custom_handlers: dict) -> list:
+    """Register :func:`dim_view_handler` (idempotent); returns the ops."""
+    from raggedfsdp.placement._ops import chain_handler
+
+    for op in _DIM_VIEW_OPS:
+        chain_handler(custom_handlers, op, dim_view_handler)
+    return list(_DIM_VIEW_OPS)
+
+
 def view_placement(rs: RaggedShard, numel: int, shape) -> RaggedShard | None:
     """The RaggedShard of a tensor of ``shape`` with the same flat element ranges as ``rs`` on ``numel``
     elements: the same ``local_units``, ``dims=range(k)`` for the least ``k >= 1`` whose rows

@@ -308,13 +308,14 @@ def _swap(module: str, qualname: str, params: tuple[str, ...], factory: str) -> 
 def _install_handlers() -> None:
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _foreach, _ops, _random, _reductions
+    from raggedfsdp.placement import _foreach, _implicit, _ops, _random, _reductions
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for name, install in (
         ("_random", _random.install),
         ("_ops", _ops.install_norm_handlers),
         ("_reductions", _reductions.install),
+        ("_implicit", _implicit.install_view_handlers),
         ("_foreach", _foreach.install),
     ):
         for op in install(handlers):  # idempotent; raises if torch gained its own handler

@@ -57,7 +57,7 @@ def test_import_and_plan_apply_nothing():
 def test_all_targets_patched_in_place():
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _foreach, _ops, _random, _reductions
+    from raggedfsdp.placement import _foreach, _implicit, _ops, _random, _reductions
 
     RaggedShard((0,), (1,))
     keys = {f"{m}:{q}" for m, q, _, _ in tp.TARGETS}
@@ -68,13 +68,17 @@ def test_all_targets_patched_in_place():
     fast = _foreach.supported_ops() if _foreach.wanted() else []  # patch 10, on unless turned off
     assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(
         _ops.NORM_OPS
-    ) + len(_reductions.REDUCTION_OPS) + 1 + len(fast)  # + 1: _local_scalar_dense
+    ) + len(_reductions.REDUCTION_OPS) + 1 + len(fast) + len(
+        _implicit._DIM_VIEW_OPS
+    )  # + 1: _local_scalar_dense
     for op in fast:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _foreach.foreach_handler
     for op in _ops.NORM_OPS:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _ops.inf_norm_handler
     for op in _reductions.REDUCTION_OPS:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _reductions.reduction_handler
+    for op in _implicit._DIM_VIEW_OPS:
+        assert DTensor._op_dispatcher._custom_op_handlers[op] is _implicit.dim_view_handler
     for module, qualname, params, _ in tp.TARGETS:
         fn = tp._resolve(module, qualname)
         assert fn.__ragged_patched__ and fn.__code__.co_filename.startswith("<raggedfsdp patch of"), qualname
