@@ -109,23 +109,20 @@ class PendingReduce:
             if not self.direct:
                 self.out.free()  # allocated on the compute stream, which now waited its last use
             return
-        if hsdp:
-            if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
-                g.grads.defer_partial(self.out.data, self.params, self.flags)
-                self.out.free()
-                self.stage, self.attach = ReduceStage.DEFERRED, False
-                return
-            partial = g.grads.take_partial()
-            if partial is not None:
-                self.out.data.add_(partial)
-            queue.make_room_all_reduce()
-            queue.agreement.note(g, "all-reduce")
-            self.ar = all_reduce_(self.out, g.replicate_group, stream=queue.ar_stream)
-            self.ar.context = queue.agreement.context(g)
-            self.stage = ReduceStage.ALL_REDUCE
-            queue.all_reduces.append(self)
+        if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
+            g.grads.defer_partial(self.out.data, self.params, self.flags)
+            self.out.free()
+            self.stage, self.attach = ReduceStage.DEFERRED, False
             return
-        self._install_values()
+        partial = g.grads.take_partial()
+        if partial is not None:
+            self.out.data.add_(partial)
+        queue.make_room_all_reduce()
+        queue.agreement.note(g, "all-reduce")
+        self.ar = all_reduce_(self.out, g.replicate_group, stream=queue.ar_stream)
+        self.ar.context = queue.agreement.context(g)
+        self.stage = ReduceStage.ALL_REDUCE
+        queue.all_reduces.append(self)
 
     def complete_all_reduce(self, queue: ReduceQueue) -> None:
         check(self.stage is ReduceStage.ALL_REDUCE, f"complete_all_reduce in stage {self.stage}")

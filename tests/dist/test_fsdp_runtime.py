@@ -62,7 +62,7 @@ def _assert_grads(model, expected, what, rtol=1e-5, atol=1e-6):
 
 
 class _LiveGradBuffers:
-    """Counts live unsharded-gradient DBuffers (by role name) through DBuffer.alloc/alloc_from/free."""
+    """Counts live unsharded-gradient DBuffers (by role name) through DBuffer.alloc/free."""
 
     def __init__(self, root_group):
         from raggedfsdp.buffer import DBuffer
@@ -70,13 +70,7 @@ class _LiveGradBuffers:
         self.cls, self.live, self.peak, self.peak_non_root = DBuffer, set(), 0, 0
         self.root_group = root_group
         self._alloc, self._free, self._init = DBuffer.alloc, DBuffer.free, DBuffer.__init__
-        self._alloc_from = DBuffer.alloc_from
         counter = self
-
-        def alloc_from(buf, donor):  # the params' memory taken by a grad buffer (Note [recycled params])
-            took = counter._alloc_from(buf, donor)
-            counter._update(buf)
-            return took
 
         def alloc(buf, zero=False):
             fresh = counter._alloc(buf, zero)
@@ -91,7 +85,7 @@ class _LiveGradBuffers:
             counter._init(buf, *a, **k)
             counter._update(buf)
 
-        DBuffer.alloc, DBuffer.free, DBuffer.__init__, DBuffer.alloc_from = alloc, free, init, alloc_from
+        DBuffer.alloc, DBuffer.free, DBuffer.__init__ = alloc, free, init
 
     def _update(self, buf):
         if buf.name not in GRAD_NAMES:
@@ -103,7 +97,6 @@ class _LiveGradBuffers:
 
     def close(self):
         self.cls.alloc, self.cls.free, self.cls.__init__ = self._alloc, self._free, self._init
-        self.cls.alloc_from = self._alloc_from
 
 
 def _bounded_memory(rank, ws, mesh):
