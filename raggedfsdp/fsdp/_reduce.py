@@ -32,9 +32,11 @@ Note [early free]
     a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
     ``make_room`` / ``drain``, which run at the same points on every rank. ``RuntimeOptions.early_free =
     False``
-    turns polling off (the worst case: what a network slower than the backward gives). The memory
-    tests fix what collectives report (``tests/_memory.py: comm_completion``) rather than trust the fake
-    process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
+    turns polling off (the worst case: what a network slower than the backward gives). On gloo the
+    reduce-scatter's work reports ``is_completed()`` only once it was waited (its copy-out runs in
+    ``wait()``), so there an input lives until ``make_room``, as in FSDP2. The memory tests fix what
+    collectives report (``tests/_memory.py: comm_completion``) rather than trust the backend or the
+    fake process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
 """
 
 from __future__ import annotations
