@@ -130,24 +130,3 @@ def subclass_torch_function_off():
     if ctx is None:
         raise _gone("torch._C.DisableTorchFunctionSubclass")
     return ctx
-
-
-def storage_memory_swap():
-    """``swap(a, b)`` exchanging the memory (data pointer and byte size) of two ``UntypedStorage`` objects
-    of one device, or ``None`` if this torch has no such method (callers then free and allocate).
-
-    Used on CPU to hand a unit's unsharded-param memory, freed in its post-backward, to the unit's
-    unsharded-grad buffer allocated right after (``DBuffer.alloc_from``): the same bytes live at every
-    moment, without a ``free`` / ``malloc`` pair whose fresh pages the gradient fold would fault in
-    one by one (glibc returns blocks of this size to the OS on free). On CUDA the caching allocator
-    already reuses the block, so it is not used there.
-
-    torch internal: ``UntypedStorage._swap_data_ptr_`` (torch/csrc/Storage.cpp; the storages must share a
-    device and have equal byte sizes, or one of them 0 bytes); present on 2.13.0 and 2.14.1 (checked). A
-    torch without it gets ``None``: the same memory, only the fresh block's page faults come back.
-    ``tests/unit/test_compat.py`` checks it on the installed torch, so a torch that drops or changes it
-    fails there, not silently slower.
-    """
-    import torch
-
-    return getattr(torch.UntypedStorage, "_swap_data_ptr_", None)

@@ -101,8 +101,7 @@ class DBuffer:
         self.rank = rank
         if type(shapes) is list and all(map(operator.is_, map(type, shapes), itertools.repeat(torch.Size))):
             # shared, read only: a buffer made every step (the sharded grads after their hand-off) makes
-            # no new Size objects, which outlived the step into the GC's oldest generation (785 a step
-            # on the 128-expert MoE bench, one gen-0 collection of 9; issue 22 item 4)
+            # no new Size objects, which would outlive the step into the GC's oldest generation
             self.shapes = shapes
         else:
             self.shapes = list(map(torch.Size, shapes))
@@ -127,36 +126,6 @@ class DBuffer:
         if fresh and zero:
             self.data.zero_()
         return fresh
-
-    def alloc_from(self, donor: DBuffer) -> bool:
-        """Allocate this freed buffer with the memory of ``donor``, which is freed by it: one swap of
-        the two storages' data pointers (``_compat.storage_memory_swap``), no ``free`` / ``malloc``.
-        CPU only, both unpinned, equal byte sizes (dtypes may differ; the contents are left as they
-        are, like :meth:`alloc`'s). Returns True if it did; False, changing nothing, when any condition
-        fails (the caller then allocates as usual). In debug mode ``donor`` is checked as by
-        :meth:`free`. Local. Note [recycled params] in ``raggedfsdp/buffer/lifecycle.py``."""
-        from raggedfsdp._compat import storage_memory_swap
-
-        mine, theirs = self.data, donor.data
-        swap = storage_memory_swap()
-        if (
-            swap is None
-            or mine.device.type != "cpu"
-            or theirs.device.type != "cpu"
-            or self.is_allocated
-            or not donor.is_allocated
-            or mine.numel() * mine.element_size() != theirs.numel() * theirs.element_size()
-            or mine.is_pinned()
-            or theirs.is_pinned()
-        ):
-            return False
-        if debug_enabled():
-            donor.check_no_pending_use("free")
-        donor._uses.clear()
-        swap(mine.untyped_storage(), theirs.untyped_storage())
-        self.alloc_stream_key = stream_key(current_stream(mine.device))
-        self._uses.clear()
-        return True
 
     def free(self) -> None:
         """Release the storage. In debug mode raises :class:`BufferLifetimeError` if a collective that
@@ -264,23 +233,12 @@ class DBuffer:
             hold_until_released(inp, bases[1])
         return _Works(works) if async_op else None
 
-    def reduce_scatter_(
-        self,
-        out: torch.Tensor | None,
-        group,
-        op=dist.ReduceOp.SUM,
-        async_op: bool = False,
-        consume_input: bool = False,
-    ):
-        """Reduce this global buffer over ``group`` into ``out`` ((S,), same dtype) or, if ``None``, in place
-        into :meth:`rank_slice`. Collective over ``group``.
-
-        ``consume_input=True``: the caller discards this buffer afterwards, so its contents may be
-        overwritten. On gloo (CPU) the reduce-scatter then runs as an in-place all-reduce of the buffer
-        and this rank's slice is copied into ``out`` when the returned work is waited: gloo implements
-        ``reduce_scatter_tensor`` as exactly that all-reduce on a *clone* of the input (bitwise the same
-        result, ``AVG`` = sum then one division by the group size), so this saves a whole-unit
-        allocation and copy for as long as the collective is in flight. Other backends are unchanged.
+    def reduce_scatter_(self, out: torch.Tensor | None, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Reduce this global ``(m*S,)`` buffer over ``group`` into ``out`` (``(S,)``, same dtype) or, if
+        ``None``, in place into :meth:`rank_slice`. Collective over ``group``: one
+        ``reduce_scatter_single`` (``reduce_scatter_tensor`` on torch 2.11) with ``op`` as given, the
+        same call on every backend (gloo supports it for even sizes, ``SUM`` and ``AVG``, fp32 / bf16 /
+        fp16). World size 1: a local copy, no collective.
         """
         assert not self.sharded
         if out is None:
@@ -289,8 +247,6 @@ class DBuffer:
             if out.data_ptr() != self.data.data_ptr():
                 out.copy_(self.data)
             return None
-        if consume_input and _is_gloo(group, self.data.device):
-            return _AllReduceScatterWork(self, out, op, group, async_op)
         base = use_count(out)
         work = _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
         hold_until_released(out, base)  # Note [gloo release]
@@ -311,51 +267,6 @@ class _Works:
         for w in self._works:
             w.wait()
         self._works = []  # gloo's works own clones of their inputs: drop them once waited
-        return True
-
-
-def _is_gloo(group, device: torch.device) -> bool:
-    if device.type != "cpu":
-        return False
-    try:
-        return dist.get_backend(group) == "gloo"
-    except (RuntimeError, ValueError):  # e.g. a group object this process is not part of
-        return False
-
-
-class _AllReduceScatterWork:
-    """gloo reduce-scatter of a consumed buffer (see :meth:`DBuffer.reduce_scatter_`): an in-place
-    all-reduce; ``wait()`` copies this rank's ``(S,)`` slice into the output (the copy gloo's own
-    reduce-scatter makes inside its ``wait()``) and divides it for ``AVG``. Behaves like ``dist.Work``
-    for ``wait()`` / ``is_completed()``."""
-
-    def __init__(self, buf: DBuffer, out: torch.Tensor, op, group, async_op: bool):
-        self._divisor = dist.get_world_size(group) if op == dist.ReduceOp.AVG else None
-        red = dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op
-        self._src, self._out = buf.rank_slice(), out
-        self._work = dist.all_reduce(buf.data, op=red, group=group, async_op=True)
-        if not async_op:
-            self.wait()
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-    def wait(self, timeout=None) -> bool:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            with torch.no_grad():
-                if self._out.data_ptr() == self._src.data_ptr():
-                    if self._divisor is not None:
-                        self._out.div_(self._divisor)
-                elif self._divisor is not None and self._out.dtype == self._src.dtype:
-                    # copy and divide in one pass: the same values as copy_ then div_ in this dtype
-                    torch.div(self._src, self._divisor, out=self._out)
-                else:
-                    self._out.copy_(self._src)
-                    if self._divisor is not None:
-                        self._out.div_(self._divisor)
-            self._src = self._out = None
         return True
 
 

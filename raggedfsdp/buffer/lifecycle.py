@@ -5,8 +5,8 @@ code that allocates or frees them during a step; ``raggedfsdp/fsdp`` decides *wh
 keeps the records of in-flight work. Transitions (all local except where a collective is named):
 
     gather_params   sharded --all-gather--> unsharded params      (allocates ``params``)
-    free_params     unsharded params --> freed                    (reshard; in post-backward kept as a
-                    spare that the grad buffer takes, Note [recycled params])
+    free_params     unsharded params --> freed                    (reshard; in post-backward before the
+                    grad buffer is allocated, Note [grad fold] in fsdp/_grads.py)
     begin_grads     allocate + zero the unsharded grads           (views pre-set only for a no-sync window or a user .grad)
     fold_grads      autograd's per-parameter grads --> the flat buffer, once per backward (post-backward,
                     after the unit's params are freed and the oldest reduce-scatter input; Note [grad fold]
@@ -23,19 +23,6 @@ gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_grads.py``). A 
 layout (a unit planned with its trainable tensors in their own segment, Note [segmented layout] in
 ``raggedfsdp/planner/layout.py``) is not rank-major, so its grad roles always use a ``GradLayout``
 (of every tensor when all are members).
-
-Note [recycled params]
-    In a unit's post-backward the unsharded params are freed and, right after, the unsharded grad
-    buffer (the reduce-scatter input) is allocated for the fold (Note [grad fold] in
-    ``raggedfsdp/fsdp/_grads.py``); both are ``(m*S,)``, so in ``param_dtype`` (or a ``reduce_dtype`` of
-    the same size) they have the same bytes. On CPU ``free_params(spare=True)`` keeps the params'
-    memory as a *spare* for that moment, the grad allocation takes it (:meth:`DBuffer.alloc_from`, one
-    pointer swap) and :meth:`UnitBuffers.drop_spare` frees what was not taken at the end of the
-    post-backward. The bytes alive at every point are those of free-then-allocate, but without the
-    ``free`` / ``malloc`` pair: glibc returns blocks of this size to the OS on free, so the fresh block's
-    pages were faulted in one by one during the fold (~2,300 minor faults, ~5 ms of the training
-    thread per step on the 128-expert MoE bench, issue 22 item 4). On CUDA the caching allocator
-    already reuses the block; the spare is not kept there.
 
 Every buffer is allocated on the current (compute) stream; collectives are issued from the stream
 passed in, which first waits on the compute stream (Note [stream invariant] in ``streams.py``).
@@ -104,7 +91,6 @@ class UnitBuffers:
             None  # reduce_dtype no-sync accumulator (FSDP2: unsharded_accumulated_grad)
         )
         self.sharded_grads: DBuffer | None = None
-        self._spare = False  # the unsharded params' memory, kept for the grad buffer (Note [recycled params])
         if not layout.rank_major:  # a segmented layout: the grad roles are always compacted
             self.set_grad_members(tuple(range(len(self.shapes))))
 
@@ -193,12 +179,12 @@ class UnitBuffers:
             if self.acc is None:
                 self.acc = self._unsharded(self.reduce_dtype, "reduce_dtype accumulated grads")
             into = self.acc
-            fresh = self._alloc_grad_role(into)
+            fresh = into.alloc()
             if fresh:
                 into.zero_()
         else:
             into = self.grads
-            fresh = self._alloc_grad_role(into)  # zero-filled below: only what the copy leaves
+            fresh = into.alloc()  # zero-filled below: only what the copy leaves
         compact = self.compact_grads
         idx, gs = map(list, zip(*grads))
         if not all(map(operator.is_, map(_LAYOUT, gs), itertools.repeat(torch.strided))):
@@ -206,7 +192,7 @@ class UnitBuffers:
         shapes = list(map(self.shapes.__getitem__, idx))
         if not compact and list(map(_SHAPE, gs)) == shapes:
             # the per-step case: each grad straight into its tensor-shaped view, the loops in C (no
-            # per-tensor reshape: 785 of them cost 2.4 ms a step on the 128-expert MoE, issue 22)
+            # per-tensor reshape in Python)
             dsts, srcs = list(map(self._shaped_views(into).__getitem__, idx)), gs
         elif not compact:
             flats = list(map(torch.Tensor.reshape, gs, itertools.repeat(-1)))
@@ -336,7 +322,6 @@ class UnitBuffers:
         """Allocate the unsharded params and all-gather them from ``source`` (default: the sharded
         master) over ``source_group or group``, issued from ``stream``. Collective over that group."""
         compute = current_stream(self.device)
-        self._spare = False  # the memory is the params' own again
         self.params.alloc()
         wait_stream(stream, compute)  # the fresh block and the master are ready for the side stream
         with on_stream(stream), torch.no_grad():
@@ -350,43 +335,14 @@ class UnitBuffers:
                 hold_until_released(source, base)  # Note [gloo release]
         return CommHandle(work, [self.params], stream, "all-gather")
 
-    def free_params(self, spare: bool = False) -> None:
-        """Free the unsharded params. ``spare=True`` (a post-backward about to fold grads): on CPU keep
-        their memory until the grad buffer takes it or :meth:`drop_spare` frees it (Note [recycled
-        params]). Local."""
-        if spare and self._fold_can_take_params():
-            self._spare = True
-            return
-        self._spare = False
+    def free_params(self) -> None:
+        """Free the unsharded params. Local."""
         self.params.free()
-
-    def _fold_can_take_params(self) -> bool:
-        """True if the next fold will allocate a grad buffer of exactly the params' bytes on CPU (else
-        a kept spare would only add to the peak). Local."""
-        p = self.params.data
-        if p.device.type != "cpu" or p.is_pinned() or not self.params.is_allocated or self.has_grads():
-            return False
-        # the fold's target: the reduce_dtype accumulator, or the grads (reduce_dtype == param_dtype)
-        return self.grads.data.numel() * self.reduce_dtype.itemsize == p.numel() * p.element_size()
-
-    def drop_spare(self) -> None:
-        """Free the spare params memory that no grad allocation took (Note [recycled params]). Local."""
-        if self._spare:
-            self._spare = False
-            self.params.free()
-
-    def _alloc_grad_role(self, buf: DBuffer) -> bool:
-        """``buf.alloc()``, taking the spare params memory when there is one of its size. Local."""
-        if self._spare and buf.alloc_from(self.params):
-            self._spare = False
-            return True
-        self.drop_spare()  # not of this buffer's size: freed first, so the peak is free-then-allocate's
-        return buf.alloc()
 
     # ---- grads -----------------------------------------------------------------------------
     def begin_grads(self) -> bool:
         """Allocate the unsharded grads zero-filled if they are freed; True if they were. Local."""
-        fresh = self._alloc_grad_role(self.grads)
+        fresh = self.grads.alloc()
         if fresh:
             self.grads.zero_()
         return fresh
@@ -455,7 +411,7 @@ class UnitBuffers:
             return CommHandle(None, [inp, out], None, "reduce-scatter"), inp
         wait_stream(stream, current_stream(self.device))
         with on_stream(stream):
-            work = inp.reduce_scatter_(out.data, group, op=op, async_op=True, consume_input=True)
+            work = inp.reduce_scatter_(out.data, group, op=op, async_op=True)
         return CommHandle(work, [inp, out], stream, "reduce-scatter"), inp
 
 

@@ -283,7 +283,6 @@ class QuantizedGather:
         and return a handle whose ``wait()`` dequantizes into them. Collective over ``group``."""
         plan = self.plan(bufs.param_dtype)
         compute = current_stream(bufs.device)
-        bufs._spare = False  # as UnitBuffers.gather_params: the memory is the params' own again
         bufs.params.alloc()
         payload = self.payload(bufs, version)
         m = self.layout.world_size

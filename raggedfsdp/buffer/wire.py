@@ -5,11 +5,8 @@ it (raggedfsdp's units, torch's ``fully_shard``, user code), so one measure serv
 comparison. A collective's bytes are its *size*: the larger of its input and output in bytes (the
 unsharded buffer of an all-gather or reduce-scatter, the buffer of an all-reduce), the convention of
 NCCL's ``busbw`` tables; what one rank of a ring sends is ``(m - 1) / m`` of it (an all-reduce: twice
-that). Divide by the number of steps the region ran for a per-step figure.
-
-On gloo raggedfsdp issues a unit's reduce-scatter as an all-reduce of the same buffer (Note on
-``DBuffer.reduce_scatter_``, ``consume_input``); it is counted under ``all_reduce`` there (NCCL: under
-``reduce_scatter``). Local (no collective); every rank counts its own calls.
+that). Divide by the number of steps the region ran for a per-step figure. Local (no collective);
+every rank counts its own calls.
 """
 
 from __future__ import annotations

@@ -21,13 +21,12 @@ Note [grad fold]
     ``param_dtype``: one cast while copying) and dropped right after. So at any moment of backward at most K
     reduce-scatter inputs, one unit's params and one unit's per-parameter grads are alive (plus the
     prefetched unit's params), the same four unit-sized buffers as FSDP2. Pre-setting ``.grad`` to views
-    of a flat buffer allocated at the unit's first gradient (this project until 2026-12) costs more:
-    the whole buffer exists from the first gradient on, *and* autograd still computes every weight
-    gradient into a fresh tensor that it then adds into the view, so the largest weight's gradient is
-    alive on top of the whole buffer (measured: 1.00-1.03x FSDP2's fwd+bwd peak on the toy model of
-    ``tests/dist/test_fsdp_memory.py``, 1.10x on the MoE bench; now 1.00x and below). The fold is
-    also less memory traffic: zero-fill + copy (1 write + 1 read + 1 write per element) against
-    zero-fill + in-place add (1 write + 2 reads + 1 write). The one place views still pay off is a
+    of a flat buffer allocated at the unit's first gradient costs more: the whole buffer exists from
+    the first gradient on, *and* autograd still computes every weight gradient into a fresh tensor that
+    it then adds into the view, so the largest weight's gradient is alive on top of the whole buffer
+    (``tests/dist/test_fsdp_memory.py`` compares the peak with FSDP2's). The fold is also less memory
+    traffic: zero-fill + copy (1 write + 1 read + 1 write per element) against zero-fill + in-place
+    add (1 write + 2 reads + 1 write). The one place views still pay off is a
     no-sync window whose unsharded grads are held in ``param_dtype`` (``reduce_dtype`` unset or equal):
     ``prepare_grads`` pre-sets ``.grad`` to views of the held buffer, so each micro-batch adds into
     it in place and only one weight gradient is alive beyond it (FSDP2 holds the per-parameter grads
@@ -60,9 +59,8 @@ Note [grad hooks]
     in-flight reduce-scatters (Note [early free] in ``_reduce.py``). Only while ``.grad`` views are
     pre-set (a no-sync window holding ``param_dtype`` grads), where a gradient is added into its view
     and leaves no trace the fold can see, does every trainable param get the hook (``_hook_all``,
-    removed when views are no longer pre-set). Until 2026-12 every param had it: on the 128-expert
-    MoE bench (785 params) the hook machinery and ``on_grad`` cost ~5 ms of host time per step, more
-    than the hook-free FSDP2 (issue 22 item 4).
+    removed when views are no longer pre-set). A hook on every param would cost host time per step
+    in proportion to the number of params, which the hook-free FSDP2 does not pay.
 
 Note [sharded grad lifetime]
     Once backward has set a unit's sharded ``.grad`` views (``attach_sharded``), the unit drops its own
@@ -71,8 +69,7 @@ Note [sharded grad lifetime]
     frees it at once -- between steps and in eval a unit holds no gradient memory. The next reduce
     allocates a fresh zeroed buffer; ``.grad`` views still held then (accumulation across backwards
     without ``zero_grad``) are copied into it (``_adopt_foreign_grad``). Pinned (offload) buffers stay
-    with the unit. Until 2026-12 the storage was kept until the next grad-enabled forward: +1 fp32
-    shard per parameter of state (issue 21 item 5).
+    with the unit.
 """
 
 from __future__ import annotations
@@ -310,7 +307,6 @@ class UnitGrads:
             index = self.group._index
             if any(issubclass(t, DTensor) for t in set(map(type, grads))):
                 # TP grads autograd left Partial: redistribute one at a time, freeing autograd's as we go
-                self.group.bufs.drop_spare()  # the redistributions allocate: free the params first
                 fps = [fp for fp, _ in stray]
                 del stray, grads
                 folded = []
@@ -344,11 +340,8 @@ class UnitGrads:
         are alive at any time of backward, as in FSDP2."""
         if self.group.reduce_grads and self.group.any_trainable and self.grad_state is not GradState.REDUCING:
             self.group.comm.reduces.make_room()
-        self.group.reshard(free=self.group.reshard_after_backward, spare=True)
-        try:  # the params' memory becomes the grad buffer (Note [recycled params], buffer/lifecycle.py)
-            any_grad = self._collect_stray() if self.group.any_trainable else False
-        finally:
-            self.group.bufs.drop_spare()
+        self.group.reshard(free=self.group.reshard_after_backward)  # before the fold allocates
+        any_grad = self._collect_stray() if self.group.any_trainable else False
         if self.grad_state is GradState.REDUCING:
             return  # already launched (e.g. the final callback after the post-backward hook)
         if not any_grad and self.holds_unreduced():  # HSDP: a deferred partial sum awaits its all-reduce

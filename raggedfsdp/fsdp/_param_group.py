@@ -585,10 +585,9 @@ class FSDPParamGroup:
         """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
         self.grads.post_backward()
 
-    def reshard(self, free: bool = True, spare: bool = False) -> None:
-        """Register the sharded DTensor params; ``free`` releases the unsharded storage (``spare``: kept
-        for the grad buffer, Note [recycled params] in ``raggedfsdp/buffer/lifecycle.py``). Local (waits
-        an in-flight all-gather first)."""
+    def reshard(self, free: bool = True) -> None:
+        """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local (waits an
+        in-flight all-gather first)."""
         if self.param_state is ParamState.UNSHARDING:
             self.wait_for_unshard()
         if self.param_state is ParamState.UNSHARDED:
@@ -600,7 +599,7 @@ class FSDPParamGroup:
             self.param_state = ParamState.SHARDED
         if free and self.bufs.params.is_allocated:
             check(self._unshard is None, "free of the unsharded params while their all-gather is pending")
-            self.bufs.free_params(spare=spare)
+            self.bufs.free_params()
             self._gathered_version = -1
 
     def agree_on_collective(self, what: str, numel: int) -> None:

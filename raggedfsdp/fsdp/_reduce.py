@@ -32,9 +32,11 @@ Note [early free]
     a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
     ``make_room`` / ``drain``, which run at the same points on every rank. ``RuntimeOptions.early_free =
     False``
-    turns polling off (the worst case: what a network slower than the backward gives). The memory
-    tests fix what collectives report (``tests/_memory.py: comm_completion``) rather than trust the fake
-    process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
+    turns polling off (the worst case: what a network slower than the backward gives). On gloo the
+    reduce-scatter's work reports ``is_completed()`` only once it was waited (its copy-out runs in
+    ``wait()``), so there an input lives until ``make_room``, as in FSDP2. The memory tests fix what
+    collectives report (``tests/_memory.py: comm_completion``) rather than trust the backend or the
+    fake process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
 """
 
 from __future__ import annotations
@@ -110,23 +112,20 @@ class PendingReduce:
             if not self.direct:
                 self.out.free()  # allocated on the compute stream, which now waited its last use
             return
-        if hsdp:
-            if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
-                g.grads.defer_partial(self.out.data, self.params, self.flags)
-                self.out.free()
-                self.stage, self.attach = ReduceStage.DEFERRED, False
-                return
-            partial = g.grads.take_partial()
-            if partial is not None:
-                self.out.data.add_(partial)
-            queue.make_room_all_reduce()
-            queue.agreement.note(g, "all-reduce")
-            self.ar = all_reduce_(self.out, g.replicate_group, stream=queue.ar_stream)
-            self.ar.context = queue.agreement.context(g)
-            self.stage = ReduceStage.ALL_REDUCE
-            queue.all_reduces.append(self)
+        if not g.all_reduce_grads:  # set_requires_all_reduce(False): keep the shard-reduced sum
+            g.grads.defer_partial(self.out.data, self.params, self.flags)
+            self.out.free()
+            self.stage, self.attach = ReduceStage.DEFERRED, False
             return
-        self._install_values()
+        partial = g.grads.take_partial()
+        if partial is not None:
+            self.out.data.add_(partial)
+        queue.make_room_all_reduce()
+        queue.agreement.note(g, "all-reduce")
+        self.ar = all_reduce_(self.out, g.replicate_group, stream=queue.ar_stream)
+        self.ar.context = queue.agreement.context(g)
+        self.stage = ReduceStage.ALL_REDUCE
+        queue.all_reduces.append(self)
 
     def complete_all_reduce(self, queue: ReduceQueue) -> None:
         check(self.stage is ReduceStage.ALL_REDUCE, f"complete_all_reduce in stage {self.stage}")

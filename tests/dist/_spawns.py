@@ -23,6 +23,7 @@ _U = "test_fsdp_user_cases."
 SPAWNS = SharedSpawns(
     {
         "fp32": _P + "_fp32_parity",
+        "rs_path": "test_reduce_scatter_path._cases",
         "bf16": _P + "_bf16_parity",
         "hsdp": _P + "_hsdp_parity",
         "accum": _P + "_accum_parity",
@@ -69,7 +70,7 @@ SPAWNS = SharedSpawns(
             ("meta_init", ()), ("bad_input", ()),
             ("clip_grad_norm", ()), ("redistribute_1d", (False,)), ("copy_accounting", ()),
             ("user_units_some_ranks", ()), ("user_order_mismatch", ()), ("user_units_some_ranks_debug", ())],
-        3: [("fp32", ()), ("bf16", ()), ("accum", ()), ("bf16_default", ()), ("muon_1d", ()),
+        3: [("fp32", ()), ("rs_path", ()), ("bf16", ()), ("accum", ()), ("bf16_default", ()), ("muon_1d", ()),
             ("requires_grad_change", ()), ("features", ()), ("divide_factor", ()),
             ("frozen", ()), ("user_requires_grad_after_wrap", ()), ("runtime", ()),
             ("runtime_bf16_grads", ()), ("torch_save", ()), ("post_acc_hooks", ()), ("dropin", ()),
@@ -80,7 +81,7 @@ SPAWNS = SharedSpawns(
         4: [("fp32", ()), ("hsdp", ((2, 2),)), ("hsdp_deferred", ()), ("muon_hsdp", ()), ("int_reshard", ()),
             ("grad_fold_hsdp", ()), ("ragged_optim_hsdp", ()), ("clip_grad_norm_mixed_mesh", ()),
             ("redistribute_2d", ()), ("fsdp_tp", ()), ("optim_tp", ()), ("docs_compose", ())],
-        5: [("fp32", ()), ("bf16", ()), ("muon_1d", ()), ("requires_grad_change", ()),
+        5: [("fp32", ()), ("rs_path", ()), ("bf16", ()), ("muon_1d", ()), ("requires_grad_change", ()),
             ("frozen", ()), ("clip_grad_norm", ()), ("redistribute_1d", (True,)), ("hybrid", ())],
     },
     timeout=1500,

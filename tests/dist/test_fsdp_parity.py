@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _collectives import CollectiveLog
 from _spawns import SPAWNS
 from _toy_models import ToyLM, batches, full_params, lm_loss, shard_model
 
@@ -71,6 +72,7 @@ def _fp32_parity(rank, ws):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import raggedfsdp
+    from raggedfsdp.fsdp import fsdp_units
 
     data = batches(STEPS, LOCAL_BATCH * ws)
     init, ref_losses, ref_params = _reference(data)
@@ -84,7 +86,11 @@ def _fp32_parity(rank, ws):
         if ws >= 3:
             assert any(0 in pl.local_units for pl in placements), "expected an empty piece on some rank"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
-        losses = _train(model, opt, data, rank, ws)
+        with CollectiveLog() as log:
+            losses = _train(model, opt, data, rank, ws)
+        # the gradients took the reduce-scatter NCCL runs: one per unit and step (ws 1: a local copy)
+        n_rs = len(fsdp_units(model)) * STEPS if ws > 1 else 0
+        assert log.count("reduce_scatter_base") == n_rs, (n_rs, log.calls)
         _assert_close_losses(losses, ref_losses, 1e-5, f"ragged vs single-process (foreach={foreach})")
         got = full_params(model)
         for n, p in ref_params.items():
@@ -103,7 +109,8 @@ def _fp32_parity(rank, ws):
 )
 def test_fp32_parity_with_single_process_and_torch_fsdp(ws):
     """fp32: per-step losses (rel 1e-5) and gathered params equal single-process AdamW (foreach and
-    for-loop) and torch's fully_shard; ws>=3 has empty pieces and non-divisible sizes."""
+    for-loop) and torch's fully_shard; ws>=3 has empty pieces and non-divisible sizes. At ws > 1 every
+    unit's gradients take one ``reduce_scatter_single`` per step (counted at the c10d op)."""
     SPAWNS.check(ws, "fp32")
 
 

@@ -62,7 +62,7 @@ def _assert_grads(model, expected, what, rtol=1e-5, atol=1e-6):
 
 
 class _LiveGradBuffers:
-    """Counts live unsharded-gradient DBuffers (by role name) through DBuffer.alloc/alloc_from/free."""
+    """Counts live unsharded-gradient DBuffers (by role name) through DBuffer.alloc/free."""
 
     def __init__(self, root_group):
         from raggedfsdp.buffer import DBuffer
@@ -70,13 +70,7 @@ class _LiveGradBuffers:
         self.cls, self.live, self.peak, self.peak_non_root = DBuffer, set(), 0, 0
         self.root_group = root_group
         self._alloc, self._free, self._init = DBuffer.alloc, DBuffer.free, DBuffer.__init__
-        self._alloc_from = DBuffer.alloc_from
         counter = self
-
-        def alloc_from(buf, donor):  # the params' memory taken by a grad buffer (Note [recycled params])
-            took = counter._alloc_from(buf, donor)
-            counter._update(buf)
-            return took
 
         def alloc(buf, zero=False):
             fresh = counter._alloc(buf, zero)
@@ -91,7 +85,7 @@ class _LiveGradBuffers:
             counter._init(buf, *a, **k)
             counter._update(buf)
 
-        DBuffer.alloc, DBuffer.free, DBuffer.__init__, DBuffer.alloc_from = alloc, free, init, alloc_from
+        DBuffer.alloc, DBuffer.free, DBuffer.__init__ = alloc, free, init
 
     def _update(self, buf):
         if buf.name not in GRAD_NAMES:
@@ -103,12 +97,11 @@ class _LiveGradBuffers:
 
     def close(self):
         self.cls.alloc, self.cls.free, self.cls.__init__ = self._alloc, self._free, self._init
-        self.cls.alloc_from = self._alloc_from
 
 
 def _bounded_memory(rank, ws, mesh):
     import raggedfsdp
-    from raggedfsdp.fsdp import _reduce, set_runtime_options
+    from raggedfsdp.fsdp import set_runtime_options
 
     n_layers = 6
     data = batches(2, 2 * ws)
@@ -138,18 +131,12 @@ def _bounded_memory(rank, ws, mesh):
             assert model._raggedfsdp_state.comm.reduces.peak_inflight <= k
             expected = _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws)
             _assert_grads(model, expected, f"K={k}")
-    # Note [early free] on real gloo: once an in-flight reduce-scatter has finished (the patched poll
-    # waits for Work.is_completed() first, up to 30 s), the next hook frees its input, so even with K = 2
-    # no two block reduce-scatter inputs are ever alive at once; the gradients stay exact
-    import time
-
-    orig_poll = _reduce.ReduceQueue.poll
-
-    def patient_poll(queue):
-        t0 = time.monotonic()
-        while queue.inflight and not queue.inflight[0].rs.is_done() and time.monotonic() - t0 < 30:
-            time.sleep(0.001)
-        orig_poll(queue)
+    # Note [early free] with real gloo collectives: once an in-flight reduce-scatter reports completion,
+    # the next hook frees its input, so even with K = 2 no two block reduce-scatter inputs are ever
+    # alive at once; the gradients stay exact. Completion is reported by comm_completion("done"): gloo's
+    # reduce_scatter_tensor work reports is_completed() only after wait() (its copy-out runs there; NCCL's
+    # is an event query), so on gloo the poll itself never frees early.
+    from _memory import comm_completion
 
     torch.manual_seed(0)
     ref = ToyLM(n_layers)
@@ -157,12 +144,11 @@ def _bounded_memory(rank, ws, mesh):
     model.set_reduce_scatter_max_input_buffers(2)
     tok_l, tgt_l = _slice(*data[0], rank, ws)
     counter = _LiveGradBuffers(model._raggedfsdp_state.group)
-    _reduce.ReduceQueue.poll = patient_poll
     try:
-        lm_loss(model, tok_l, tgt_l).backward()
+        with comm_completion("done"):
+            lm_loss(model, tok_l, tgt_l).backward()
     finally:
         counter.close()
-        _reduce.ReduceQueue.poll = orig_poll
     assert counter.peak_non_root == 1, (
         f"early free: {counter.peak_non_root} block reduce-scatter inputs alive at once"
     )

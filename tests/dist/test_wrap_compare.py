@@ -36,9 +36,8 @@ def _compare(rank, ws):
     assert r["recommendation"] in w
     text = format_wrap_report(r)
     assert "layer" in text and "superblock" in text and "recommendation: --fsdp.unit" in text
-    # gloo: our reduce-scatter is an in-place all-reduce; the report says so (trial finding 5)
-    assert not any("reduce_scatter" in k for k in w["layer"]["collectives"]), w["layer"]["collectives"]
-    assert "allreduce" in w["layer"]["collectives"] and "in-place all-reduce" in text, text
+    # gloo runs the reduce-scatter NCCL runs (one per FSDP unit and step), not an all-reduce
+    assert any("reduce_scatter" in k for k in w["layer"]["collectives"]), w["layer"]["collectives"]
 
 
 @pytest.mark.slow

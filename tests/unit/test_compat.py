@@ -142,21 +142,3 @@ def test_subclass_torch_function_off_reads_what_the_attributes_read(fake_world, 
     monkeypatch.delattr(torch._C, "DisableTorchFunctionSubclass")
     with pytest.raises(RuntimeError, match=r"DisableTorchFunctionSubclass.*raggedfsdp/_compat\.py"):
         _compat.subclass_torch_function_off()
-
-
-def test_storage_memory_swap_moves_the_memory_between_storages():
-    """The post-backward hands the unsharded params' memory to the grad buffer with this swap (Note
-    [recycled params]): on this torch it must exist and exchange data pointer and byte size, views
-    of either storage seeing the other's bytes afterwards (a freed, 0-byte storage included)."""
-    import torch
-
-    swap = _compat.storage_memory_swap()
-    assert swap is not None, "UntypedStorage._swap_data_ptr_ is gone: port _compat.storage_memory_swap"
-    full, freed = torch.arange(6.0), torch.empty(6)
-    view = freed[2:4]
-    freed.untyped_storage().resize_(0)
-    ptr = full.untyped_storage().data_ptr()
-    swap(freed.untyped_storage(), full.untyped_storage())
-    assert freed.untyped_storage().data_ptr() == ptr and freed.untyped_storage().nbytes() == 24
-    assert full.untyped_storage().nbytes() == 0
-    assert torch.equal(view, torch.tensor([2.0, 3.0]))

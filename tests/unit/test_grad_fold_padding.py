@@ -66,44 +66,6 @@ def test_fold_of_some_tensors_zeroes_the_rest(monkeypatch):
     assert torch.equal(b.grads.data, ref)
 
 
-def test_fold_takes_the_freed_params_memory_and_nothing_else():
-    """Note [recycled params]: in a post-backward the params freed with ``spare=True`` become the grad
-    buffer (same memory, no allocation) and the fold result is still exact (the stale param values are
-    overwritten or zeroed); a spare no fold took is freed by ``drop_spare``. Reference: a zero buffer
-    with each gradient at its offset."""
-    numels = [7, 13, 1, 30, 5]
-    layout, b = _bufs(numels, ws=3, align=8)
-    grads = [(i, torch.randn(n, generator=torch.Generator().manual_seed(i))) for i, n in enumerate(numels)]
-    ref = torch.zeros(layout.total_size)
-    for i, g in grads:
-        ref[layout.offsets[i] : layout.offsets[i] + g.numel()] = g
-    b.params.alloc()
-    b.params.data.fill_(float("nan"))  # stale param bytes, padding included
-    ptr = b.params.data.data_ptr()
-    b.free_params(spare=True)
-    b.fold_grads(grads[:2])  # some tensors: the rest is zero-filled
-    part = torch.where(torch.arange(layout.total_size) < layout.offsets[2], ref, torch.zeros(()))
-    assert torch.equal(b.grads.data, part)
-    assert b.grads.data.data_ptr() == ptr and not b.params.is_allocated
-    b.drop_spare()  # taken already: nothing to free, the grads stay
-    assert b.grads.is_allocated
-    b.grads.free()
-    b.params.alloc()
-    b.params.data.fill_(float("nan"))
-    b.free_params(spare=True)
-    b.fold_grads(grads)  # every tensor: only the padding is zeroed
-    assert torch.equal(b.grads.data, ref)
-    b.grads.free()
-    b.params.alloc()
-    b.free_params(spare=True)
-    assert b.params.is_allocated  # kept for a fold ...
-    b.drop_spare()
-    assert not b.params.is_allocated  # ... and freed when none took it
-    b.params.alloc()
-    b.free_params(spare=False)  # a reshard outside post-backward frees at once
-    assert not b.params.is_allocated
-
-
 def test_per_step_buffers_share_the_units_shapes():
     """A DBuffer made every step (the sharded grads after their hand-off, the reduce-scatter output) shares
     the unit's list of ``torch.Size`` objects instead of making one per tensor: those outlived the step

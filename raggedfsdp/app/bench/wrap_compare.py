@@ -300,14 +300,6 @@ def format_wrap_report(r: dict, title: str = "") -> str:
             + ", ".join(f"{k} {v}" for k, v in sorted(w.get("collectives", {}).items()))
         )
     lines.append(f"recommendation: --fsdp.unit {r['recommendation']} ({r['reason']})")
-    if r["device"].startswith("cpu") and any(
-        "allreduce" in w.get("collectives", {}) and not any("reduce_scatter" in k for k in w["collectives"])
-        for w in r["wraps"].values()
-    ):
-        lines.append(
-            "(collectives are counted at the c10d op: on gloo, raggedfsdp runs each unit's reduce-scatter "
-            "as an in-place all-reduce of its flat buffer, so it shows as allreduce; see buffer/dbuffer.py)"
-        )
     return "\n".join(lines)
 
 
