@@ -5,7 +5,8 @@ on GPUs; none touches sharding.
 * :func:`accelerate_fsdp_on_cpu`: accelerate (1.16) keeps ``distributed_type=MULTI_CPU`` and drops the
   FSDP plugin on CPU ranks (``AcceleratorState.__init__`` takes its FSDP branch only for ``MULTI_GPU``,
   ``MULTI_XPU``, ...); the shim sets ``DistributedType.FSDP`` and the plugin it was given after each
-  ``AcceleratorState()`` (each one re-copies ``PartialState``'s type), so ``Accelerator.prepare`` and the HF Trainer call ``fully_shard`` as they do on GPUs.
+  ``AcceleratorState()`` (each one re-copies ``PartialState``'s type), so ``Accelerator.prepare`` and
+  the HF Trainer call ``fully_shard`` as they do on GPUs.
 * :func:`torchtitan_on_cpu`: torchtitan (0.3.0) falls back to ``device_type = "cuda"`` without an
   accelerator (``torchtitan.tools.utils``), so its meshes are built on ``"cpu"`` instead; the MoE token
   dispatcher imports Triton kernels at module level (``minimal_async_ep.kernels``; not used without EP
