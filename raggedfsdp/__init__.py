@@ -24,6 +24,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "RaggedShard": "raggedfsdp.placement",
     "RaggedShardOpError": "raggedfsdp.placement",
+    "strict_ops": "raggedfsdp.placement",
+    "implicit_redistribution_count": "raggedfsdp.placement",
     "Layout": "raggedfsdp.planner",
     "plan_layout": "raggedfsdp.planner",
     "fully_shard": "raggedfsdp.fsdp",
@@ -37,6 +39,7 @@ _PUBLIC = {
     "share_comm_ctx": "raggedfsdp.fsdp",
     "patch_torch": "raggedfsdp.fsdp",
     "unpatch_torch": "raggedfsdp.fsdp",
+    "QuantizedAllGatherPolicy": "raggedfsdp.fsdp",
     "clip_grad_norm_": "raggedfsdp.optim.clip",
     "get_total_norm": "raggedfsdp.optim.clip",
     "shutdown_process_group": "raggedfsdp.teardown",

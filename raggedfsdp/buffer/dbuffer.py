@@ -19,7 +19,10 @@ Note [DBuffer roles]
 
     Every collective is even-sized (``S`` elements per rank), so it runs as one
     ``all_gather_single`` / ``reduce_scatter_single`` on gloo and NCCL alike, with no copy-in or
-    copy-out. Padding lies only between tensors (planner guarantee) and is kept at zero.
+    copy-out. Padding lies only between tensors (planner guarantee) and is kept at zero. A unit
+    that mixes frozen and trainable params has a *segmented* parameter layout (Note [segmented
+    layout] in ``raggedfsdp/planner/layout.py``): its params are all-gathered one segment at a time
+    (still in place, even-sized), and its grad roles always use the rank-major ``GradLayout``.
 """
 
 from __future__ import annotations
@@ -201,8 +204,8 @@ class DBuffer:
         return self.data.narrow(0, self.layout.shard_offset(i, self.rank), b - a)
 
     def rank_slice(self) -> torch.Tensor:
-        """Global buffer only: this rank's ``(S,)`` slice ``[rank*S, (rank+1)*S)``."""
-        assert not self.sharded
+        """Global buffer only: this rank's ``(S,)`` slice ``[rank*S, (rank+1)*S)`` (a rank-major layout)."""
+        assert not self.sharded and getattr(self.layout, "rank_major", True)
         S = self.layout.shard_size
         return self.data.narrow(0, self.rank * S, S)
 
@@ -220,9 +223,14 @@ class DBuffer:
         """Fill this global buffer from every rank's ``(S,)`` ``shard``. Collective over ``group``.
 
         Same dtype: ``shard`` is the all-gather input directly (no copy-in). Other dtype: one fused cast
-        into this rank's slice, then an in-place all-gather with that slice as input.
+        into this rank's slice, then an in-place all-gather with that slice as input. A segmented layout
+        (Note [segmented layout] in ``raggedfsdp/planner/layout.py``) runs one such all-gather per segment
+        (segment ``s``'s ``(S_s,)`` piece of every shard into its ``m * S_s`` range); the returned work
+        waits for all of them.
         """
         assert not self.sharded and shard.numel() == self.layout.shard_size
+        if not getattr(self.layout, "rank_major", True) and self.layout.world_size > 1:
+            return self._all_gather_segments(shard, group, async_op)
         if shard.dtype == self.data.dtype and shard.device == self.data.device:
             inp = shard
         else:  # one fused cast (and/or H2D copy for CPU offload) into this rank's slice
@@ -238,6 +246,23 @@ class DBuffer:
         work = _all_gather_single(self.data, inp, group=group, async_op=async_op)
         hold_until_released(inp, base)  # a cast slice dies here (Note [gloo release])
         return work
+
+    def _all_gather_segments(self, shard: torch.Tensor, group, async_op: bool):
+        """:meth:`all_gather_from` for a segmented layout: one in-place all-gather per segment."""
+        m, works = self.layout.world_size, []
+        same = shard.dtype == self.data.dtype and shard.device == self.data.device
+        for g0, s, p0 in self.layout.segment_spans:
+            out = self.data.narrow(0, g0, m * s)
+            if same:
+                inp = shard.narrow(0, p0, s)
+            else:  # the fused cast into this rank's slice of the segment, as above
+                inp = out.narrow(0, self.rank * s, s)
+                inp.copy_(shard.narrow(0, p0, s), non_blocking=True)
+            bases = use_count(out), use_count(inp)
+            works.append(_all_gather_single(out, inp, group=group, async_op=async_op))
+            hold_until_released(out, bases[0])  # short-lived views (Note [gloo release])
+            hold_until_released(inp, bases[1])
+        return _Works(works) if async_op else None
 
     def reduce_scatter_(
         self,
@@ -270,6 +295,23 @@ class DBuffer:
         work = _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
         hold_until_released(out, base)  # Note [gloo release]
         return work
+
+
+class _Works:
+    """The works of one logical collective issued as several (a segmented all-gather): ``wait()`` waits
+    each in issue order, ``is_completed()`` is True when all are. Behaves like ``dist.Work`` for both."""
+
+    def __init__(self, works):
+        self._works = [w for w in works if w is not None]
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []  # gloo's works own clones of their inputs: drop them once waited
+        return True
 
 
 def _is_gloo(group, device: torch.device) -> bool:

@@ -19,7 +19,10 @@ Gradient layout: the grad roles (``grads``, ``acc``, the reduce-scatter input/ou
 are laid out by ``grad_layout``: the parameter layout itself while every tensor of the unit has gradient
 storage, or a :class:`~raggedfsdp.planner.GradLayout` (only the trainable tensors' pieces, compacted per
 rank) after :meth:`UnitBuffers.set_grad_members` named a subset -- frozen parameters then hold no
-gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_grads.py``).
+gradient storage (Note [frozen parameters] in ``raggedfsdp/fsdp/_grads.py``). A segmented parameter
+layout (a unit planned with its trainable tensors in their own segment, Note [segmented layout] in
+``raggedfsdp/planner/layout.py``) is not rank-major, so its grad roles always use a ``GradLayout``
+(of every tensor when all are members).
 
 Note [recycled params]
     In a unit's post-backward the unsharded params are freed and, right after, the unsharded grad
@@ -102,6 +105,8 @@ class UnitBuffers:
         )
         self.sharded_grads: DBuffer | None = None
         self._spare = False  # the unsharded params' memory, kept for the grad buffer (Note [recycled params])
+        if not layout.rank_major:  # a segmented layout: the grad roles are always compacted
+            self.set_grad_members(tuple(range(len(self.shapes))))
 
     def _unsharded(self, dtype: torch.dtype, name: str, allocate: bool = False, layout=None) -> DBuffer:
         return DBuffer(
@@ -130,6 +135,10 @@ class UnitBuffers:
         member set changes)."""
         if members is not None and len(members) == len(self.shapes):
             members = None
+        if members is None and not self.layout.rank_major:
+            # a segmented parameter layout is not rank-major: it cannot be reduce-scattered as one
+            # buffer, so its grad roles always use the (rank-major) GradLayout, here of every tensor
+            members = tuple(range(len(self.shapes)))
         if members is None:
             new = self.layout
         else:

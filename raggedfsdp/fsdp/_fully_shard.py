@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fsdp_impl
 
+from raggedfsdp.buffer.quant_gather import QuantizedAllGatherPolicy
 from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError, state_of
 from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._module import FSDPModule, UnshardHandle
@@ -124,6 +125,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
     zero_stage: int = 3,
+    all_gather_policy: QuantizedAllGatherPolicy | None = None,
     **later_torch_kwargs: Any,
 ):
     """Shard ``module``'s parameters (those not already managed by a nested ``fully_shard``) as one FSDP unit.
@@ -176,6 +178,14 @@ def fully_shard(
             step over other params never makes ranks disagree). Grads are always
             reduce-scattered (RS + AG moves the same bytes as ZeRO-1's all-reduce) and optimizer
             state is always sharded.
+        all_gather_policy: raggedfsdp extension (keyword-only, default ``None``: all-gather in
+            ``param_dtype``). A :class:`~raggedfsdp.fsdp.QuantizedAllGatherPolicy` all-gathers this unit's
+            matrices as 8-bit block codes (``fp8_e4m3`` or ``int8``) plus one fp32 scale per block,
+            quantized by each block's one owner from the sharded master once per optimizer step and
+            dequantized to ``param_dtype`` for compute; gradients reach the full-precision master
+            unchanged (straight-through). Their blocks are kept whole on one rank (the granularity is
+            raised to whole block rows). Note [quantized all-gather] in
+            ``raggedfsdp/buffer/quant_gather.py``; ``docs/quantized_comm.md``.
         **later_torch_kwargs: an argument a later torch's ``fully_shard`` has and raggedfsdp does not
             implement raises ``NotImplementedError`` naming it (checked against the installed torch's
             signature); any other unknown argument raises ``TypeError``, as Python does. (torch 2.14
@@ -249,6 +259,11 @@ def fully_shard(
         raise TypeError(
             f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
         )
+    if all_gather_policy is not None and not isinstance(all_gather_policy, QuantizedAllGatherPolicy):
+        raise TypeError(
+            f"fully_shard: all_gather_policy must be None or a QuantizedAllGatherPolicy, got "
+            f"{type(all_gather_policy).__name__}; e.g. all_gather_policy=QuantizedAllGatherPolicy('fp8_e4m3')"
+        )
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     spmd_mesh, n_dp = None, 0
     if dp_mesh_dims is not None:  # Note [dp_mesh_dims] in _init.py: mesh is the full SPMD mesh
@@ -295,6 +310,7 @@ def fully_shard(
             offload=offload,
             pin_memory=getattr(offload_policy, "pin_memory", True),
             spmd_specs=spmd_specs,
+            all_gather_policy=all_gather_policy,
         )
         if params
         else None

@@ -41,9 +41,13 @@ Note [frozen parameters]
     small adapters), the grad roles use a :class:`~raggedfsdp.planner.GradLayout` of the *grad members*
     instead -- the trainable params when grads begin (plus, within one accumulation window, any that
     held grads) -- cached per member set: ``(m*Sg,)`` unsharded, ``(Sg,)`` sharded, ``Sg`` ~ the largest
-    rank's trainable pieces, so frozen params hold no gradient storage. The fold (Note [grad fold])
-    writes each member's grad into its rank segments (one slice per rank it spans); a no-sync window
-    adds autograd's tensors into the held compacted buffer at each post-backward (no views).
+    rank's trainable pieces, so frozen params hold no gradient storage. A unit that mixes frozen and
+    trainable params at ``fully_shard`` time is planned with its trainable ones as their own segment
+    (Note [segmented layout] in ``raggedfsdp/planner/layout.py``), so those pieces, and ``Sg``, are
+    ~1/m of the trainable params on every rank; its grad roles then always use a ``GradLayout``.
+    The fold (Note [grad fold]) writes each member's grad into its rank segments (one slice per rank
+    it spans); a no-sync window adds autograd's tensors into the held compacted buffer at each
+    post-backward (no views).
     Each sharded ``.grad`` stays a view with its param's own RaggedShard spec. A change of the member
     set moves held values into the new layout and re-points kept sharded ``.grad`` views (a param that
     left the set keeps its ``.grad`` as its own tensor).

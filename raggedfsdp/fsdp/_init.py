@@ -333,10 +333,17 @@ def _spmd_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims):
     exception types, ``_fsdp_init.py: _validate_mesh``) and return ``(dp_mesh, n_dp)``: the 1-D shard or
     2-D ``(replicate, shard)`` mesh FSDP runs on and the number of leading DP dims of ``mesh``.
     Collective when several dims are flattened (a new process group), over every rank of ``mesh``."""
-    from torch.distributed.fsdp import DataParallelMeshDims
+    import torch.distributed.fsdp as torch_fsdp
 
     from raggedfsdp._compat import concatenate_meshes, flatten_mesh
 
+    DataParallelMeshDims = getattr(torch_fsdp, "DataParallelMeshDims", None)
+    if DataParallelMeshDims is None:
+        raise FSDPTypeError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} needs torch >= 2.13 (torch.distributed.fsdp."
+            f"DataParallelMeshDims); this is torch {torch.__version__}: pass dp_mesh_dims=None and a 1-D "
+            "or 2-D mesh"
+        )
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise FSDPTypeError(
             f"fully_shard: dp_mesh_dims must be None or a torch.distributed.fsdp.DataParallelMeshDims, got "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import torch.distributed.fsdp as torch_fsdp
 
 from raggedfsdp.fsdp._common import AGREEMENT_CHECKS, FSDPDeepcopyError, FSDPTypeError, state_of
@@ -103,6 +104,25 @@ class FSDPModule(torch_fsdp.FSDPModule):
         for st in self._fsdp_states(recurse):
             if st.group is not None:
                 st.group.nonfinite_probe = probe
+
+    def set_reduce_scatter_wire_dtype(self, dtype: torch.dtype | None, *, recurse: bool = True) -> None:
+        """raggedfsdp extension. ``torch.bfloat16`` (or ``torch.float16``): reduce-scatter this unit's
+        gradients as an all-to-all of ``dtype`` pieces summed locally in ``reduce_dtype`` (half the bytes
+        of an fp32 reduce-scatter; with ``param_dtype`` bf16 the same values up to summation order, and
+        far closer to them than a bf16 reduce-scatter). ``None`` (the default): a plain reduce-scatter in
+        ``reduce_dtype``. Note [bf16-wire reduce-scatter] in ``raggedfsdp/buffer/wire_reduce.py``. Local
+        setting (every rank of a unit's group must set the same value). Raises ``TypeError`` for another
+        value."""
+        from raggedfsdp.buffer.wire_reduce import WIRE_DTYPES
+
+        if dtype is not None and dtype not in WIRE_DTYPES:
+            raise FSDPTypeError(
+                f"set_reduce_scatter_wire_dtype: dtype={dtype!r} must be None, torch.bfloat16 or "
+                "torch.float16"
+            )
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.rs_wire_dtype = dtype
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn reduce-scatter (and HSDP all-reduce) on or off; off accumulates unsharded grads locally."""

@@ -37,6 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from raggedfsdp._compat import torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
+from raggedfsdp.buffer.quant_gather import QuantizedGather
 from raggedfsdp.buffer.streams import current_stream
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
@@ -44,7 +45,7 @@ from raggedfsdp.fsdp._common import ParamTensors
 from raggedfsdp.fsdp._grads import UnitGrads
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import padding_vs_fsdp2, plan_layout
+from raggedfsdp.planner import padding_vs_fsdp2, plan_segments
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
@@ -88,6 +89,7 @@ class FSDPParamGroup:
         offload: bool = False,
         pin_memory: bool = True,
         spmd_specs: list | None = None,
+        all_gather_policy=None,
     ):
         self.mesh = mesh
         self.device = device  # compute device: unsharded params and grads live here
@@ -147,6 +149,8 @@ class FSDPParamGroup:
             g = granularity_for(shape, None, name=fqn)[0] if g is None else int(g)
             if shape.numel() == 0:
                 g = 1
+            elif all_gather_policy is not None and all_gather_policy.eligible(shape):
+                g = math.lcm(g, all_gather_policy.granularity(shape))  # Note [quantized all-gather]
             if g < 1 or shape.numel() % g != 0:
                 raise ValueError(
                     f"fully_shard: granularity {g} elements for parameter {fqn!r} of (TP-local) shape "
@@ -164,15 +168,28 @@ class FSDPParamGroup:
             for d in {self.orig_dtype, self.param_dtype, self.reduce_dtype}
         }
         align = math.lcm(*[max(COLLECTIVE_ALIGN_BYTES // e, 1) for e in elsizes])
-        self.layout = plan_layout(
+        # a unit that mixes frozen and trainable params (LoRA) gets its trainable ones as their own segment,
+        # so their pieces -- and with them the grads and the optimizer state -- are spread over every rank
+        # (Note [segmented layout] in raggedfsdp/planner/layout.py); the plan follows requires_grad now
+        self.layout = plan_segments(
             [fp.shape.numel() for fp in self.fsdp_params],
             [fp.granularity for fp in self.fsdp_params],
             self.shard_world,
+            [int(fp.requires_grad) for fp in self.fsdp_params],
             align=align,
             order="best",
             shapes=[tuple(fp.shape) for fp in self.fsdp_params],
         )
         self._warn_padding()
+        self.quant_gather = None  # Note [quantized all-gather] in raggedfsdp/buffer/quant_gather.py
+        if all_gather_policy is not None:
+            self.quant_gather = QuantizedGather(
+                self.layout,
+                [fp.shape for fp in self.fsdp_params],
+                all_gather_policy,
+                names=[fp.fqn for fp in self.fsdp_params],
+            )
+            self.quant_gather.plan(self.param_dtype)  # checks that no rank boundary cuts a block
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
         self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
         self._index = {id(fp): i for i, fp in enumerate(self.fsdp_params)}
@@ -194,6 +211,7 @@ class FSDPParamGroup:
         self._version_guard = None  # _unsafe_preserve_version_counter of the in-flight all-gather
         self._gathered_version = -1  # sharded-buffer version the unsharded buffer was gathered from
         self.reduce_grads = True
+        self.rs_wire_dtype: torch.dtype | None = None  # FSDPModule.set_reduce_scatter_wire_dtype
         self.nonfinite_probe: list | None = None  # FSDPModule.set_nonfinite_grad_probe
         self.all_reduce_grads = True
         self.reshard_after_backward = True
@@ -218,9 +236,12 @@ class FSDPParamGroup:
         import torch.distributed as dist
 
         ours, ref = padding_vs_fsdp2(self.layout)
-        lay = self.layout  # the collective alignment alone (no block) pads the unit to m x align elements
+        lay = self.layout  # the collective alignment alone (no block) pads each segment to m x align elements
         chunk = lay.world_size * lay.align
-        aligned = (-(-lay.total_numel // chunk) * chunk - lay.total_numel) / max(lay.total_numel, 1)
+        seg = [0] * len(lay.segment_spans)
+        for i, e in enumerate(lay.numels):
+            seg[lay.segment_of(i)] += e
+        aligned = sum(-(-e // chunk) * chunk - e for e in seg) / max(lay.total_numel, 1)
         key = tuple(fp.fqn for fp in self.fsdp_params)
         if ours - max(ref, aligned) <= PADDING_WARN_EXCESS or key in _padding_warned:
             return
@@ -496,6 +517,11 @@ class FSDPParamGroup:
                 buf, self.post_forward_buf = self.post_forward_buf, None
                 self._unshard = self.bufs.gather_params(
                     None, stream=self.comm.ag_stream, source=buf, source_group=self.post_forward_group
+                )
+            elif self.quant_gather is not None:
+                self.post_forward_buf = None
+                self._unshard = self.quant_gather.gather(
+                    self.bufs, self.shard_group, stream=self.comm.ag_stream, version=version
                 )
             else:
                 self.post_forward_buf = None

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from raggedfsdp.buffer import CommHandle, DBuffer, all_reduce_
 from raggedfsdp.buffer.streams import on_stream
+from raggedfsdp.buffer.wire_reduce import reduce_scatter_wire
 from raggedfsdp.fsdp._agreement import Agreement
 from raggedfsdp.fsdp._common import GradState, RuntimeOptions, check, labelled
 
@@ -326,7 +327,17 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         queue.agreement.note(group, "reduce-scatter")
         if group.nonfinite_probe is not None:  # this rank's own grads, before the collective mixes them
             group.nonfinite_probe.append((group.unit_name, _nonfinite(group.bufs)))
-        handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
+        if group.rs_wire_dtype is not None:  # Note [bf16-wire reduce-scatter]
+            handle, inp = reduce_scatter_wire(
+                group.bufs,
+                group.shard_group,
+                out=out,
+                op=op,
+                stream=queue.rs_stream,
+                wire_dtype=group.rs_wire_dtype,
+            )
+        else:
+            handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
         handle.context = queue.agreement.context(group)
     grads.reduce_started()
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)

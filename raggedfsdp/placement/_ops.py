@@ -1,15 +1,20 @@
-"""Sharding propagation for RaggedShard DTensors: what runs locally, what reduces, what raises.
+"""Sharding propagation for RaggedShard DTensors: what runs locally, and what redistributes.
 
-A RaggedShard local tensor is a flat 1-D range of rows, so only ops whose result at an element
-depends on that element alone (pointwise / foreach / like / copy ops on tensors of the SAME global
-shape), plus full reductions (sum, p-norms), can run on the local pieces. Everything else (view,
-reshape, t/transpose, permute, mm/matmul/linear, indexing/slicing, reductions over some dims,
-random ops, ...) would be silently wrong and raises :class:`RaggedShardOpError` naming the op.
+A RaggedShard local tensor is a flat 1-D range of rows. Ops with a local rule run on the pieces
+with no communication: pointwise / foreach / like / copy ops on tensors of the SAME global shape,
+full sum / p-norm reductions (here), ``new_*`` factories (placement kept for the same shape), views
+(``placement/_implicit.py``) and the reductions of ``placement/_reductions.py``. Every other op
+(t/transpose/permute, mm/matmul/linear, indexing/slicing, cat, broadcasting pointwise ops, ...)
+redistributes its RaggedShard inputs as DTensor does for an op without a strategy for its inputs:
+``placement/_implicit.py`` stands ``Shard(0)`` in for the RaggedShard, lets torch's strategy choose
+and moves the inputs there (counted; :func:`~raggedfsdp.placement._implicit.strict_ops` makes each
+such redistribution raise :class:`RaggedShardOpError` naming the op). Random ops other than those of
+``placement/_random.py`` raise.
 
 Mechanism (installed by ``raggedfsdp/placement/_patches.py``):
 
-* :func:`guard_propagation` wraps ``ShardingPropagator.propagate_op_sharding(_non_cached)``: any op
-  whose args carry a RaggedShard is classified and checked here BEFORE torch's strategies run.
+* :func:`make_guarded_propagation` wraps ``ShardingPropagator.propagate_op_sharding_non_cached``: any
+  op whose args carry a RaggedShard is classified here BEFORE torch's strategies run.
 * patch A, :func:`make_fill_placeholders`: torch's single-dim strategies (pointwise, foreach)
   are written with ``_ShardingPlaceholder(dim)`` and expanded only for ``Shard``/``_StridedShard``
   (torch/distributed/tensor/_ops/single_dim_strategy.py ``_fill_single_dim_strategy_placeholders``).
@@ -32,14 +37,17 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial
 
+from raggedfsdp.placement._implicit import (  # RaggedShardOpError: re-exported
+    VIEW_OPS,
+    RaggedShardOpError,
+    factory_sharding,
+    fallback_sharding,
+    fix_local_shape_args,
+    view_sharding,
+)
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 aten = torch.ops.aten
-
-
-class RaggedShardOpError(RuntimeError):
-    """An op that cannot be computed on flat RaggedShard pieces was called on a RaggedShard DTensor."""
-
 
 _LIKE_OPS = {
     aten.clone.default,
@@ -107,13 +115,24 @@ def _torch_pointwise_ops() -> frozenset:
 _POINTWISE = _torch_pointwise_ops()
 
 
+_FACTORY_OPS = {
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+}
+
+
 def classify(op) -> str | None:
-    """``'pointwise'``, ``'reduction'`` or None (unsupported on RaggedShard)."""
+    """``'pointwise'``, ``'reduction'``, ``'factory'``, ``'random'`` or None (no local rule here)."""
     tags = set(op.tags)
     if torch.Tag.nondeterministic_seeded in tags:
-        return None  # random ops are handled by random_op_handler, never propagated
+        return "random"  # the ones raggedfsdp handles never get here (placement/_random.py)
     if op in _REDUCTIONS:
         return "reduction"
+    if op in _FACTORY_OPS:
+        return "factory"
     if op in _LIKE_OPS or op in _POINTWISE or torch.Tag.pointwise in tags:
         return "pointwise"
     name = op._schema.name
@@ -126,10 +145,9 @@ def classify(op) -> str | None:
 
 def _err(op, why: str) -> RaggedShardOpError:
     return RaggedShardOpError(
-        f"RaggedShard: {op} is not supported on RaggedShard DTensors: {why}. A RaggedShard local tensor is "
-        "a flat 1-D range of rows, so only pointwise/foreach ops on tensors of the same global shape and "
-        "full sum/p-norm reductions run on it. Convert first, e.g. x.redistribute(mesh, [Shard(0)]) or "
-        "x.full_tensor(), or work on x.to_local(). (see docs/raggedshard.md)"
+        f"RaggedShard: {op} is not supported on RaggedShard DTensors: {why}. Convert first, e.g. "
+        "x.redistribute(mesh, [Shard(0)]) or x.full_tensor(), or work on x.to_local(). "
+        "(see docs/raggedshard.md)"
     )
 
 
@@ -156,7 +174,9 @@ def _columns(op_schema) -> list[list[DTensorSpec]]:
     return cols
 
 
-def _check_pointwise(op_schema) -> None:
+def _pointwise_is_local(op_schema) -> bool:
+    """True unless a non-scalar operand would broadcast against a RaggedShard operand (then the op
+    redistributes). Raises ``ValueError`` for operands on different meshes."""
     op = op_schema.op
     for col in _columns(op_schema):
         rs = [s for s in col if any(isinstance(p, RaggedShard) for p in s.placements)]
@@ -166,62 +186,66 @@ def _check_pointwise(op_schema) -> None:
         for s in col:
             if s is ref or _is_scalar_like(s):
                 continue
-            if s.shape != ref.shape:
-                raise _err(
-                    op,
-                    f"operand of shape {tuple(s.shape)} {s.placements} would broadcast against the "
-                    f"RaggedShard operand of shape {tuple(ref.shape)} {ref.placements}",
-                )
             if s.mesh != ref.mesh:
                 raise ValueError(
                     f"RaggedShard: {op} got operands on different meshes {ref.mesh} and {s.mesh}; "
                     "put all operands on the same DeviceMesh"
                 )
+            if s.shape != ref.shape:
+                return False
+    return True
 
 
-def _check_reduction(op_schema) -> None:
+def _reduction_is_local(op_schema) -> bool:
+    """True for a reduction over all dims (``placement/_reductions.py`` reduces over some dims)."""
     op = op_schema.op
     idx = _REDUCTIONS[op]
     args = op_schema.args_schema
     # inf-norms of linalg_vector_norm / _foreach_norm are computed by inf_norm_handler (empty pieces
-    # contribute 0); any other inf-norm op would run max/min on possibly empty local pieces
+    # contribute 0); aten.norm.Scalar's inf-norm would run max/min on possibly empty local pieces
     if op is aten.norm.Scalar and len(args) > 1 and args[1] in (float("inf"), float("-inf")):
-        raise _err(op, "use torch.linalg.vector_norm(x, float('inf')) for inf-norms of RaggedShard DTensors")
+        return False
     if idx is None or len(args) <= idx or args[idx] is None:
-        return
+        return True
     dims = args[idx]
     if isinstance(dims, int):
         dims = [dims]
-    spec = args[0]
-    ndim = len(spec.shape)
-    norm = {d % ndim for d in dims} if ndim else set()
-    if len(dims) and norm != set(range(ndim)):
-        raise _err(
-            op,
-            f"it reduces over dims {list(dims)} only; only reductions over all dims of sum, nansum or a "
-            "p-norm are supported (mean, max, min, var, argmax, ... are refused whole)",
-        )
+    ndim = len(args[0].shape)
+    return not len(dims) or {d % ndim for d in dims} == set(range(ndim))
 
 
 def make_guarded_propagation(stock):
-    """``ShardingPropagator.propagate_op_sharding_non_cached(self, op_schema)`` with the RaggedShard op
-    checks.
+    """``ShardingPropagator.propagate_op_sharding_non_cached(self, op_schema)`` for RaggedShard operands.
 
-    torch caches its result (Python LRU + the C++ dispatch cache), so the checks run once per
-    op/spec combination; an op that raises is never cached.
+    Ops with a local rule run torch's strategies (patches A-D keep RaggedShard or map it to the
+    reduction's Partial; RaggedShard outputs of factory ops get the flat local shape) or the view
+    rule; every other op gets :func:`~raggedfsdp.placement._implicit.fallback_sharding`. torch
+    caches the result (Python LRU + the C++ dispatch cache), so this runs once per op/spec
+    combination; the implicit redistributions it asks for are counted when they run.
     """
 
     def propagate_op_sharding_non_cached(self, op_schema):
         if not schema_has_ragged(op_schema):
             return stock(self, op_schema)
-        kind = classify(op_schema.op)
-        if kind is None:
-            raise _err(op_schema.op, "its result is not a function of each rank's flat element range")
-        if kind == "pointwise":
-            _check_pointwise(op_schema)
-        else:
-            _check_reduction(op_schema)
-        return stock(self, op_schema)
+        op = op_schema.op
+        kind = classify(op)
+        if kind == "random":
+            raise _err(
+                op,
+                "random ops draw each rank's numbers from its own generator, raggedfsdp handles only "
+                "the in-place fills and *_like ops of placement/_random.py",
+            )
+        if op in VIEW_OPS or kind == "factory":
+            out = (view_sharding if op in VIEW_OPS else factory_sharding)(self, op_schema)
+            if out is not None:
+                return out
+            if kind == "factory":  # another shape: a Replicate result, no communication (torch's rule)
+                return stock(self, op_schema)
+        elif (kind == "pointwise" and _pointwise_is_local(op_schema)) or (
+            kind == "reduction" and _reduction_is_local(op_schema)
+        ):
+            return fix_local_shape_args(self, op_schema, stock(self, op_schema))
+        return fallback_sharding(self, op_schema, stock)
 
     return propagate_op_sharding_non_cached
 
@@ -311,13 +335,48 @@ _INF = (float("inf"), float("-inf"))
 _HANDLER_LOCK = threading.RLock()
 
 
-class InfNormPartial(Partial):
+class RaggedPartial(Partial):
+    """``Partial(reduce_op)`` produced by a local reduction of a RaggedShard DTensor (``mean``, ``max``,
+    ``min``, ``amax``, ``amin``, ``any``, ``all``; ``placement/_reductions.py``).
+
+    Reduced exactly as ``Partial`` (one all-reduce when read). Unlike torch's ``Partial``,
+    ``.item()`` / ``bool()`` reduce it first, so every rank reads the global value (torch reads the
+    local one); and since it compares unequal to ``Partial``, any op over it reduces it first
+    (``Replicate`` result).
+    """
+
+    def __init__(self, reduce_op: str = "sum"):
+        if reduce_op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"RaggedPartial: reduce_op={reduce_op!r} must be 'sum', 'avg', 'max' or 'min'")
+        super().__init__(reduce_op)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.reduce_op == self.reduce_op
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.reduce_op))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.reduce_op!r})"
+
+    def __str__(self) -> str:
+        return f"RaggedP({self.reduce_op})"
+
+    def __reduce__(self):
+        return (type(self), (self.reduce_op,))
+
+    def __fx_repr__(self) -> str:
+        return f"{type(self).__name__}({self.reduce_op!r})"
+
+
+class InfNormPartial(RaggedPartial):
     """``Partial("max")`` (or ``("min")``) of per-rank inf-norms: a pending max/min over the mesh dim.
 
     Produced by ``linalg.vector_norm(x, +-inf)`` / ``_foreach_norm(xs, +-inf)`` of a RaggedShard
     DTensor (one non-negative scalar per rank). Reducing it is an all-reduce MAX (MIN), exactly as
-    ``Partial("max")``; it differs only in that a norm over it reduces it first and gives a
-    Replicate result (Note [norm of inf-norms]). Compares unequal to a plain ``Partial``.
+    ``Partial("max")``; as a :class:`RaggedPartial`, ``.item()`` and any op over it (a norm of
+    norms included, Note [norm of inf-norms]) reduce it first. Compares unequal to a plain
+    ``Partial`` and to ``RaggedPartial``.
     """
 
     def __init__(self, reduce_op: str = "max"):
@@ -325,23 +384,8 @@ class InfNormPartial(Partial):
             raise ValueError(f"InfNormPartial: reduce_op={reduce_op!r} must be 'max' or 'min'")
         super().__init__(reduce_op)
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.reduce_op == self.reduce_op
-
-    def __hash__(self) -> int:
-        return hash(("InfNormPartial", self.reduce_op))
-
-    def __repr__(self) -> str:
-        return f"InfNormPartial({self.reduce_op!r})"
-
     def __str__(self) -> str:
         return f"InfNormP({self.reduce_op})"
-
-    def __reduce__(self):
-        return (type(self), (self.reduce_op,))
-
-    def __fx_repr__(self) -> str:
-        return f"InfNormPartial({self.reduce_op!r})"
 
 
 def call_torch_dispatch(op_call, args, kwargs):
@@ -403,10 +447,11 @@ def _ragged_inf_norm(dt, ord: float, keepdim: bool = False, dtype=None):
 def inf_norm_handler(op_call, args, kwargs):
     """Custom DTensor handler of ``linalg_vector_norm`` / ``_foreach_norm``.
 
-    RaggedShard inf-norms are computed here (empty pieces contribute the identity); a norm of
-    InfNormPartial inputs reduces them first (Note [norm of inf-norms]); a ``_foreach_norm`` list
-    that mixes RaggedShard DTensors with plain tensors is computed per tensor (torch's foreach
-    dispatch rejects the mix); everything else is torch's own dispatch.
+    RaggedShard norms over some dims are ``placement/_reductions.py``'s; inf-norms over all dims are
+    computed here (empty pieces contribute the identity); a norm of InfNormPartial inputs reduces
+    them first (Note [norm of inf-norms]); a ``_foreach_norm`` list that mixes RaggedShard DTensors
+    with plain tensors is computed per tensor (torch's foreach dispatch rejects the mix); everything
+    else is torch's own dispatch.
     """
     from torch.distributed.tensor import DTensor
 
@@ -439,6 +484,12 @@ def inf_norm_handler(op_call, args, kwargs):
     )
     if ord in _INF and _is_ragged(x) and full:
         return _ragged_inf_norm(x, ord, bool(a.get("keepdim", False)), kwargs.get("dtype"))
+    if _is_ragged(x) and not full:  # per-row norms, or norms over the ragged dims (placement/_reductions.py)
+        from raggedfsdp.placement._reductions import ragged_reduce
+
+        out = ragged_reduce("norm", x, dim, bool(a.get("keepdim", False)), kwargs.get("dtype"), ord)
+        if out is not None:
+            return out
     if x is not a["self"]:
         args = (x, *args[1:]) if args else args
         if not args:

@@ -35,8 +35,9 @@ Patched torch functions (``module:qualname``) and why
 4. ``tensor._api:_dtensor_init_helper``: the factories ``zeros/ones/empty/full/rand/randn``
    (+ ``linspace/logspace`` on 2.15) would build a full-shape local tensor; RS gets its flat piece.
 5. ``tensor._sharding_prop:ShardingPropagator.propagate_op_sharding_non_cached``: the op guard
-   of ``placement/_ops.py`` (only pointwise-like ops and full sum/p-norm reductions run on RS;
-   everything else raises ``RaggedShardOpError``).
+   of ``placement/_ops.py``: ops with a local rule (pointwise-like ops, full sum/p-norm
+   reductions, ``new_*`` factories, views) run on the RS pieces; every other op redistributes its
+   RS inputs to what torch's strategy wants for a ``Shard(0)`` stand-in (``placement/_implicit.py``).
 6. ``tensor._ops.single_dim_strategy:_fill_single_dim_strategy_placeholders`` (patch A: pointwise
    and foreach rules keep RS), ``tensor._ops.utils:is_tensor_shardable`` (patch C: invalid RS
    tuples are no strategy candidates), ``tensor._ops._math_ops:map_placements_after_reduction``
@@ -52,13 +53,20 @@ Patched torch functions (``module:qualname``) and why
    ``__get_tensor_shard__`` and ``_state_dict_utils:_distribute_tensors``: DCP boxes and
    full-state-dict loading (``placement/_checkpoint.py``).
 9. ``DTensor._op_dispatcher._custom_op_handlers`` gains entries (a dict torch reads per call):
-   random ops (``placement/_random.py``: draw the full tensor, keep the piece) and the inf-norms
-   ``linalg_vector_norm`` / ``_foreach_norm`` (``placement/_ops.py``: empty pieces contribute 0).
+   random ops (``placement/_random.py``: draw the full tensor, keep the piece), the inf-norms
+   ``linalg_vector_norm`` / ``_foreach_norm`` (``placement/_ops.py``: empty pieces contribute 0),
+   and the reductions ``sum.dim_IntList`` / ``mean`` / ``max`` / ``min`` / ``amax`` / ``amin`` /
+   ``any`` / ``all`` plus ``_local_scalar_dense`` (``placement/_reductions.py``: per-row and
+   ragged-dim reductions on the pieces; ``.item()`` of a RaggedPartial reads the global value).
 10. The same dict gains the element-wise ``_foreach_*`` ops of ``torch.optim``
    (``placement/_foreach.py``; ``RAGGEDFSDP_FOREACH_FAST_PATH=0`` turns it off): lists of RaggedShard
    DTensors with matching specs run on their local tensors, skipping torch's sharding propagation
    (quadratic in the list length on 2.13/2.14: tens of seconds per new list of 785 params) and
    2.11/2.12's Python dispatch.
+
+11. ``tensor._utils:ExplicitRedistributionContext.observe_redistribution`` (torch calls it for every
+   implicit redistribution an op's dispatch performs): counts those of RS DTensors and raises under
+   ``raggedfsdp.strict_ops()`` / ``RAGGEDFSDP_STRICT_OPS=1`` (``placement/_implicit.py``).
 
 Supported torch: 2.11 - 2.15 (:data:`SUPPORTED`). Every target's signature is checked before it is
 patched (a moved or changed internal raises ``RuntimeError`` naming it). A newer minor warns and
@@ -160,6 +168,12 @@ TARGETS = (
         "DTensor.__get_tensor_shard__",
         ("self", "index"),
         _P + "_checkpoint:make_get_tensor_shard",
+    ),
+    (
+        "torch.distributed.tensor._utils",
+        "ExplicitRedistributionContext.observe_redistribution",
+        ("cls", "src_spec", "dst_spec", "redistribution_msg"),
+        _P + "_implicit:make_observe_redistribution",
     ),
     (
         "torch.distributed._state_dict_utils",
@@ -294,12 +308,13 @@ def _swap(module: str, qualname: str, params: tuple[str, ...], factory: str) -> 
 def _install_handlers() -> None:
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _foreach, _ops, _random
+    from raggedfsdp.placement import _foreach, _ops, _random, _reductions
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for name, install in (
         ("_random", _random.install),
         ("_ops", _ops.install_norm_handlers),
+        ("_reductions", _reductions.install),
         ("_foreach", _foreach.install),
     ):
         for op in install(handlers):  # idempotent; raises if torch gained its own handler

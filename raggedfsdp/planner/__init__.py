@@ -6,6 +6,8 @@ Public API (all sizes in elements):
 - :class:`Layout`, :func:`validate_layout` -- the plan and an independent invariant check;
 - :class:`GradLayout`, :func:`plan_grad_layout` -- the compacted gradient shards of a unit with frozen
 tensors;
+- :func:`plan_segments`, :func:`segment_share` -- a unit planned in segments, each sharded evenly on
+  its own (the trainable tensors of a unit that mixes frozen and trainable ones);
 - :class:`BlockSpec`, :func:`granularity_for`, :func:`make_policy`, :func:`plan_params` -- the
   per-parameter granularity policy (``orig_param_policy``) and the ``RaggedShard`` dims it implies.
 
@@ -15,6 +17,7 @@ Pure Python + stdlib (``torch`` only to recognise tensors); no process group any
 from raggedfsdp.planner.grad_layout import GradLayout, plan_grad_layout
 from raggedfsdp.planner.layout import Layout, dim0_shard_padding, padding_vs_fsdp2, validate_layout
 from raggedfsdp.planner.planner import plan_layout
+from raggedfsdp.planner.segments import plan_segments, segment_share
 from raggedfsdp.planner.policy import (
     DEFAULT_BLOCK,
     BlockSpec,
@@ -43,7 +46,9 @@ __all__ = [
     "plan_grad_layout",
     "plan_layout",
     "plan_params",
+    "plan_segments",
     "ragged_dims",
     "resolve_blocks",
+    "segment_share",
     "validate_layout",
 ]

@@ -55,6 +55,12 @@ class GradLayout:
         return self.base.world_size
 
     @property
+    def rank_major(self) -> bool:
+        """Always True: rank ``r``'s pieces are ``[r*Sg, (r+1)*Sg)`` of the unsharded grad buffer, also
+        for a segmented parameter layout (Note [segmented layout] in ``layout.py``)."""
+        return True
+
+    @property
     def total_size(self) -> int:
         """``m * Sg``: elements of the unsharded gradient buffer."""
         return self.base.world_size * self.shard_size

@@ -4,6 +4,19 @@ The buffer has ``world_size * shard_size`` elements; rank ``k`` owns ``[k*S, (k+
 tensor ``t`` occupies the contiguous range ``[offsets[t], offsets[t] + numels[t])``; padding lies
 only between tensors; no rank boundary cuts a block of ``granularities[t]`` elements.
 
+Note [segmented layout]
+    A layout may be cut into *segments* (``segments = (S_0, S_1, ...)``, summing to ``S``): the
+    unsharded buffer is segment 0's ``m * S_0`` elements, then segment 1's ``m * S_1``, ...; within
+    segment ``s`` (global offset ``G_s = m * (S_0 + ... + S_{s-1})``) rank ``k`` owns
+    ``[G_s + k*S_s, G_s + (k+1)*S_s)``, which sits in its ``(S,)`` shard at ``P_s = S_0 + ... +
+    S_{s-1}``. Every tensor lies inside one segment; each segment on its own obeys the invariants
+    above. ``raggedfsdp.planner.plan_segments`` uses it to give the trainable tensors of a unit that
+    mixes frozen and trainable ones their own segment, so every rank holds ``~1/m`` of them (their
+    gradients and optimizer state follow the pieces). The unsharded buffer is then not rank-major:
+    it is all-gathered one segment at a time (``DBuffer.all_gather_from``), and the gradient roles
+    always use a rank-major :class:`~raggedfsdp.planner.GradLayout`. With ``segments=None`` (one
+    segment) everything is as described above.
+
 Every size and offset in this module is counted in **elements** of the buffer's dtype, never bytes.
 :func:`validate_layout` re-checks the four invariants (equal shards, whole blocks, contiguous
 tensors, aligned shard size) from the stored numbers alone, independently of how they were planned.
@@ -13,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 
@@ -30,6 +44,8 @@ class Layout:
         align: the collective alignment unit in elements (``S % align == 0``).
         shapes: optional per-tensor shapes (caller's order), carried for reports and ``dims``.
         names: optional per-tensor names (caller's order), carried for reports and errors.
+        segments: ``None`` (one segment, rank-major) or the per-segment shard sizes ``(S_0, S_1, ..)``
+            summing to ``shard_size``, each a positive multiple of ``align`` (Note [segmented layout]).
     """
 
     world_size: int
@@ -41,6 +57,7 @@ class Layout:
     align: int = 1
     shapes: tuple[tuple[int, ...], ...] | None = None
     names: tuple[str, ...] | None = None
+    segments: tuple[int, ...] | None = None
 
     # ---- sizes and padding statistics -----------------------------------------------------
     @property
@@ -83,21 +100,69 @@ class Layout:
         """Tensor ``i``'s name for messages (``"tensor <i>"`` when no names were given)."""
         return self.names[i] if self.names is not None else f"tensor {i}"
 
+    # ---- segments (Note [segmented layout]) -------------------------------------------------
+    @cached_property
+    def segment_spans(self) -> tuple[tuple[int, int, int], ...]:
+        """Per segment ``(G_s, S_s, P_s)``: its start in the unsharded buffer, its per-rank shard size
+        and its start inside each rank's ``(S,)`` shard (elements). ``((0, S, 0),)`` for one segment."""
+        if self.segments is None:
+            return ((0, self.shard_size, 0),)
+        out, p = [], 0
+        for s in self.segments:
+            out.append((self.world_size * p, s, p))
+            p += s
+        return tuple(out)
+
+    @cached_property
+    def _tensor_spans(self) -> tuple[tuple[int, int, int], ...]:
+        spans = self.segment_spans
+        m = self.world_size
+        out = []
+        for x, e in zip(self.offsets, self.numels):
+            # a tensor lies inside one segment; an empty one at a segment's end belongs to that segment
+            out.append(
+                next(
+                    (sp for sp in spans if x < sp[0] + m * sp[1] or (e == 0 and x == sp[0] + m * sp[1])),
+                    spans[-1],
+                )
+            )
+        return tuple(out)
+
+    def segment_of(self, i: int) -> int:
+        """Index of the segment holding tensor ``i`` (0 for a one-segment layout)."""
+        if self.segments is None:
+            return 0
+        return self.segment_spans.index(self._tensor_spans[i])
+
+    @property
+    def rank_major(self) -> bool:
+        """True for one segment: the unsharded buffer is the ranks' shards in rank order (one even
+        all-gather / reduce-scatter of the whole buffer is correct)."""
+        return self.segments is None
+
     # ---- per-rank pieces -------------------------------------------------------------------
     def piece(self, i: int, rank: int) -> tuple[int, int]:
         """Tensor ``i``'s piece on ``rank`` as ``(start, end)`` element offsets *within the tensor*. O(1)."""
-        lo = max(self.offsets[i], rank * self.shard_size)
-        hi = min(self.offsets[i] + self.numels[i], (rank + 1) * self.shard_size)
+        if self.segments is None:
+            g0, S = 0, self.shard_size
+        else:
+            g0, S, _ = self._tensor_spans[i]
+        x = self.offsets[i] - g0
+        lo = max(x, rank * S)
+        hi = min(x + self.numels[i], (rank + 1) * S)
         if hi <= lo:
             # empty piece: anchor it where the tensor meets this rank's range (for views of size 0)
-            anchor = min(max(rank * self.shard_size - self.offsets[i], 0), self.numels[i])
+            anchor = min(max(rank * S - x, 0), self.numels[i])
             return anchor, anchor
-        return lo - self.offsets[i], hi - self.offsets[i]
+        return lo - x, hi - x
 
     def shard_offset(self, i: int, rank: int) -> int:
         """Offset of tensor ``i``'s piece inside ``rank``'s shard ``[0, S)`` (elements). O(1)."""
         start, _ = self.piece(i, rank)
-        return min(max(self.offsets[i] + start - rank * self.shard_size, 0), self.shard_size)
+        if self.segments is None:
+            return min(max(self.offsets[i] + start - rank * self.shard_size, 0), self.shard_size)
+        g0, S, p0 = self._tensor_spans[i]
+        return p0 + min(max(self.offsets[i] - g0 + start - rank * S, 0), S)
 
     def local_units(self, i: int) -> tuple[int, ...]:
         """Per-rank unit counts of tensor ``i`` (piece length / granularity) for ``RaggedShard``. O(m)."""
@@ -112,8 +177,9 @@ class Layout:
         """Ranks holding a non-empty piece of tensor ``i`` (empty range for a zero-size tensor)."""
         if self.numels[i] == 0:
             return range(0)
-        first = self.offsets[i] // self.shard_size
-        last = (self.offsets[i] + self.numels[i] - 1) // self.shard_size
+        g0, S = (0, self.shard_size) if self.segments is None else self._tensor_spans[i][:2]
+        first = (self.offsets[i] - g0) // S
+        last = (self.offsets[i] - g0 + self.numels[i] - 1) // S
         return range(first, last + 1)
 
     # ---- serialization ---------------------------------------------------------------------
@@ -132,12 +198,15 @@ class Layout:
             d["shapes"] = [list(s) for s in self.shapes]
         if self.names is not None:
             d["names"] = list(self.names)
+        if self.segments is not None:
+            d["segments"] = list(self.segments)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         shapes = d.get("shapes")
         names = d.get("names")
+        segments = d.get("segments")
         return cls(
             world_size=int(d["world_size"]),
             shard_size=int(d["shard_size"]),
@@ -148,6 +217,7 @@ class Layout:
             align=int(d.get("align", 1)),
             shapes=None if shapes is None else tuple(tuple(int(v) for v in s) for s in shapes),
             names=None if names is None else tuple(str(n) for n in names),
+            segments=None if segments is None else tuple(int(x) for x in segments),
         )
 
 
@@ -180,6 +250,9 @@ def validate_layout(layout: Layout) -> None:
     multiple of its granularity; (c) each tensor is one contiguous in-bounds range, ranges are
     disjoint and follow ``layout.order``; (d) ``S % align == 0``. Also: lengths agree, ``order`` is
     a permutation, numels are non-negative and granularities positive divisors of their numels.
+    A segmented layout (Note [segmented layout]): segment sizes are positive multiples of ``align``
+    summing to ``S``, every tensor lies inside one segment, and (b) holds for each segment's rank
+    boundaries ``G_s + k*S_s``.
 
     Cost: O(n + sum over tensors of the boundaries they cross) -- at most O(n + m).
     """
@@ -191,6 +264,12 @@ def validate_layout(layout: Layout) -> None:
         raise ValueError(f"invalid layout: align={a} must be >= 1")
     if S < 1 or S % a != 0:
         raise ValueError(f"invalid layout: shard_size={S} must be a positive multiple of align={a}")
+    segs = (S,) if layout.segments is None else tuple(layout.segments)
+    if not segs or any(s < 1 or s % a for s in segs) or sum(segs) != S:
+        raise ValueError(
+            f"invalid layout: segments={layout.segments} must be positive multiples of align={a} summing to "
+            f"shard_size={S}"
+        )
     for field in ("granularities", "offsets", "order"):
         if len(getattr(layout, field)) != n:
             raise ValueError(f"invalid layout: len({field})={len(getattr(layout, field))} != len(numels)={n}")
@@ -201,6 +280,10 @@ def validate_layout(layout: Layout) -> None:
     if sorted(layout.order) != list(range(n)):
         raise ValueError(f"invalid layout: order={layout.order} is not a permutation of range({n})")
     cap = m * S
+    starts, p = [], 0  # segment starts G_s in the unsharded buffer
+    for s in segs:
+        starts.append(m * p)
+        p += s
     cursor = 0
     for i in layout.order:
         e, g, x = layout.numels[i], layout.granularities[i], layout.offsets[i]
@@ -226,11 +309,17 @@ def validate_layout(layout: Layout) -> None:
                 f"invalid layout: {who} starts at {x} before the previous tensor in order ends at {cursor}"
             )
         cursor = x + e
-        k = x // S + 1  # first boundary strictly after x
-        while k < m and k * S < x + e:
-            if (k * S - x) % g != 0:
+        s = max(j for j, g0 in enumerate(starts) if g0 <= x)
+        g0, Ss = starts[s], segs[s]
+        if x + e > g0 + m * Ss:
+            raise ValueError(
+                f"invalid layout: {who} range [{x}, {x + e}) crosses the end {g0 + m * Ss} of segment {s}"
+            )
+        k = (x - g0) // Ss + 1  # first boundary strictly after x
+        while k < m and g0 + k * Ss < x + e:
+            if (g0 + k * Ss - x) % g != 0:
                 raise ValueError(
-                    f"invalid layout: rank boundary {k * S} (k={k}, S={S}) cuts {who} at element "
-                    f"{k * S - x}, not a multiple of its granularity {g}"
+                    f"invalid layout: rank boundary {g0 + k * Ss} (k={k}, S={Ss}) cuts {who} at element "
+                    f"{g0 + k * Ss - x}, not a multiple of its granularity {g}"
                 )
             k += 1

@@ -3,8 +3,10 @@ unit (frozen base + trainable adapters) trained with AdamW at ws 3 and 5 vs sing
 with ``requires_grad`` changed between steps (the gradient layout follows) and within a no-sync
 accumulation window, ``zero_grad(set_to_none=False)`` grads kept across a layout change, and a
 ``reduce_dtype`` accumulator. The layouts are checked to cover what can go wrong: a trainable param
-split over ranks into non-contiguous grad segments, one split but contiguous, empty pieces, and a
-gradient shard ``Sg`` smaller than the parameter shard ``S``. Memory is measured in
+split over ranks, empty pieces, a gradient shard ``Sg`` smaller than the parameter shard ``S``, the
+trainable pieces spread evenly (their own segment of the buffer, issue 39 item 5), and, once every
+param is unfrozen, a grad layout of every tensor of the segmented unit with non-contiguous grad
+segments. Memory is measured in
 ``test_fsdp_memory.py::test_frozen_base_holds_no_gradient_memory``.
 """
 
@@ -41,19 +43,27 @@ def _set_rg(model, names, rg):
         params[n].requires_grad_(rg)
 
 
-def _check_layout(group, ws, rank):
-    """The root unit's grad layout is compacted and exercises split / empty pieces."""
-    from raggedfsdp.planner import GradLayout
+def _check_layout(group, ws, rank, all_trainable=False):
+    """The root unit's grad layout is compacted and exercises split / empty pieces; its trainable pieces
+    are spread evenly (their own segment, issue 39 item 5). ``all_trainable`` (after unfreezing every
+    param of a segmented unit): a grad layout of every tensor with non-contiguous grad segments."""
+    from raggedfsdp.planner import GradLayout, segment_share
 
     gl = group.bufs.grad_layout
     assert isinstance(gl, GradLayout), "a unit with frozen params must use a compacted grad layout"
-    assert gl.shard_size < group.layout.shard_size, (gl.shard_size, group.layout.shard_size)
+    assert group.layout.segments is not None and len(group.layout.segments) == 2, group.layout
     spans = [len(gl.segments(i)) for i in gl.members]
+    if all_trainable:
+        assert len(gl.members) == len(group.fsdp_params)
+        assert any(gl.contiguous_offset(i) is None for i in gl.members), "no non-contiguous grad segments"
+        return
+    assert gl.shard_size < group.layout.shard_size, (gl.shard_size, group.layout.shard_size)
     assert max(spans) >= 2, "no trainable param split over ranks: the case is not covered"
-    assert any(gl.contiguous_offset(i) is None for i in gl.members), "no non-contiguous grad segments"
     assert any(gl.piece(i, r)[0] == gl.piece(i, r)[1] for i in gl.members for r in range(ws)), (
         "no empty piece"
     )
+    share = segment_share(group.layout, gl.members)
+    assert max(share) * ws <= 1.25 * sum(share), share
     sg = group.bufs.sharded_grads
     assert sg is None or sg.data.numel() == gl.shard_size
     for fp in group.fsdp_params:  # every sharded .grad is its param's own local piece and placement
@@ -133,6 +143,8 @@ def _frozen_cases(rank, ws, mesh_shape=None):
                 ref(x).square().mean().backward()
             if name == "lora" and step == 0 and not hsdp:
                 _check_layout(group, ws, rank)
+            if name == "change-between-steps" and step == 4:
+                _check_layout(group, ws, rank, all_trainable=True)
             for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                 where = f"{name} ws={ws} step {step}: {n}"
                 assert (p.grad is None) == (q.grad is None), f"{where}: grad presence differs"

@@ -303,7 +303,7 @@ def test_step_peak_memory_at_most_fsdp2(step_results, ws):
 
 
 def test_frozen_base_holds_no_gradient_memory():
-    for rank in (0, 1):  # rank 1 holds every trainable piece, rank 0 none
+    for rank in (0, 1):  # planned as one buffer, rank 1 held every trainable piece and rank 0 none
         r = run_fake_rank(_frozen_case, 2, rank)
         rag, tor = r["ragged"], r["torch"]
         _report(
@@ -315,9 +315,10 @@ def test_frozen_base_holds_no_gradient_memory():
             ],
         )
         assert tor["grad_storage"] < MiB and tor["bwd_peak"] < MiB, tor  # the reference behaves as described
-        # every rank's grad shard is Sg = the largest rank's trainable pieces (even reduce-scatter): 2x
-        # torch's here
-        assert rag["grad_storage"] <= max(tor["grad_storage"], 64 * 1024), (rank, rag, tor)
+        # every rank's grad shard is Sg = the largest rank's trainable pieces (even reduce-scatter); with
+        # the trainable params their own segment (issue 39 item 5) that is half of them, as torch's (16,400
+        # B vs 16,392; planned as one buffer it was 32,784 B, 2x)
+        assert rag["grad_storage"] <= 1.25 * tor["grad_storage"], (rank, rag, tor)
         assert rag["bwd_peak"] <= tor["bwd_peak"], (rank, rag, tor)
 
 

@@ -138,9 +138,13 @@ def _api_cases(rank, ws, units, path):
     with pytest.raises(ValueError, match="local_units"):
         zeros(n, 4, device_mesh=mesh, placements=[RaggedShard((0,), (1,) * (ws + 1))])
 
-    # 4. fail loud: view-like ops raise; pointwise ops stay local and keep RS (is_shard() pricing)
-    with pytest.raises(RuntimeError, match="aten.view.default is not supported on RaggedShard"):
-        dt.view(-1)
+    # 4. views stay local (a RaggedShard view); ops without a local rule redistribute like Shard(0)
+    # (tests/dist/test_ragged_ops.py); pointwise ops stay local and keep RS (is_shard() pricing)
+    with CommDebugMode() as comm:
+        flat = dt.view(-1)
+    assert comm.get_total_counts() == 0 and isinstance(flat.placements[0], RaggedShard)
+    assert torch.equal(flat.full_tensor(), full_t.view(-1))
+    assert torch.equal(dt.t().full_tensor(), full_t.t())
     with CommDebugMode() as comm:
         y = dt * 2 + dt
     assert comm.get_total_counts() == 0 and y.placements == (rs,)

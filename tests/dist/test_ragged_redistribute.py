@@ -124,7 +124,8 @@ def _cases_1d(rank, ws, light=False):
 
 
 def _errors(rank, ws, mesh):
-    """Bad input raises ValueError naming the argument; unsupported ops raise naming the op."""
+    """Bad input raises ValueError naming the argument; ops without a local rule redistribute (strict
+    mode raises naming the op)."""
     from raggedfsdp import RaggedShard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -143,25 +144,36 @@ def _errors(rank, ws, mesh):
         d.redistribute(mesh, [RaggedShard((0, 1), (1, 1, 1))])
     rep = distribute_tensor(torch.ones(3), mesh, [Replicate()])
     mat = distribute_tensor(torch.ones(3, 3), mesh, [Replicate()])
+    idx = distribute_tensor(torch.tensor([0, 1]), mesh, [Replicate()])
+    # ops without a local rule run, redistributed like Shard(0) (docs/raggedshard.md "Ops"); strict
+    # mode raises naming the op; the local ones (view, mean, sum(0), amax) run in strict mode
+    from raggedfsdp import RaggedShardOpError, strict_ops
+
     cases = {
-        "aten.t.default": lambda: d.t(),
-        "aten.view.default": lambda: d.view(12),
-        "aten.permute.default": lambda: d.permute(1, 0),
-        "aten.slice.Tensor": lambda: d[1:3],
-        "aten.select.int": lambda: d[1],
-        "aten.mm.default": lambda: d @ mat,
-        "aten.mean.default": lambda: d.mean(),
-        "aten.sum.dim_IntList": lambda: d.sum(0),
-        "aten.add.Tensor": lambda: d + rep,  # broadcasting
-        "aten.amax.default": lambda: d.amax(),  # (inf-norms are supported: tests/dist/test_ragged_api.py)
-        "aten.transpose.int": lambda: d.transpose(0, 1),
-        "aten.index.Tensor": lambda: d[distribute_tensor(torch.tensor([0, 1]), mesh, [Replicate()])],
+        "aten.t.default": (lambda x, r, m, i: x.t(), False),
+        "aten.view.default": (lambda x, r, m, i: x.view(12), True),
+        "aten.permute.default": (lambda x, r, m, i: x.permute(1, 0), False),
+        "aten.slice.Tensor": (lambda x, r, m, i: x[1:3], False),
+        "aten.select.int": (lambda x, r, m, i: x[1], False),
+        "aten.mm.default": (lambda x, r, m, i: x @ m, False),
+        "aten.mean.default": (lambda x, r, m, i: x.mean(), True),
+        "aten.sum.dim_IntList": (lambda x, r, m, i: x.sum(0), True),
+        "aten.add.Tensor": (lambda x, r, m, i: x + r, False),  # broadcasting
+        "aten.amax.default": (lambda x, r, m, i: x.amax(), True),
+        "aten.transpose.int": (lambda x, r, m, i: x.transpose(0, 1), False),
+        "aten.index.Tensor": (lambda x, r, m, i: x[i], False),
     }
-    for name, fn in cases.items():
-        with pytest.raises(
-            RuntimeError, match=r"RaggedShard: " + name.replace(".", r"\.") + " is not supported"
-        ):
-            fn()
+    for name, (fn, local) in cases.items():
+        want = fn(full, torch.ones(3), torch.ones(3, 3), torch.tensor([0, 1]))
+        torch.testing.assert_close(fn(d, rep, mat, idx).full_tensor(), want, msg=name)
+        with strict_ops():
+            if local:
+                torch.testing.assert_close(fn(d, rep, mat, idx).full_tensor(), want, msg=name)
+            else:
+                with pytest.raises(
+                    RaggedShardOpError, match=name.replace(".", r"\.") + " implicitly redistributes"
+                ):
+                    fn(d, rep, mat, idx)
     # compute_local_shape_and_global_offset: exact box for row pieces, ValueError for non-boxes
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as clsgo
 

@@ -57,22 +57,24 @@ def test_import_and_plan_apply_nothing():
 def test_all_targets_patched_in_place():
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.placement import _foreach, _ops, _random
+    from raggedfsdp.placement import _foreach, _ops, _random, _reductions
 
     RaggedShard((0,), (1,))
     keys = {f"{m}:{q}" for m, q, _, _ in tp.TARGETS}
     syms = set(tp.patched_symbols())
-    assert keys <= syms and len(keys) == len(tp.TARGETS) == 14
+    assert keys <= syms and len(keys) == len(tp.TARGETS) == 15
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
     assert syms == keys | handlers
     fast = _foreach.supported_ops() if _foreach.wanted() else []  # patch 10, on unless turned off
     assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(
         _ops.NORM_OPS
-    ) + len(fast)
+    ) + len(_reductions.REDUCTION_OPS) + 1 + len(fast)  # + 1: _local_scalar_dense
     for op in fast:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _foreach.foreach_handler
     for op in _ops.NORM_OPS:
         assert DTensor._op_dispatcher._custom_op_handlers[op] is _ops.inf_norm_handler
+    for op in _reductions.REDUCTION_OPS:
+        assert DTensor._op_dispatcher._custom_op_handlers[op] is _reductions.reduction_handler
     for module, qualname, params, _ in tp.TARGETS:
         fn = tp._resolve(module, qualname)
         assert fn.__ragged_patched__ and fn.__code__.co_filename.startswith("<raggedfsdp patch of"), qualname
@@ -341,14 +343,16 @@ def test_op_classification():
         aten.slice.Tensor,
         aten.permute.default,
         aten.mean.default,
-        aten.rand_like.default,
-        aten.native_dropout.default,
         aten.addmm.default,
         aten.index.Tensor,
         aten._foreach_max.default,
         aten.cat.default,
     ):
-        assert classify(op) is None, op
+        assert classify(op) is None, op  # no local rule in the guard: views/reductions have their own
+    for op in (aten.rand_like.default, aten.native_dropout.default):
+        assert classify(op) == "random", op
+    for op in (aten.new_empty.default, aten.new_zeros.default, aten.new_full.default):
+        assert classify(op) == "factory", op
 
 
 def test_module_docstring_lists_every_target():
