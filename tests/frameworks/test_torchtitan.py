@@ -13,7 +13,9 @@ ranks, fp32, the script does what torchtitan's ``Trainer`` does with them:
 2. the same weights in both runs (an unsharded copy initialised by ``init_weights`` from seed 0,
    copied in with ``distribute_tensor`` on each parameter's placements), 2 steps with torchtitan's
    ``OptimizersContainer`` (AdamW) and ``LRSchedulersContainer``, torchtitan's ``CheckpointManager``
-   DCP save, 2 steps, load, the same 2 steps again (== the first time);
+   DCP save, 2 steps, load, the same 2 steps again (== the first time); the losses and the gradient
+   norms of torchtitan's ``clip_grad_norm_`` (AdamW alone would hide a gradient-scale error) must
+   equal torch's;
 3. HF format: ``CheckpointManager`` with ``last_save_in_hf`` (the model's ``StateDictAdapter.to_hf``
    on the sharded state dict + ``HuggingFaceStorageWriter``), then a fresh model loaded from it with
    ``initial_load_in_hf`` (``from_hf``): equal to the trained model, and its loss equal to torch's.
@@ -153,6 +155,7 @@ def _run_model(name: str, rank: int, world_size: int, out: str) -> dict:
     from torchtitan.components.checkpointer.dcp import CheckpointManager
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.distributed.utils import clip_grad_norm_
 
     spec = _spec(name)
     full_sd = _full_reference_sd(spec)
@@ -194,11 +197,16 @@ def _run_model(name: str, rank: int, world_size: int, out: str) -> dict:
     def step(tokens) -> float:
         loss, total = _loss(model, tokens, world_size)
         loss.backward()
+        # the trainer's clip (torchtitan.distributed.utils.clip_grad_norm_, max_norm=1.0): its norm is
+        # recorded too, so a gradient-scale error shows even where AdamW's update would hide it
+        norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm=1.0)
+        res["grad_norms"].append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
         opt.step()
         sched.step()
         opt.zero_grad()
         return total
 
+    res["grad_norms"] = []
     res["first"] = [step(b) for b in batches[:2]]
     ckpt.save(curr_step=2)
     res["after_save"] = [step(b) for b in batches[2:]]
@@ -322,7 +330,7 @@ def test_torchtitan_parallelize_init_train_dcp(titan_results, name):
     assert got["copy_max_diff"] == 0.0 and ref["copy_max_diff"] == 0.0
     assert len(set(ref["first"] + ref["after_save"])) > 1
     _close(ref["after_load"], ref["after_save"], "torch: resumed vs continued")
-    for key in ("first", "after_save", "after_load"):
+    for key in ("first", "after_save", "after_load", "grad_norms"):
         _close(got[key], ref[key], key)
 
 
