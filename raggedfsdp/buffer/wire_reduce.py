@@ -13,8 +13,7 @@ Note [bf16-wire reduce-scatter]
     and the result is the fp32 reduce-scatter's up to summation order, at half its bytes.
 
     Sources: VeOmni (all-to-all of bf16 gradient pieces, fp32 sum), NCCL 2.27's symmetric-memory
-    kernels with fp32 accumulation of bf16 inputs, Megatron-LM's ``--grad-reduce-in-bf16`` discussion;
-    summarised in ``shared/research/peers-2026-12-06.md`` section 4.
+    kernels with fp32 accumulation of bf16 inputs, Megatron-LM's ``--grad-reduce-in-bf16`` discussion.
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-# C-level getters for the per-step hot path (issue 22 item 4: an MoE layer holds hundreds of params):
+# C-level getters for the per-step hot path (an MoE layer holds hundreds of params):
 # ``map(getter, tensors)`` runs the loop in C, with no Python frame or bytecode per parameter
 REQUIRES_GRAD = operator.attrgetter("requires_grad")
 GRAD = operator.attrgetter("grad")

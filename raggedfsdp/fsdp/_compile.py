@@ -3,7 +3,7 @@
 The hooks unshard/reshard (all-gathers into flat buffers whose storage is resized), register
 autograd hooks and keep per-iteration state: none of it belongs in a graph. Traced, inductor fails
 on the storage resize (``LoweringException: AssertionError: TODO: dynamic shapes`` at
-``inductor.resize_storage_bytes_``, issue 19 item 4). torch's FSDP2 wraps the same hooks in
+``inductor.resize_storage_bytes_``). torch's FSDP2 wraps the same hooks in
 ``torch._dynamo.disable(func, recursive=True, reason="skipping FSDP hooks")`` at every call
 (``torch/distributed/fsdp/_fully_shard/_fsdp_common.py: _dynamo_disable``). :func:`dynamo_disable`
 does the same through the public ``torch.compiler.disable``, but only while dynamo traces (where

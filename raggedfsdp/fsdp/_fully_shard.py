@@ -90,7 +90,7 @@ def _register_optimizer_hook() -> None:
 
 
 def _refuse_replaced_params(optimizer, *_args, **_kwargs) -> None:
-    """Global ``torch.optim`` step pre-hook (issue 41 item 7): refuse an optimizer that holds parameters
+    """Global ``torch.optim`` step pre-hook: refuse an optimizer that holds parameters
     ``fully_shard`` replaced, i.e. one built before ``fully_shard``. Those tensors are no longer the
     module's: they never get a gradient, so ``step()`` would silently change nothing (torch's
     ``fully_shard`` behaves the same, silently). Checked on an optimizer's first step and again after

@@ -229,7 +229,7 @@ def _device_of(params, mesh: DeviceMesh, offload: bool = False) -> torch.device:
 
 def _granularity_fn(shard_placement_fn, mesh: DeviceMesh | None = None):
     """Map ``shard_placement_fn(param)`` to a block size in elements. ``None`` (or no
-    ``shard_placement_fn``): ``planner.DEFAULT_BLOCK``, element granularity, the least padding (issue 22);
+    ``shard_placement_fn``): ``planner.DEFAULT_BLOCK``, element granularity, the least padding;
     ``Shard(0)``: row blocks (what the user asked torch's fully_shard for); ``Shard(d)``, ``d > 0``:
     blocks of ``prod(shape[d+1:])`` elements (see :func:`_shard_dim_block`); a torch
     ``ShardPlacementResult`` whose mesh is the unit's ``mesh``: its placement; TP/EP DTensors: the

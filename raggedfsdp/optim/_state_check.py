@@ -1,4 +1,4 @@
-"""Load-time validation of an optimizer's state dict against the state it built (issue 41 item 6).
+"""Load-time validation of an optimizer's state dict against the state it built.
 
 ``AdamW8bit`` and ``Muon`` create every parameter's state at construction (keys, dtypes, layouts).
 ``torch.optim.Optimizer.load_state_dict`` copies whatever it is given: a state with a missing key, one

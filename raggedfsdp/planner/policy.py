@@ -3,7 +3,7 @@
 This is the paper's per-parameter hook ``orig_param_policy`` (veScale-FSDP, sections 4 and 5.1),
 shaped like FSDP2's ``shard_placement_fn``: a callable ``fn(param_or_shape) -> BlockSpec | str | None``
 that says which block of the parameter must never be cut by a rank boundary. ``None`` means the
-default, :data:`DEFAULT_BLOCK` = ``"element"``: the least padding (issue 22), since a layout valid
+default, :data:`DEFAULT_BLOCK` = ``"element"``: the least padding, since a layout valid
 for any coarser block is valid for elements too. Only structure-aware optimizers need blocks, and
 they declare them: ``AdamW8bit.shard_placement_fn`` (32x32 tiles), ``Shampoo.shard_placement_fn``
 (whole bands); ``Muon`` needs none (owners gather whole matrices from any pieces). Element pieces

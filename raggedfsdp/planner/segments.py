@@ -1,6 +1,6 @@
 """Plan a unit in segments: each group of tensors sharded evenly on its own (Note [segmented layout]).
 
-Why (issue 39 item 5). A unit that mixes frozen and trainable parameters (LoRA: frozen base weights,
+Why: a unit that mixes frozen and trainable parameters (LoRA: frozen base weights,
 small trainable adapters) planned as one buffer puts each tensor wherever the order and the shard
 size leave it. Equal shards balance the *total* bytes, but the trainable tensors are a small,
 arbitrary subset: a frozen weight larger than a shard owns whole ranks, and adapters laid out after

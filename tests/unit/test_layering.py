@@ -295,3 +295,19 @@ def test_code_does_not_read_files_of_this_machine():
             if "/work/" in line
         ]
     assert not bad, f"paths that exist only on the project's machine: {bad}"
+
+
+def test_code_comments_carry_no_history():
+    """Issue numbers, session numbers and dates belong in git and benchmarks/README.md, not in the
+    code: a comment or docstring that cites one goes stale the day it lands (an outside project's
+    bug, "pytorch issue #N", is a source and allowed)."""
+    import re
+
+    pat = re.compile(r"(?<!pytorch )\bissue #?\d+|\bsession \d+\b|\b20\d\d-\d\d-\d\d\b", re.IGNORECASE)
+    bad = [
+        f"{path.relative_to(PKG.parent)}:{i}: {line.strip()[:90]}"
+        for path in sorted(PKG.rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pat.search(line)
+    ]
+    assert not bad, "history in the code (move it to the commit message):\n" + "\n".join(bad)

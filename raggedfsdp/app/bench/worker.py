@@ -23,7 +23,7 @@ Phases (collective: every rank runs every phase):
    ``non_comm_overhead_main_thread_cpu_seconds`` is the training thread's own CPU time
    (``time.thread_time``) above the floor's, paired per repetition: the FSDP runtime's hooks, copies and
    launches, without the collectives (gloo and NCCL run them on their own threads; a blocked wait takes
-   no CPU), so no replay is subtracted and far less noise enters (issue 22 item 4);
+   no CPU), so no replay is subtracted and far less noise enters;
    ``non_comm_overhead_main_thread_split`` cuts that at ``optimizer.step()``: ``optimizer`` is the same
    ``torch.optim.AdamW`` in both systems, above the floor's only by DTensor dispatch on the sharded
    params (torch 2.11 on an H200: most of the split), ``fwd_bwd`` the rest of the training thread's

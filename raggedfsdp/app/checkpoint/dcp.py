@@ -154,7 +154,7 @@ def open_step_folder(
     train_state: bool = True,
 ) -> Path:
     """The step folder an explicit checkpoint path names, checked as every command that reads one
-    checks it (``train --resume PATH``, ``convert``; issue 41 item 1).
+    checks it (``train --resume PATH``, ``convert``).
 
     ``path``: a ``step-N`` folder, or a folder of them (its newest complete one). Refused with a
     ``CheckpointError`` (one line naming the path and the cause, then a fix): a path that does not

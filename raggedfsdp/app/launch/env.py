@@ -48,7 +48,7 @@ def threads_per_rank(local_world_size: int) -> int:
 
     Why the load: OpenMP threads that outnumber the free cores spin-wait on each other; a one-process
     run with 2 threads on a busy 2-core machine ran 10-20x slower per step than with 1 (12.5-27 s vs
-    1.0-1.4 s; issue 41 item 13). torchrun sets ``OMP_NUM_THREADS=1`` for several ranks per node."""
+    1.0-1.4 s). torchrun sets ``OMP_NUM_THREADS=1`` for several ranks per node."""
     cpus = available_cpus()
     share = max(1, cpus // max(1, local_world_size))
     try:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{parser.prog}: note: {note}", file=sys.stderr, flush=True)
     except (ValueError, OSError) as e:  # a config error (or an unwritable --out): one line, no usage text
         # Under `raggedfsdp train` the launcher checked all this before the launch, so it changed since
-        # (e.g. a data file truncated): recorded, for the launcher's last line (issue 23 item 5).
+        # (e.g. a data file truncated): recorded, for the launcher's last line.
         reported = os.environ.get(REPORTED_ENV) == "1"
         if reported and type(e).__name__ == "DataError":
             e = type(e)(f"{e} (found by rank {rank} after the launch: changed after the pre-launch check?)")

@@ -170,7 +170,7 @@ MOE_FLAVORS: dict[str, MoEConfig] = {
     "moe-tiny": MoEConfig(
         dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512, n_experts=16, top_k=2, expert_dim=64
     ),
-    # The benchmark shape of issue 10: 4 blocks, d=256, 16 small experts per block, top-2.
+    # The MoE benchmark shape: 4 blocks, d=256, 16 small experts per block, top-2.
     "moe-small": MoEConfig(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=1024, n_experts=16, top_k=2, expert_dim=128
     ),

@@ -1,4 +1,4 @@
-"""Corpus identity: every rank trains on the data the pre-launch check saw (issue 23 item 1).
+"""Corpus identity: every rank trains on the data the pre-launch check saw.
 
 A rank that reads other data (a file replaced, truncated or rewritten between the launcher's check
 and the rank's load, a node with another copy) trains silently otherwise: its losses differ, nothing

@@ -50,7 +50,7 @@ def pick_resume(cfg: TrainConfig, run: run_dir.PreparedRun, ckpt_folder: Path, r
     skipped = [n.split("skipping ", 1)[1] for n in notes if n.startswith("--resume auto: skipping ")]
     if path is None and skipped and not cfg.job.overwrite:
         # every checkpoint of this run is unreadable: starting over would overwrite
-        # metrics.jsonl and the old step folders, so refuse (issue 23 item 4)
+        # metrics.jsonl and the old step folders, so refuse
         raise CheckpointError(
             f"--resume auto: no readable checkpoint of run {run_id} under {ckpt_folder}: "
             f"{'; '.join(skipped)}; nothing was changed (resume one with --resume PATH after "

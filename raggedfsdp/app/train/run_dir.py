@@ -78,7 +78,7 @@ def _run_file_problem(out: Path) -> str | None:
 
 
 def recover_run_file(out: Path, ckpt_folder: Path, *, overwrite: bool = False) -> str | None:
-    """``--resume auto`` with ``OUT/run.json`` missing or unreadable (issue 41 item 2): rank 0, before
+    """``--resume auto`` with ``OUT/run.json`` missing or unreadable: rank 0, before
     the launch, under the ``OUT`` lock. Returns a note for the user, or None when there was nothing to do.
 
     Without a run id, ``--resume auto`` would take every checkpoint in ``OUT`` for another run's,
@@ -259,7 +259,7 @@ def prepare(cfg, world_size: int, *, rank: int = 0, check_out: bool = True, vali
     if check_data:
         try:
             cfg.check_data()
-        except ValueError as e:  # a DataError (one line, recorded by a rank; issue 23 item 5)
+        except ValueError as e:  # a DataError (one line, recorded by a rank)
             from raggedfsdp.app.train.data import DataError
 
             raise DataError(str(e)) from None
@@ -311,8 +311,8 @@ def _newest_own_step(run: PreparedRun) -> Path | None:
 
 
 def _check_init_from(path: str) -> None:
-    """``--model.init_from`` must name a folder of ``*.safetensors`` files: refused before the launch
-    (issue 41 item 14: a missing folder failed after a ~40 s launch, with two tracebacks first)."""
+    """``--model.init_from`` must name a folder of ``*.safetensors`` files: refused before the launch,
+    one line, not after the ranks have started."""
     if not path:
         return
     p = Path(path)

@@ -1,4 +1,4 @@
-"""Straggler attribution (issue 23 item 7): which rank is slow, and before which FSDP unit's all-gather.
+"""Straggler attribution: which rank is slow, and before which FSDP unit's all-gather.
 
 A collective hides a straggler: every rank waits in it for the slowest, so each rank's step time is
 the same. What differs is how long each rank took to *reach* the collective. So every rank records,

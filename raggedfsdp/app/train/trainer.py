@@ -141,7 +141,7 @@ class Trainer:
         )
         if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
             self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
-        # every rank reads the corpus the pre-launch check saw (one all_gather; issue 23 item 1)
+        # every rank reads the corpus the pre-launch check saw (one all_gather)
         check_same_corpus(fingerprint(self.corpus), device, reference_fingerprint())
         self.sampler = BatchSampler(
             self.corpus.train,

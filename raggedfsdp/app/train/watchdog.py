@@ -70,7 +70,7 @@ _LOCAL_IO_PATHS = (
 )  # not waiting on peers
 # torch.compile's compiler on the main thread's stack (not the compiled code running): dynamo's frame
 # conversion (forward graphs) and inductor's compile_fx (AOT autograd compiles the backward lazily, at
-# the first backward); a first compiling step takes 47-60 s on 2 CPU cores (issue 41 item 12)
+# the first backward); a first compiling step takes 47-60 s on 2 CPU cores
 _COMPILE_PATHS = (
     os.path.join("torch", "_dynamo", "convert_frame.py"),
     os.path.join("torch", "_inductor", "compile_fx.py"),
@@ -335,7 +335,7 @@ class Watchdog:
         return os.getppid() != self.parent
 
     def _was_stopped(self, now: float, wall: float) -> bool:
-        """True on the first tick after this whole process was stopped (issue 41 item 3): a paused batch
+        """True on the first tick after this whole process was stopped: a paused batch
         job or VM (SIGSTOP of the process group, then SIGCONT) is not a hang. The thread ticks every
         ``interval_s``, so a gap of ``PAUSE_S`` (and at least 10 intervals) between two ticks, by the
         monotonic or the wall clock (a suspended VM may stop one of them), means nothing of this process
@@ -363,7 +363,7 @@ class Watchdog:
         if self._was_stopped(now, time.time()):
             return
         frame = self._main_frame()
-        comp = compiling(frame)  # torch.compile's compiler at work (issue 41 item 12): progress, not a hang
+        comp = compiling(frame)  # torch.compile's compiler at work: progress, not a hang
         if comp:  # a new compile unless the last tick saw this one and no mark came since it began
             seen = now - self._compiled_at <= 2 * self.interval_s + 0.5
             if self._compile_since is None or not seen or self._last > self._compile_since:
