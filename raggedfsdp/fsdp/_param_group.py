@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from raggedfsdp._compat import torch_minor
+from raggedfsdp._compat import disable_functorch_if_active, torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.quant_gather import QuantizedGather
 from raggedfsdp.buffer.streams import current_stream
@@ -489,6 +489,7 @@ class FSDPParamGroup:
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
 
+    @disable_functorch_if_active
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the unit's params into the unsharded buffer (from the all-gather stream on CUDA).
         Collective over the shard group; idempotent while a gather is in flight or current.
@@ -530,6 +531,7 @@ class FSDPParamGroup:
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
+    @disable_functorch_if_active
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather and register the unsharded params on their modules. Local."""
         if self.param_state is ParamState.UNSHARDED:
@@ -552,6 +554,7 @@ class FSDPParamGroup:
         self.post_forward_k = mesh2d.size(1)
         self.post_forward_rank = mesh2d.get_local_rank(1)
 
+    @disable_functorch_if_active
     def reshard_post_forward(self) -> None:
         """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""
         k = self.post_forward_k
@@ -585,6 +588,7 @@ class FSDPParamGroup:
         """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
         self.grads.post_backward()
 
+    @disable_functorch_if_active
     def reshard(self, free: bool = True) -> None:
         """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local (waits an
         in-flight all-gather first)."""
