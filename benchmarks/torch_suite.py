@@ -61,6 +61,8 @@ _CUDA_TO_CPU = [
     (r'torch\.device\("cuda"\)', 'torch.device("cpu")'),
     (r'device="cuda"', 'device="cpu"'),
     (r"\.cuda\(\)", ".cpu()"),
+    (r'init_device_mesh\(\s*"cuda"', 'init_device_mesh("cpu"'),
+    (r'\.to\("cuda"\)', '.to("cpu")'),
     (r"^[ \t]*@unittest\.skipIf\(not TEST_CUDA[^\n]*\n", ""),
 ]
 
@@ -142,6 +144,29 @@ def _run(
     return out
 
 
+def _counts(r: dict[str, str]) -> str:
+    n = {s: sum(v.split(":")[0] == s for v in r.values()) for s in ("pass", "fail", "skip")}
+    return f"{n['pass']} pass, {n['fail']} fail, {n['skip']} skip"
+
+
+def _print_tables(res: dict[str, dict[str, str]]) -> None:
+    """One markdown table per test file (test, torch, raggedfsdp, class of a difference), then the counts
+    of each implementation for that file; a difference not in ``CLASSIFIED`` prints as UNCLASSIFIED."""
+    keys = sorted(set().union(*res.values()))
+    for f in sorted({k.split("::")[0] for k in keys}):
+        print(f"\n### {f}\n\n| test | torch | raggedfsdp | class |\n|---|---|---|---|")
+        for k in (k for k in keys if k.split("::")[0] == f):
+            t, o = res.get("torch", {}).get(k, "-"), res.get("ours", {}).get(k, "-")
+            kind, why = CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
+            cls = "" if t.split(":")[0] == o.split(":")[0] else f"{kind}: {why}"
+            print(f"| `{k.split('::', 1)[1]}` | {t} | {o} | {cls} |")
+        print()
+        for impl, r in res.items():
+            print(f"{impl}: {_counts({k: v for k, v in r.items() if k.split('::')[0] == f})}  ")
+    for impl, r in res.items():
+        print(f"\nall files, {impl}: {_counts(r)} of {len(r)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="test file names inside --tests")
@@ -169,16 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         res = {impl: _run(impl, tests, a.files, a.ranks, a.site, a.timeout, a.kexpr) for impl in a.impl}
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
-    keys = sorted(set().union(*res.values()))
-    print("| test | torch | raggedfsdp | class |\n|---|---|---|---|")
-    for k in keys:
-        t, o = res.get("torch", {}).get(k, "-"), res.get("ours", {}).get(k, "-")
-        kind, why = CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
-        cls = "" if t.split(":")[0] == o.split(":")[0] else f"{kind}: {why}"
-        print(f"| `{k}` | {t} | {o} | {cls} |")
-    for impl, r in res.items():
-        n = {s: sum(v.split(":")[0] == s for v in r.values()) for s in ("pass", "fail", "skip")}
-        print(f"\n{impl}: {n['pass']} pass, {n['fail']} fail, {n['skip']} skip of {len(r)}")
+    _print_tables(res)
     return 0
 
 

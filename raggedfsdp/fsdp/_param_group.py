@@ -201,6 +201,7 @@ class FSDPParamGroup:
         for fp in self.fsdp_params:
             fp.sharded._raggedfsdp_unit = weakref.ref(self)
         self.unit_id, self.unit_name = -1, "?"  # index and FQN under the root (set at the root's lazy init)
+        self.log_suffix = ""  # " (<module FQN>)" of torch's FSDP2 debug-log lines; "" for the root
         self._meta_fqns: list[str] = []  # params left on meta by a partial assign-load
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
