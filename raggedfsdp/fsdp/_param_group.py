@@ -130,8 +130,9 @@ class FSDPParamGroup:
         for pi, (p, fqn, owners) in enumerate(params):
             if p.ndim == 0:
                 raise ValueError(
-                    f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp "
-                    "needs at least one dim: store it with shape (1,)"
+                    f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel "
+                    f"equal to 1. fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, "
+                    "raggedfsdp needs at least one dim: store it with shape (1,)"
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
@@ -139,6 +140,7 @@ class FSDPParamGroup:
                 p
             ).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
                 raise NotImplementedError(
+                    "FSDP does not support non-contiguous parameters yet: "
                     f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
                     f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters "
                     f"out row-major, as torch's "
@@ -502,6 +504,8 @@ class FSDPParamGroup:
         if self.bufs.sharded.data.device.type == "meta" or self._meta_fqns:
             names = self._meta_fqns or [fp.fqn for fp in self.fsdp_params]
             raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following "
+                f"were still on meta device: {names}\n"
                 f"raggedfsdp: parameters {names} are still on the meta device; after fully_shard call "
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
