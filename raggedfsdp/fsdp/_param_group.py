@@ -443,11 +443,14 @@ class FSDPParamGroup:
                 fp.fqn = f"{base}.{attr}" if base else attr
 
     def adopt_registered_params(self) -> None:
-        """``load_state_dict(..., assign=True)`` registered new DTensors in place of the sharded params:
-        make them the unit's sharded params, backed by its flat buffer (their values copied in; from the
-        meta device, the buffer is allocated on theirs). Torch FSDP2 does the same in a load post-hook
-        (``FSDPParam.reset_sharded_param``). Raises ``ValueError`` for a replacement that is not a DTensor
-        of the parameter's shape, mesh and placements. Local."""
+        """Parameters registered in place of the sharded params (``load_state_dict(..., assign=True)``, or
+        ``module.p = nn.Parameter(...)`` between ``fully_shard`` and the first forward): make them the
+        unit's sharded params, backed by its flat buffer (their values copied in; from the meta device, the
+        buffer is allocated on theirs). Torch FSDP2 does the same in a load post-hook and at lazy init
+        (``FSDPParam.reset_sharded_param``). A replacement with the parameter's shape that is a plain
+        tensor, or a DTensor with other placements on a 1-D mesh, is resharded to the parameter's
+        placement (a DTensor's ``full_tensor()``: collective over its mesh, so every rank must call).
+        Raises ``ValueError`` for any other replacement (another shape or mesh). Local otherwise."""
         changed = False
         for fp in self.fsdp_params:
             mod, name = fp.owners[0]
@@ -460,17 +463,7 @@ class FSDPParamGroup:
                 or new.device_mesh != fp.spec.mesh
                 or tuple(new.placements) != tuple(fp.spec.placements)
             ):
-                what = (
-                    f"a DTensor with placements {tuple(new.placements)}"
-                    if isinstance(new, DTensor)
-                    else f"a {type(new).__name__} of shape {tuple(new.shape)}"
-                )
-                raise ValueError(
-                    f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
-                    f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); "
-                    "load a full tensor or a DTensor with the parameter's own mesh and placements (e.g. "
-                    "distribute_tensor(full, p.device_mesh, p.placements) or DCP)"
-                )
+                new = self._reshard_replacement(new, fp)
             for attr in ("_raggedfsdp_owner", "_raggedfsdp_unit"):
                 if hasattr(fp.sharded, attr):
                     setattr(new, attr, getattr(fp.sharded, attr))
@@ -480,6 +473,38 @@ class FSDPParamGroup:
         if changed:
             self.tensors = ParamTensors(self.fsdp_params)  # current even if the reset below raises
             self.reset_sharded_storage()
+
+    def _reshard_replacement(self, new: torch.Tensor, fp: FSDPParam) -> nn.Parameter:
+        """``new`` (a full plain tensor, or a DTensor on the unit's 1-D mesh) as an ``nn.Parameter`` DTensor
+        with ``fp``'s spec; ``ValueError`` if that is not possible (see ``adopt_registered_params``)."""
+        mesh, placements = fp.spec.mesh, tuple(fp.spec.placements)
+        plain_ok = not isinstance(new, DTensor) and fp.tp_spec is None
+        dtensor_ok = isinstance(new, DTensor) and new.device_mesh == mesh
+        if new.shape != fp.sharded.shape or mesh.ndim != 1 or not (plain_ok or dtensor_ok):
+            what = (
+                f"a DTensor with placements {tuple(new.placements)} on {new.device_mesh}"
+                if isinstance(new, DTensor)
+                else f"a {type(new).__name__} of shape {tuple(new.shape)}"
+            )
+            raise ValueError(
+                f"raggedfsdp: {what} was registered in place of the sharded parameter {fp.fqn!r} (shape "
+                f"{tuple(fp.sharded.shape)}, placements {placements}); register a full tensor of that shape "
+                "or a DTensor on the parameter's own mesh (e.g. distribute_tensor(full, p.device_mesh, "
+                "p.placements), or load through DCP)"
+            )
+        with torch.no_grad():
+            full = new.full_tensor() if isinstance(new, DTensor) else new.detach()
+            (pl,) = placements
+            if isinstance(pl, RaggedShard):
+                local = pl.shard_full(full, mesh.get_local_rank())
+            elif pl.is_replicate():
+                local = full.clone()
+            else:  # not a placement raggedfsdp gives a 1-D unit's params
+                raise ValueError(f"raggedfsdp: cannot reshard {fp.fqn!r} to placement {pl}")
+            out = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=fp.sharded.shape, stride=fp.sharded.stride()
+            )
+        return nn.Parameter(out, requires_grad=new.requires_grad)
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def mark_master_changed(self) -> None:

@@ -133,6 +133,9 @@ class FSDPState:
                 fqn = next((modnames.get(id(m), "") for m in st.modules), "")
                 st.group.log_suffix = f" ({fqn})" if fqn else ""  # torch's _with_fqn labels
                 comm.agreement.units.append(st.group)
+        for st in seen:  # params registered over the sharded ones since fully_shard (torch's lazy-init
+            if st.group is not None:  # reset_sharded_param): make them the units' sharded params
+                st.group.adopt_registered_params()
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
