@@ -35,7 +35,43 @@ _F, _SD = (
     "test_fully_shard_frozen.py::TestFullyShardFrozen::",
     "test_fully_shard_state_dict.py::TestFullyShardStateDict",
 )
+_I, _C = "test_fully_shard_init_excerpt.py::", "test_fully_shard_clip_grad_norm_"
 CLASSIFIED: dict[str, tuple[str, str]] = {
+    _C + ".py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d": (
+        "even-split",
+        "asserts every rank's local grad piece has norm > max_norm; ragged pieces leave ranks empty "
+        "(the _variant without it: grads, total norm, one all-reduce all equal torch's)",
+    ),
+    _C + "variant.py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d": (
+        "even-split",
+        "after the total-norm checks (passed), inf norm of an empty local piece raises in the test itself",
+    ),
+    _I + "TestFullyShardHSDPBroadcast::test_hsdp_broadcast_across_replicas": (
+        "even-split",
+        "assertNotEqual across replicas of local pieces: empty pieces (norm.weight RS(16, 0)) compare equal",
+    ),
+    _I + "TestFullyShardLazyInit::test_fully_shard_double_lazy_init": (
+        "torch-internals",
+        "calls the private FSDPState._lazy_init() on a nested state, expects torch's message",
+    ),
+    _I + "TestFullyShardLazyInit::test_fully_shard_is_root": ("torch-internals", "reads FSDPState._is_root"),
+    _I + "TestFullyShardLazyInit::test_fully_shard_module_and_param_fqns": (
+        "torch-internals",
+        "reads FSDPState._fsdp_param_group / FSDPParam._param_fqn",
+    ),
+    _I + "TestFullyShardLazyInit::test_fully_shard_multi_module_root": (
+        "torch-internals",
+        "calls the private _lazy_init() on a grouped state without a root, expects RuntimeError",
+    ),
+    _I + "TestFullyShardShardedParameterTensor::test_shard_tensor_parameters": (
+        "placement",
+        "asserts Shard(0) and torch.chunk pieces: raggedfsdp's params are RaggedShard by design",
+    ),
+    _I + "TestFullyShardShardedParameterDTensor::test_shard_dtensor_parameters": (
+        "unsupported",
+        "TP-sharded DTensor params with uneven TP pieces (27 rows on tp=2) are refused (ValueError); torch "
+        "gives _StridedShard",
+    ),
     _F + "test_train_mixed_requires_grad_across_groups": (
         "torch-internals",
         "counts calls of torch's RegisterPostBackwardFunction.backward (losses match before it)",
