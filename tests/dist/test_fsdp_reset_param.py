@@ -1,6 +1,7 @@
 """A parameter registered over a sharded one between ``fully_shard`` and the first forward (torch's
 test_fully_shard_init.py ``test_reset_sharded_param_in_lazy_init``; issue 39 item 8): torch's FSDP2 adopts
-it at lazy init (``FSDPParam.reset_sharded_param``), so did not raggedfsdp ("still on the meta device").
+it at lazy init (``FSDPParam.reset_sharded_param``); raggedfsdp did not (it raised "still on the meta
+device").
 Same script with torch's ``fully_shard`` and ours at ws 2 and 3, against a single-process model:
 
 * meta-device init, ``to_empty`` of the inner units only, then the root's ``weight_norm`` replaced by
