@@ -35,7 +35,43 @@ _F, _SD = (
     "test_fully_shard_frozen.py::TestFullyShardFrozen::",
     "test_fully_shard_state_dict.py::TestFullyShardStateDict",
 )
+_I, _C = "test_fully_shard_init_excerpt.py::", "test_fully_shard_clip_grad_norm_"
 CLASSIFIED: dict[str, tuple[str, str]] = {
+    _C + ".py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d": (
+        "even-split",
+        "asserts every rank's local grad piece has norm > max_norm; ragged pieces leave ranks empty "
+        "(the _variant without it: grads, total norm, one all-reduce all equal torch's)",
+    ),
+    _C + "variant.py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d": (
+        "even-split",
+        "after the total-norm checks (passed), inf norm of an empty local piece raises in the test itself",
+    ),
+    _I + "TestFullyShardHSDPBroadcast::test_hsdp_broadcast_across_replicas": (
+        "even-split",
+        "assertNotEqual across replicas of local pieces: empty pieces (norm.weight RS(16, 0)) compare equal",
+    ),
+    _I + "TestFullyShardLazyInit::test_fully_shard_double_lazy_init": (
+        "torch-internals",
+        "calls the private FSDPState._lazy_init() on a nested state, expects torch's message",
+    ),
+    _I + "TestFullyShardLazyInit::test_fully_shard_is_root": ("torch-internals", "reads FSDPState._is_root"),
+    _I + "TestFullyShardLazyInit::test_fully_shard_module_and_param_fqns": (
+        "torch-internals",
+        "reads FSDPState._fsdp_param_group / FSDPParam._param_fqn",
+    ),
+    _I + "TestFullyShardLazyInit::test_fully_shard_multi_module_root": (
+        "torch-internals",
+        "calls the private _lazy_init() on a grouped state without a root, expects RuntimeError",
+    ),
+    _I + "TestFullyShardShardedParameterTensor::test_shard_tensor_parameters": (
+        "placement",
+        "asserts Shard(0) and torch.chunk pieces: raggedfsdp's params are RaggedShard by design",
+    ),
+    _I + "TestFullyShardShardedParameterDTensor::test_shard_dtensor_parameters": (
+        "unsupported",
+        "TP-sharded DTensor params with uneven TP pieces (27 rows on tp=2) are refused (ValueError); torch "
+        "gives _StridedShard",
+    ),
     _F + "test_train_mixed_requires_grad_across_groups": (
         "torch-internals",
         "counts calls of torch's RegisterPostBackwardFunction.backward (losses match before it)",
@@ -61,6 +97,8 @@ _CUDA_TO_CPU = [
     (r'torch\.device\("cuda"\)', 'torch.device("cpu")'),
     (r'device="cuda"', 'device="cpu"'),
     (r"\.cuda\(\)", ".cpu()"),
+    (r'init_device_mesh\(\s*"cuda"', 'init_device_mesh("cpu"'),
+    (r'\.to\("cuda"\)', '.to("cpu")'),
     (r"^[ \t]*@unittest\.skipIf\(not TEST_CUDA[^\n]*\n", ""),
 ]
 
@@ -142,6 +180,29 @@ def _run(
     return out
 
 
+def _counts(r: dict[str, str]) -> str:
+    n = {s: sum(v.split(":")[0] == s for v in r.values()) for s in ("pass", "fail", "skip")}
+    return f"{n['pass']} pass, {n['fail']} fail, {n['skip']} skip"
+
+
+def _print_tables(res: dict[str, dict[str, str]]) -> None:
+    """One markdown table per test file (test, torch, raggedfsdp, class of a difference), then the counts
+    of each implementation for that file; a difference not in ``CLASSIFIED`` prints as UNCLASSIFIED."""
+    keys = sorted(set().union(*res.values()))
+    for f in sorted({k.split("::")[0] for k in keys}):
+        print(f"\n### {f}\n\n| test | torch | raggedfsdp | class |\n|---|---|---|---|")
+        for k in (k for k in keys if k.split("::")[0] == f):
+            t, o = res.get("torch", {}).get(k, "-"), res.get("ours", {}).get(k, "-")
+            kind, why = CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
+            cls = "" if t.split(":")[0] == o.split(":")[0] else f"{kind}: {why}"
+            print(f"| `{k.split('::', 1)[1]}` | {t} | {o} | {cls} |")
+        print()
+        for impl, r in res.items():
+            print(f"{impl}: {_counts({k: v for k, v in r.items() if k.split('::')[0] == f})}  ")
+    for impl, r in res.items():
+        print(f"\nall files, {impl}: {_counts(r)} of {len(r)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="test file names inside --tests")
@@ -169,16 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         res = {impl: _run(impl, tests, a.files, a.ranks, a.site, a.timeout, a.kexpr) for impl in a.impl}
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
-    keys = sorted(set().union(*res.values()))
-    print("| test | torch | raggedfsdp | class |\n|---|---|---|---|")
-    for k in keys:
-        t, o = res.get("torch", {}).get(k, "-"), res.get("ours", {}).get(k, "-")
-        kind, why = CLASSIFIED.get(k, ("UNCLASSIFIED", ""))
-        cls = "" if t.split(":")[0] == o.split(":")[0] else f"{kind}: {why}"
-        print(f"| `{k}` | {t} | {o} | {cls} |")
-    for impl, r in res.items():
-        n = {s: sum(v.split(":")[0] == s for v in r.values()) for s in ("pass", "fail", "skip")}
-        print(f"\n{impl}: {n['pass']} pass, {n['fail']} fail, {n['skip']} skip of {len(r)}")
+    _print_tables(res)
     return 0
 
 

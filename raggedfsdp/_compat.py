@@ -130,3 +130,35 @@ def subclass_torch_function_off():
     if ctx is None:
         raise _gone("torch._C.DisableTorchFunctionSubclass")
     return ctx
+
+
+def disable_functorch_if_active(fn):
+    """Decorator: run ``fn`` with torch.func's transforms turned off when one is active (``torch.func.jvp``,
+    ``grad``, ``vmap`` through an FSDP unit), as torch's FSDP2 runs its ``unshard`` / ``wait_for_unshard``
+    / ``reshard`` (``_disable_functorch_if_active`` in torch/distributed/fsdp/_fully_shard/_fsdp_common.py).
+    The all-gather's cast copy-in and the in-place collective write into the unit's flat buffer, which a
+    transform would reject as a mutation of a captured tensor; the gathered params are buffers, not
+    inputs of the transformed function, so no transform has to see these writes. Outside a transform it
+    calls ``fn`` directly (one C call of overhead).
+
+    torch internals: ``torch._C._are_functorch_transforms_active`` and ``torch._C._DisableFuncTorch``.
+    ``tests/unit/test_compat.py`` checks both on the installed torch. Raises ``RuntimeError`` (at
+    decoration) if this torch has neither.
+    """
+    import functools
+
+    import torch
+
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    off = getattr(torch._C, "_DisableFuncTorch", None)
+    if active is None or off is None:
+        raise _gone("torch._C._are_functorch_transforms_active / torch._C._DisableFuncTorch")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if active():
+            with off():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -2,9 +2,9 @@
 put first on ``PYTHONPATH``), so the spawned ranks of torch's ``MultiProcessTestCase`` get the same
 patches as the parent. Does nothing unless ``RAGGEDFSDP_TORCH_SUITE`` is set:
 
-* ``RAGGEDFSDP_TORCH_SUITE=ours``: ``torch.distributed.fsdp.fully_shard`` (and its re-exports under
-  ``torch.distributed._composable.fsdp``) is ``raggedfsdp.fully_shard``; ``=torch`` keeps torch's (the
-  baseline run, same CPU setup).
+* ``RAGGEDFSDP_TORCH_SUITE=ours``: ``raggedfsdp.patch_torch()`` (``torch.distributed.fsdp.fully_shard``, its
+  re-exports under ``torch.distributed._composable.fsdp`` and ``share_comm_ctx`` are raggedfsdp's);
+  ``=torch`` keeps torch's (the baseline run, same CPU setup).
 * CPU ranks for GPU-only test classes: ``skip_if_lt_x_gpu(n)`` no longer skips, and
   ``torch.cuda/cpu/accelerator.device_count()`` (``current_accelerator()`` is the CPU) and common_fsdp's
   ``DEVICE_COUNT``
@@ -57,13 +57,7 @@ if _impl:
 
     if _cf.DEVICE_TYPE == "cpu":
         _cf.DEVICE_COUNT = _ranks
-    if _impl == "ours":
-        import sys
-
-        import torch.distributed._composable.fsdp as _cfsdp
-        import torch.distributed.fsdp as _tfsdp
-
+    if _impl == "ours":  # the documented one-line switch (raggedfsdp/fsdp/_switch.py), never undone here
         import raggedfsdp
 
-        for _mod in (_tfsdp, _cfsdp, sys.modules["torch.distributed._composable.fsdp.fully_shard"]):
-            _mod.fully_shard = raggedfsdp.fully_shard
+        raggedfsdp.patch_torch()

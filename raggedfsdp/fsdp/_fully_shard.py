@@ -253,11 +253,13 @@ def fully_shard(
             raise TypeError(f"fully_shard: expects nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
-                f"fully_shard: {type(m).__name__} has no forward, so its hooks would never run; "
+                "fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__} has no forward, so its hooks would never run; "
                 "call fully_shard on each child module instead"
             )
         if state_of(m) is not None:
             raise FSDPValueError(
+                "Each distinct composable distributed API can only be applied to a module once. "
                 f"fully_shard: {type(m).__name__} is already fully_shard'ed; call fully_shard once per module"
             )
     if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:

@@ -28,10 +28,12 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: "
             f"fully_shard: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh.ndim}-D"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's fully_shard refuses it too (AssertionError)
         raise FSDPValueError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: "
             f"fully_shard: the 2-D (HSDP) mesh {mesh.mesh.tolist()} has no dim names; build it with "
             "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
         )

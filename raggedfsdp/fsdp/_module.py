@@ -332,6 +332,7 @@ class FSDPModule(torch_fsdp.FSDPModule):
 
     def __deepcopy__(self, memo):
         raise FSDPDeepcopyError(
+            "FSDP does not support deepcopy. Please use state dict for serialization. "
             "raggedfsdp: deepcopy of a fully_shard'ed module is not supported; deepcopy before fully_shard, "
             "or copy through a state dict"
         )

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from raggedfsdp._compat import torch_minor
+from raggedfsdp._compat import disable_functorch_if_active, torch_minor
 from raggedfsdp.buffer import CommHandle, UnitBuffers
 from raggedfsdp.buffer.quant_gather import QuantizedGather
 from raggedfsdp.buffer.streams import current_stream
@@ -130,8 +130,9 @@ class FSDPParamGroup:
         for pi, (p, fqn, owners) in enumerate(params):
             if p.ndim == 0:
                 raise ValueError(
-                    f"fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, raggedfsdp "
-                    "needs at least one dim: store it with shape (1,)"
+                    f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel "
+                    f"equal to 1. fully_shard: parameter {fqn!r} is 0-dimensional; like torch's fully_shard, "
+                    "raggedfsdp needs at least one dim: store it with shape (1,)"
                 )
             tp_spec = tp_spec_of(p, fqn, mesh)  # Note [FSDP x TP]: plan the TP-local tensor
             shape = local_tensor(p).shape
@@ -139,6 +140,7 @@ class FSDPParamGroup:
                 p
             ).is_contiguous():  # e.g. channels_last: the flat layout is row-major (torch refuses it too)
                 raise NotImplementedError(
+                    "FSDP does not support non-contiguous parameters yet: "
                     f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous (stride "
                     f"{tuple(local_tensor(p).stride())}, e.g. channels_last); raggedfsdp lays parameters "
                     f"out row-major, as torch's "
@@ -201,6 +203,7 @@ class FSDPParamGroup:
         for fp in self.fsdp_params:
             fp.sharded._raggedfsdp_unit = weakref.ref(self)
         self.unit_id, self.unit_name = -1, "?"  # index and FQN under the root (set at the root's lazy init)
+        self.log_suffix = ""  # " (<module FQN>)" of torch's FSDP2 debug-log lines; "" for the root
         self._meta_fqns: list[str] = []  # params left on meta by a partial assign-load
         self._master_changes = 0  # per-unit counter of optimizer steps / loads that changed the master
 
@@ -440,11 +443,14 @@ class FSDPParamGroup:
                 fp.fqn = f"{base}.{attr}" if base else attr
 
     def adopt_registered_params(self) -> None:
-        """``load_state_dict(..., assign=True)`` registered new DTensors in place of the sharded params:
-        make them the unit's sharded params, backed by its flat buffer (their values copied in; from the
-        meta device, the buffer is allocated on theirs). Torch FSDP2 does the same in a load post-hook
-        (``FSDPParam.reset_sharded_param``). Raises ``ValueError`` for a replacement that is not a DTensor
-        of the parameter's shape, mesh and placements. Local."""
+        """Parameters registered in place of the sharded params (``load_state_dict(..., assign=True)``, or
+        ``module.p = nn.Parameter(...)`` between ``fully_shard`` and the first forward): make them the
+        unit's sharded params, backed by its flat buffer (their values copied in; from the meta device, the
+        buffer is allocated on theirs). Torch FSDP2 does the same in a load post-hook and at lazy init
+        (``FSDPParam.reset_sharded_param``). A replacement with the parameter's shape that is a plain
+        tensor, or a DTensor with other placements on a 1-D mesh, is resharded to the parameter's
+        placement (a DTensor's ``full_tensor()``: collective over its mesh, so every rank must call).
+        Raises ``ValueError`` for any other replacement (another shape or mesh). Local otherwise."""
         changed = False
         for fp in self.fsdp_params:
             mod, name = fp.owners[0]
@@ -457,17 +463,7 @@ class FSDPParamGroup:
                 or new.device_mesh != fp.spec.mesh
                 or tuple(new.placements) != tuple(fp.spec.placements)
             ):
-                what = (
-                    f"a DTensor with placements {tuple(new.placements)}"
-                    if isinstance(new, DTensor)
-                    else f"a {type(new).__name__} of shape {tuple(new.shape)}"
-                )
-                raise ValueError(
-                    f"raggedfsdp: load_state_dict(assign=True) put {what} in place of the sharded parameter "
-                    f"{fp.fqn!r} (shape {tuple(fp.sharded.shape)}, placements {tuple(fp.spec.placements)}); "
-                    "load a full tensor or a DTensor with the parameter's own mesh and placements (e.g. "
-                    "distribute_tensor(full, p.device_mesh, p.placements) or DCP)"
-                )
+                new = self._reshard_replacement(new, fp)
             for attr in ("_raggedfsdp_owner", "_raggedfsdp_unit"):
                 if hasattr(fp.sharded, attr):
                     setattr(new, attr, getattr(fp.sharded, attr))
@@ -477,6 +473,38 @@ class FSDPParamGroup:
         if changed:
             self.tensors = ParamTensors(self.fsdp_params)  # current even if the reset below raises
             self.reset_sharded_storage()
+
+    def _reshard_replacement(self, new: torch.Tensor, fp: FSDPParam) -> nn.Parameter:
+        """``new`` (a full plain tensor, or a DTensor on the unit's 1-D mesh) as an ``nn.Parameter`` DTensor
+        with ``fp``'s spec; ``ValueError`` if that is not possible (see ``adopt_registered_params``)."""
+        mesh, placements = fp.spec.mesh, tuple(fp.spec.placements)
+        plain_ok = not isinstance(new, DTensor) and fp.tp_spec is None
+        dtensor_ok = isinstance(new, DTensor) and new.device_mesh == mesh
+        if new.shape != fp.sharded.shape or mesh.ndim != 1 or not (plain_ok or dtensor_ok):
+            what = (
+                f"a DTensor with placements {tuple(new.placements)} on {new.device_mesh}"
+                if isinstance(new, DTensor)
+                else f"a {type(new).__name__} of shape {tuple(new.shape)}"
+            )
+            raise ValueError(
+                f"raggedfsdp: {what} was registered in place of the sharded parameter {fp.fqn!r} (shape "
+                f"{tuple(fp.sharded.shape)}, placements {placements}); register a full tensor of that shape "
+                "or a DTensor on the parameter's own mesh (e.g. distribute_tensor(full, p.device_mesh, "
+                "p.placements), or load through DCP)"
+            )
+        with torch.no_grad():
+            full = new.full_tensor() if isinstance(new, DTensor) else new.detach()
+            (pl,) = placements
+            if isinstance(pl, RaggedShard):
+                local = pl.shard_full(full, mesh.get_local_rank())
+            elif pl.is_replicate():
+                local = full.clone()
+            else:  # not a placement raggedfsdp gives a 1-D unit's params
+                raise ValueError(f"raggedfsdp: cannot reshard {fp.fqn!r} to placement {pl}")
+            out = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=fp.sharded.shape, stride=fp.sharded.stride()
+            )
+        return nn.Parameter(out, requires_grad=new.requires_grad)
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def mark_master_changed(self) -> None:
@@ -489,6 +517,7 @@ class FSDPParamGroup:
     def _gather_is_current(self) -> bool:
         return self.bufs.params.is_allocated and self._gathered_version == self._master_version()
 
+    @disable_functorch_if_active
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the unit's params into the unsharded buffer (from the all-gather stream on CUDA).
         Collective over the shard group; idempotent while a gather is in flight or current.
@@ -500,6 +529,8 @@ class FSDPParamGroup:
         if self.bufs.sharded.data.device.type == "meta" or self._meta_fqns:
             names = self._meta_fqns or [fp.fqn for fp in self.fsdp_params]
             raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, but the following "
+                f"were still on meta device: {names}\n"
                 f"raggedfsdp: parameters {names} are still on the meta device; after fully_shard call "
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
@@ -530,6 +561,7 @@ class FSDPParamGroup:
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
+    @disable_functorch_if_active
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather and register the unsharded params on their modules. Local."""
         if self.param_state is ParamState.UNSHARDED:
@@ -552,6 +584,7 @@ class FSDPParamGroup:
         self.post_forward_k = mesh2d.size(1)
         self.post_forward_rank = mesh2d.get_local_rank(1)
 
+    @disable_functorch_if_active
     def reshard_post_forward(self) -> None:
         """Free the unsharded params after forward; with an int ``k`` keep this rank's 1/k slice. Local."""
         k = self.post_forward_k
@@ -585,6 +618,7 @@ class FSDPParamGroup:
         """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
         self.grads.post_backward()
 
+    @disable_functorch_if_active
     def reshard(self, free: bool = True) -> None:
         """Register the sharded DTensor params; ``free`` releases the unsharded storage. Local (waits an
         in-flight all-gather first)."""

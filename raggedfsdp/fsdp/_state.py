@@ -18,6 +18,7 @@ Note [hook order]
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -29,6 +30,10 @@ from raggedfsdp.fsdp._common import ParamState, TrainingState, state_of
 from raggedfsdp.fsdp._compile import dynamo_disable
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._tree import cast_floating, grad_tensors, map_tensors, replace_grad_tensors
+
+# torch's FSDP2 logger (torch/distributed/fsdp/_fully_shard/_fsdp_state.py), so ``TORCH_LOGS=fsdp`` and a
+# logging config written for torch show the same debug lines (``FSDP::pre_forward (0)``, ...) for our units
+logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
 
 
 class _RegisterPostBackward(torch.autograd.Function):
@@ -125,7 +130,12 @@ class FSDPState:
                 st.group.set_root_fqns(modnames)
                 st.group.comm = comm
                 st.group.unit_id, st.group.unit_name = i, names.get(id(st), "?")
+                fqn = next((modnames.get(id(m), "") for m in st.modules), "")
+                st.group.log_suffix = f" ({fqn})" if fqn else ""  # torch's _with_fqn labels
                 comm.agreement.units.append(st.group)
+        for st in seen:  # params registered over the sharded ones since fully_shard (torch's lazy-init
+            if st.group is not None:  # reset_sharded_param): make them the units' sharded params
+                st.group.adopt_registered_params()
         if self._auto_reshard:
             self.reshard_after_forward = False  # root: backward needs its params right away
 
@@ -142,6 +152,7 @@ class FSDPState:
         self._lazy_init()
         in_bw = _in_backward()
         if self.is_root and not in_bw:
+            logger.debug("FSDP::root_pre_forward")
             self._begin_iteration()
             args, kwargs = _inputs_to_device(args, kwargs, self._compute_device())
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -153,6 +164,7 @@ class FSDPState:
             if first_of_group:
                 self._group_fwd_left = {id(m) for m in self.modules}
         if self.group is not None:
+            logger.debug("FSDP::pre_forward%s", self.group.log_suffix)
             self.group.unshard()
             self.group.wait_for_unshard()
         if not in_bw and first_of_group:
@@ -206,6 +218,8 @@ class FSDPState:
         if len(self.modules) > 1 and not in_bw:
             self._group_fwd_left.discard(id(module))
             last_of_group = not self._group_fwd_left
+        if self.group is not None:
+            logger.debug("FSDP::post_forward%s", self.group.log_suffix)
         if self.group is not None and self.reshard_after_forward and not in_bw and last_of_group:
             self.group.reshard_post_forward()
         if self.root is not None and not in_bw and last_of_group:
@@ -237,6 +251,7 @@ class FSDPState:
             return grad  # already ran for this unit in this backward (another output's hook)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
+            logger.debug("FSDP::pre_backward%s", self.group.log_suffix)
             self.group.comm.reduces.poll()  # free finished reduce-scatter inputs first (Note [early free])
             if self.unshard_in_backward:
                 self.group.unshard()
@@ -272,15 +287,18 @@ class FSDPState:
         if self.group is None:
             return
         self.training_state = TrainingState.POST_BACKWARD
+        logger.debug("FSDP::post_backward%s", self.group.log_suffix)
         self.group.post_backward()
 
     @dynamo_disable  # never traced by torch.compile (fsdp/_compile.py)
     def _root_post_backward_final(self) -> None:
+        logger.debug("FSDP::root_post_backward")
         for st in self.all_states:
             g = st.group
             if g is None:
                 continue
             if g.owes_post_backward(st.training_state is TrainingState.POST_BACKWARD):
+                logger.debug("FSDP::post_backward%s", g.log_suffix)
                 g.post_backward()
             elif g.param_state is not ParamState.SHARDED:  # e.g. prefetched, never used in backward
                 g.reshard(free=g.reshard_after_backward)

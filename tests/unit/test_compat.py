@@ -142,3 +142,26 @@ def test_subclass_torch_function_off_reads_what_the_attributes_read(fake_world, 
     monkeypatch.delattr(torch._C, "DisableTorchFunctionSubclass")
     with pytest.raises(RuntimeError, match=r"DisableTorchFunctionSubclass.*raggedfsdp/_compat\.py"):
         _compat.subclass_torch_function_off()
+
+
+def test_disable_functorch_if_active_runs_outside_the_transform(monkeypatch):
+    """Inside ``torch.func.jvp`` the wrapped function may write in place into a captured tensor (what the
+    unshard's cast copy-in does); unwrapped, the same write is refused by the transform."""
+    import torch
+
+    buf = torch.zeros(3)
+
+    def write(a):
+        buf.copy_(torch.arange(3.0))
+        return buf
+
+    wrapped = _compat.disable_functorch_if_active(write)
+    x, v = torch.arange(3.0), torch.ones(3)
+    out, tan = torch.func.jvp(lambda a: a * wrapped(a).sum(), (x,), (v,))
+    assert buf.tolist() == [0.0, 1.0, 2.0] and out.tolist() == [0.0, 3.0, 6.0] and tan.tolist() == [3.0] * 3
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        torch.func.jvp(lambda a: a * write(a).sum(), (x,), (v,))
+    assert wrapped(x) is buf  # outside a transform: called directly
+    monkeypatch.delattr(torch._C, "_DisableFuncTorch")
+    with pytest.raises(RuntimeError, match=r"_DisableFuncTorch.*raggedfsdp/_compat\.py"):
+        _compat.disable_functorch_if_active(write)
