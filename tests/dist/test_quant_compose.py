@@ -231,8 +231,12 @@ def _dcp_load(rank, ws, path):
     losses = _train_opt(model, opt, _data()[SAVE_AT:], rank, ws)
     want, params = _oracle(policy, _data())
     torch.testing.assert_close(losses, want[SAVE_AT:], rtol=1e-4, atol=0)
-    for n, p in _full(model).items():  # atol: ws 3 sums the gradients in another order (an fp8 code may flip)
-        torch.testing.assert_close(p, params[n], rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    # ws 2 then 3 sum the gradients in another order than the oracle: a master value at a rounding edge
+    # may get another fp8 code, and AdamW's normalised step carries that into a few elements (seen: up to
+    # 5 of 6144 off by <= 1.3e-4, which ones varies from run to run); one AdamW step moves a value by
+    # ~lr = 1e-2, so a lost optimizer state or master shows far above 1e-3
+    for n, p in _full(model).items():
+        assert (p - params[n]).abs().max() < 1e-3, (n, (p - params[n]).abs().max())
 
 
 def test_quantized_run_dcp_save_at_2_resume_at_3(tmp_path):
