@@ -21,6 +21,8 @@ def _train(tmp_path, name, *flags):
     cmd = [*_cli(), "train", "--nproc", "2", "--config", CONFIG, "--steps", STEPS]
     proc, _ = _run([*cmd, *flags, "--out", str(out)], 240, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, f"{name} run failed:\n{proc.stdout}\n{proc.stderr}"
+    if flags:  # the run's first log line names what is quantized
+        assert f"all-gather {flags[1]}" in proc.stdout + proc.stderr
     return out
 
 
