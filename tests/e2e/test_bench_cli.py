@@ -176,6 +176,8 @@ def test_bench_json_moe_ep2_four_ranks():
         (["--steps", "0"], "--steps must be >= 1"),
         (["--model", "moe", "--flavor", "huge"], "unknown moe flavor 'huge'"),
         (["--wrap", "superblock2"], "is not a policy of model 'moe'"),
+        (["--all-gather-dtype", "fp4"], "invalid choice"),
+        (["--ep", "2", "--reduce-scatter-wire-dtype", "bf16"], "could not be told apart"),
     ],
 )
 def test_bench_bad_arguments_fail_before_launch(argv, match, capsys):
@@ -185,6 +187,32 @@ def test_bench_bad_arguments_fail_before_launch(argv, match, capsys):
         rc = e.code
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_bench_quantized_wire_bytes_against_torch_two_ranks():
+    """``--all-gather-dtype fp8_e4m3 --reduce-scatter-wire-dtype bf16`` (issue 40): both systems report
+    ``all_gather_wire_bytes`` / ``reduce_scatter_wire_bytes`` counted in the same run; raggedfsdp's are
+    <= 0.55x torch's bf16 all-gather and fp32 reduce-scatter, and the losses stay close."""
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "bench", "--model", "dense", "--flavor", "small"]
+    cmd += ["--nproc", "2", "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "16", "--no-floor"]
+    cmd += ["--param-dtype", "bf16", "--all-gather-dtype", "fp8_e4m3", "--reduce-scatter-wire-dtype", "bf16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    a, b = r["raggedfsdp"], r["torch"]
+    assert r["all_gather_dtype"] == "fp8_e4m3" and r["reduce_scatter_wire_dtype"] == "bf16"
+    assert b["all_gather_wire_bytes"] > 0 and b["reduce_scatter_wire_bytes"] > 0
+    # torch: two bf16 all-gathers per block (forward, backward re-gather; the root's once) ~ one fp32
+    # reduce-scatter of the same padded elements
+    assert b["all_gather_wire_bytes"] == pytest.approx(b["reduce_scatter_wire_bytes"], rel=0.05)
+    assert 0.45 < r["all_gather_wire_bytes_ratio"] <= 0.55, r["all_gather_wire_bytes_ratio"]
+    assert 0.45 < r["reduce_scatter_wire_bytes_ratio"] <= 0.55, r["reduce_scatter_wire_bytes_ratio"]
+    assert r["all_gather_wire_bytes_ratio"] == a["all_gather_wire_bytes"] / b["all_gather_wire_bytes"]
+    assert abs(a["final_loss"] - b["final_loss"]) < 2e-2
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "(raggedfsdp fp8_e4m3 / torch bf16)" in table.stdout
 
 
 def test_failed_bench_ends_with_one_line_and_the_report_in_out(tmp_path):

@@ -59,6 +59,20 @@ def build_arg_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reduce-scatter dtype (default: fp32)",
     )
     p.add_argument(
+        "--all-gather-dtype",
+        default="none",
+        choices=["none", "fp8_e4m3", "int8"],
+        help="raggedfsdp's parameter all-gather: 8-bit codes + fp32 scale per 32x32 block "
+        "(QuantizedAllGatherPolicy; torch's fully_shard gathers in --param-dtype); default: none",
+    )
+    p.add_argument(
+        "--reduce-scatter-wire-dtype",
+        default="none",
+        choices=["none", "bf16"],
+        help="raggedfsdp's gradient wire dtype: bf16 pieces over an all-to-all, summed in --reduce-dtype "
+        "(set_reduce_scatter_wire_dtype; torch reduce-scatters in --reduce-dtype); default: none",
+    )
+    p.add_argument(
         "--foreach",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -131,6 +145,12 @@ def validate(args) -> None:
             raise ValueError(f"--ep {args.ep} needs --wrap layer (experts get their own unit per block)")
         args.experts = "fused"
         args.floor = False  # the collective replay runs on the whole group: not the EP sub-groups
+    if args.reduce_scatter_wire_dtype != "none" and args.ep > 1:
+        raise ValueError(
+            f"--reduce-scatter-wire-dtype {args.reduce_scatter_wire_dtype} with --ep {args.ep}: the gradient "
+            "all-to-all could not be told apart from the token all-to-all in reduce_scatter_wire_bytes; "
+            "drop one of them"
+        )
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if args.tp > 1:

@@ -1,10 +1,11 @@
 """Model families ``raggedfsdp bench`` can run, and how each is wrapped into FSDP units.
 
 A ``BenchModel`` says how to build an (un-sharded, initialised) model from the bench arguments and
-which wrapping policies it supports: ``wraps[name](model, mesh, backend, mp_policy)`` applies
+which wrapping policies it supports: ``wraps[name](model, mesh, backend, mp_policy, **fsdp_kw)`` applies
 ``backend``'s ``fully_shard`` in place (``backend`` is ``"ragged"`` or ``"torch"``, so both systems
-get the same units). Add a family with ``register_bench_model``; ``--model NAME`` and
-``--wrap POLICY`` then accept it. The bench never needs to know the model's structure beyond that.
+get the same units; ``fsdp_kw``: further ``apply_fsdp`` options, e.g. ``all_gather_dtype``). Add a
+family with ``register_bench_model``; ``--model NAME`` and ``--wrap POLICY`` then accept it. The bench
+never needs to know the model's structure beyond that.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ def wrap_units(unit: str) -> WrapFn:
     ``models/parallelize.py``: ``layer | superblock | layers:K``), then the root. ``layers:K`` makes one
     ``fully_shard([blocks...])`` per ``K`` blocks: fewer, larger collectives than ``layer``."""
 
-    def wrap(model: nn.Module, mesh: Any, backend: str, mp_policy: Any) -> nn.Module:
+    def wrap(model: nn.Module, mesh: Any, backend: str, mp_policy: Any, **fsdp_kw: Any) -> nn.Module:
         from raggedfsdp.app.models import apply_fsdp
 
-        return apply_fsdp(model, mesh, backend=backend, mp_policy=mp_policy, unit=unit)
+        return apply_fsdp(model, mesh, backend=backend, mp_policy=mp_policy, unit=unit, **fsdp_kw)
 
     return wrap
 

@@ -89,14 +89,21 @@ def _build(args, spec, backend, mesh, device, world=None):
     if getattr(args, "compile", False):  # per block, before fully_shard, the same for every system
         apply_compile(model)
     mp = make_mp_policy(backend, param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    kw = {}  # --all-gather-dtype: raggedfsdp only (torch's fully_shard gathers in param_dtype)
+    agd = getattr(args, "all_gather_dtype", "none")
+    if backend == "ragged" and agd != "none":
+        kw["all_gather_dtype"] = agd
     if world is not None and "tp" in world.mesh_dim_names:  # --tp: the same TP plan, FSDP over "dp"
         apply_tp(model, world["tp"])
-        spec.wraps[args.wrap](model, mesh, backend, mp)
+        spec.wraps[args.wrap](model, mesh, backend, mp, **kw)
     elif world is not None:  # --ep: (dp, ep) mesh, experts over "ep", their FSDP over "dp", the rest over all
         apply_ep(model, world["ep"])
-        apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"])
+        apply_fsdp(model, mesh, backend=backend, mp_policy=mp, experts_mesh=world["dp"], **kw)
     else:
-        spec.wraps[args.wrap](model, mesh, backend, mp)
+        spec.wraps[args.wrap](model, mesh, backend, mp, **kw)
+    if backend == "ragged" and getattr(args, "reduce_scatter_wire_dtype", "none") != "none":
+        # gradients as bf16 pieces, summed in reduce_dtype
+        model.set_reduce_scatter_wire_dtype(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=args.foreach)
     return model, opt
 
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> dict | None:
     from raggedfsdp.app.bench.copy_accounting import CopyCounter
     from raggedfsdp.app.bench.memory import enable_cpu_allocator_accounting
     from raggedfsdp.app.bench.registry import get_bench_model
+    from raggedfsdp.buffer.wire import count_wire_bytes
 
     # c10's process-wide CPU accounting, before any model is built: a block allocated earlier is
     # unknown to c10, so its free would never be reported (docs/memory.md)
@@ -230,11 +238,19 @@ def run(args: argparse.Namespace) -> dict | None:
         tok = batches[k].to(device)
         # --compile: dynamo cannot run under these dispatch modes, so this counted step runs eagerly
         eager = torch.compiler.set_stance("force_eager") if getattr(args, "compile", False) else nullcontext()
-        with eager, CopyCounter() as cc, StepCounter() as sc, syncs:  # forward + backward (+ reduce-scatters)
+        # forward + backward (+ reduce-scatters); count_wire_bytes: the bytes each collective sends
+        with eager, CopyCounter() as cc, StepCounter() as sc, syncs, count_wire_bytes() as wire:
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
+        # the gradient reduction's bytes: the reduce-scatter's, or with --reduce-scatter-wire-dtype bf16
+        # (raggedfsdp) the all-to-all of bf16 pieces that replaces it (--ep is refused with it: options.py)
+        rs_wire = wire.reduce_scatter
+        if n == "raggedfsdp" and getattr(args, "reduce_scatter_wire_dtype", "none") != "none":
+            rs_wire += wire.all_to_all
         counts[n] = dict(
+            all_gather_wire_bytes=wire.all_gather,
+            reduce_scatter_wire_bytes=rs_wire,
             all_to_all_bytes=sum(b for op, b in sc.bytes.items() if "alltoall" in op),
             copy_bytes=cc.total_bytes,
             copy_bytes_by_op=dict(cc.bytes),
@@ -393,6 +409,11 @@ def run(args: argparse.Namespace) -> dict | None:
         cpu_time_ratio=tt["cpu_seconds_median"] / r["cpu_seconds_median"],
         peak_memory_ratio=r["peak_memory_bytes"] / max(tt["peak_memory_bytes"], 1),
         copy_bytes_ratio=r["copy_bytes"] / max(tt["copy_bytes"], 1),
+        all_gather_dtype=getattr(args, "all_gather_dtype", "none"),
+        reduce_scatter_wire_dtype=getattr(args, "reduce_scatter_wire_dtype", "none"),
+        all_gather_wire_bytes_ratio=r["all_gather_wire_bytes"] / max(tt["all_gather_wire_bytes"], 1),
+        reduce_scatter_wire_bytes_ratio=r["reduce_scatter_wire_bytes"]
+        / max(tt["reduce_scatter_wire_bytes"], 1),
         collectives_ratio=r["collectives"] / max(tt["collectives"], 1),
         final_loss_abs_diff=abs(r["final_loss"] - tt["final_loss"]),
         raggedfsdp=r,
@@ -543,6 +564,12 @@ def format_report(r: dict) -> str:
             f"{'  of it all-to-all':22s}{a.get('all_to_all_bytes', 0):16,d}{b.get('all_to_all_bytes', 0):16,d}"
             "   (EP token dispatch + combine, fwd + bwd)"
         ),
+        f"{'all-gather wire B/step':22s}{a.get('all_gather_wire_bytes', 0):16,d}"
+        f"{b.get('all_gather_wire_bytes', 0):16,d}   x{r.get('all_gather_wire_bytes_ratio', 0):.3f} "
+        f"(raggedfsdp {r.get('all_gather_dtype', 'none')} / torch {r['param_dtype']})",
+        f"{'reduce-scatter wire B':22s}{a.get('reduce_scatter_wire_bytes', 0):16,d}"
+        f"{b.get('reduce_scatter_wire_bytes', 0):16,d}   x{r.get('reduce_scatter_wire_bytes_ratio', 0):.3f} "
+        f"(raggedfsdp wire {r.get('reduce_scatter_wire_dtype', 'none')} / torch {r['reduce_dtype']})",
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| "

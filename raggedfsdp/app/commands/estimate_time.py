@@ -66,6 +66,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=["bf16", "fp32"],
         help="reduce-scatter dtype (default: fp32)",
     )
+    p.add_argument(
+        "--all-gather-dtype",
+        default="none",
+        choices=["none", "fp8_e4m3", "int8"],
+        help="raggedfsdp's quantized parameter all-gather (8-bit codes + fp32 scale per 32x32 block): "
+        "the estimate and the all-gather bytes it saves per step (default: none)",
+    )
     p.add_argument("--ac", action="store_true", help="activation checkpointing (one more forward)")
     p.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="optimizer (default: adamw)")
     p.add_argument("--rank", type=int, default=0, metavar="N", help="also list the N fastest configurations")
@@ -226,7 +233,12 @@ def run(args: argparse.Namespace) -> int:
             "activation_checkpointing": args.ac,
             "optimizer": args.optim,
         }
-        ours = estimate_time(units, cfg, policy=args.granularity, **kw)
+        ours = estimate_time(
+            units, cfg, policy=args.granularity, all_gather_dtype=args.all_gather_dtype, **kw
+        )
+        plain = ours  # --all-gather-dtype: the same layout gathered in param_dtype, for the bytes it saves
+        if args.all_gather_dtype != "none":
+            plain = estimate_time(units, cfg, policy=args.granularity, **kw)
         fsdp2 = estimate_time(units, cfg, layout="fsdp2", **kw)
         ranked = []
         if args.rank:
@@ -254,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
                     "raggedfsdp": ours.to_dict(),
                     "fsdp2": fsdp2.to_dict(),
                     "speedup_vs_fsdp2": fsdp2.step_s / ours.step_s,
+                    "all_gather_dtype": args.all_gather_dtype,
+                    "ag_wire_bytes_unquantized": plain.ag_wire_bytes,
+                    "ag_wire_bytes_saved": plain.ag_wire_bytes - ours.ag_wire_bytes,
                     "ranked": [{"config": c, "step_s": s.step_s, "mfu": s.mfu} for c, s in ranked],
                 }
             )
@@ -268,6 +283,15 @@ def run(args: argparse.Namespace) -> int:
             f"batch {args.batch} x seq {args.seq}",
         )
     )
+    if args.all_gather_dtype != "none":
+        saved = plain.ag_wire_bytes - ours.ag_wire_bytes
+        print(
+            f"all-gather {args.all_gather_dtype}: {ours.ag_wire_bytes / 1e9:.3f} GB per rank per pass of all "
+            f"units vs {plain.ag_wire_bytes / 1e9:.3f} GB in {args.param_dtype} (saves {saved / 1e9:.3f} GB, "
+            f"x{ours.ag_wire_bytes / max(plain.ag_wire_bytes, 1):.3f}); all-gather time "
+            f"{ours.ag_s * 1e3:.2f} ms vs {plain.ag_s * 1e3:.2f} ms, step {ours.step_s * 1e3:.2f} ms vs "
+            f"{plain.step_s * 1e3:.2f} ms"
+        )
     for i, (c, s) in enumerate(ranked, 1):
         print(f"#{i}: {c}  step {s.step_s * 1e3:.1f} ms  MFU {s.mfu:.1%}")
     return 0

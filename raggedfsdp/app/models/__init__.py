@@ -18,6 +18,7 @@ from raggedfsdp.app.models.parallelize import (
     apply_tp,
     fsdp_unit_modules,
     make_mp_policy,
+    parse_dtype,
 )
 
 MODELS: dict[str, tuple[type, type]] = {
@@ -74,4 +75,5 @@ __all__ = [
     "build_model_config",
     "fsdp_unit_modules",
     "make_mp_policy",
+    "parse_dtype",
 ]

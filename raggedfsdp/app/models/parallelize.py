@@ -121,6 +121,7 @@ def apply_fsdp(
     shard_placement_fn: Any = None,
     unit: str = "layer",
     experts_mesh: Any = None,
+    all_gather_dtype: str = "none",
 ) -> nn.Module:
     """Shard ``model`` in place with ``backend``'s ``fully_shard``: each of ``model.layers``, then the root.
 
@@ -143,6 +144,9 @@ def apply_fsdp(
             over ``experts_mesh`` (sharded again along the dp dim, ``Shard(0)`` on ``ep`` kept), with
             the gradient divided by ``mesh.size()``: the backward all-to-all already summed the expert
             gradients over the EP group. Every other parameter is sharded over ``mesh``.
+        all_gather_dtype: ``"ragged"`` only: ``"fp8_e4m3"`` or ``"int8"`` gives every unit a
+            ``QuantizedAllGatherPolicy`` of that dtype (32x32 blocks; docs/quantized_comm.md); ``"none"``
+            (the default) gathers in ``param_dtype``. Raises ``ValueError`` with the ``"torch"`` backend.
 
     Returns:
         ``model`` (now an FSDP module; its parameters are DTensors).
@@ -158,6 +162,15 @@ def apply_fsdp(
                 "honour it (use backend 'ragged')"
             )
         kw["shard_placement_fn"] = shard_placement_fn
+    if all_gather_dtype != "none":
+        if backend != "ragged":
+            raise ValueError(
+                f"apply_fsdp: all_gather_dtype={all_gather_dtype!r} is a raggedfsdp extension; "
+                f"backend={backend!r} cannot honour it (use backend 'ragged', or all_gather_dtype 'none')"
+            )
+        from raggedfsdp import QuantizedAllGatherPolicy
+
+        kw["all_gather_policy"] = QuantizedAllGatherPolicy(all_gather_dtype)
     *units, _root = fsdp_unit_modules(model, unit)
     for _, modules in units:
         if experts_mesh is not None:

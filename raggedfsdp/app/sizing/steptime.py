@@ -106,6 +106,7 @@ class _UnitCost:
     padded: int = 0  # elements all-gathered per rank (group x shard)
     numel: int = 0  # elements of the unit on one TP / EP rank (no padding)
     tensors: int = 0  # parameter tensors of the unit
+    ag_bytes: float = 0.0  # bytes one all-gather of the unit puts on each rank (group x shard x wire bytes)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,9 @@ class StepTime:
     padding_ratio: float
     allgather_bytes: float
     """Largest unit's all-gather output per rank, bytes (the buffer FSDP must hold)."""
+    ag_wire_bytes: float = 0.0
+    """Bytes one all-gather of every unit (one forward's worth) delivers to each rank: ``param_dtype``
+    elements, or with ``all_gather_dtype`` 8-bit codes plus fp32 block scales for the eligible matrices."""
     work_s: float = 0.0
     """Busy seconds of one rank per step (a rank's CPU clock on a ``shared_host``); equal to
     ``step_s`` unless ranks time-share the cores of a shared host."""
@@ -239,6 +243,7 @@ def _costs(
     reduce_bytes: int,
     policy: str,
     align: int,
+    quant_block: tuple[int, int] | None = None,
 ) -> list[_UnitCost]:
     from raggedfsdp.app.sizing.modelplan import resolve_unit_blocks
 
@@ -265,7 +270,7 @@ def _costs(
             groups = [(dense, M, bw_dp, lat_dp, 1), (experts, M // EP, bw_e, lat_e, EP)]
         else:
             groups = [(list(u.params), M, bw_dp, lat_dp, 1)]
-        ag = rs = ar = copy_out = copy_in = rs_copy = 0.0
+        ag = rs = ar = copy_out = copy_in = rs_copy = ag_bytes = 0.0
         shard_tot = padded_tot = 0
         numel_local = 0
         for ps, m, bw, lat, div in groups:
@@ -293,10 +298,18 @@ def _costs(
                 S = -(-(sum(numels) + pad) // m)
             shard_tot += S
             padded_tot += m * S
-            ag += _coll(m * S * param_bytes, m, bw, lat)
+            wire = float(param_bytes)  # bytes per gathered element
+            if quant_block is not None:  # Note [quantized all-gather]: codes + one fp32 scale per block
+                qn = sum(n for (_, sh), n in zip(ps, numels) if _quant_eligible(sh, n, quant_block))
+                frac = qn / max(sum(numels), 1)
+                wire = frac * (1 + 4 / (quant_block[0] * quant_block[1])) + (1 - frac) * param_bytes
+                copy_in += S * (4 + 1) / c.hbm_bw  # quantize: read the fp32 master, write codes
+                copy_out += m * S * (1 + param_bytes) / c.hbm_bw  # dequantize into param_dtype
+            ag_bytes += m * S * wire
+            ag += _coll(m * S * wire, m, bw, lat)
             rs += _coll(m * S * reduce_bytes, m, bw, lat)
             if c.shared_host and m > 1:  # gloo: each collective also copies its whole buffer once
-                ag += m * S * param_bytes / c.hbm_bw  # _allgather_base gathers into a temporary
+                ag += m * S * wire / c.hbm_bw  # _allgather_base gathers into a temporary
                 rs += m * S * reduce_bytes / c.hbm_bw  # ours: in-place all-reduce, then the slice out
             ar += 2 * _coll(S * reduce_bytes, R, bw_rep, lat_rep)
             if layout == "fsdp2":
@@ -324,9 +337,16 @@ def _costs(
                 padded_tot,
                 numel_local,
                 len(u.params),
+                ag_bytes,
             )
         )
     return out
+
+
+def _quant_eligible(shape, numel: int, block: tuple[int, int], min_numel: int = 4096) -> bool:
+    """``QuantizedAllGatherPolicy.eligible`` on the (local) element count: a matrix (or stack) of at least
+    ``min_numel`` elements whose rows the block height divides."""
+    return len(shape) >= 2 and numel >= min_numel and shape[-2] % block[0] == 0
 
 
 def _simulate(costs: list[_UnitCost], c: Cluster, ac: bool) -> tuple[float, float, float]:
@@ -416,6 +436,7 @@ def estimate_time(
     policy: str = "element",
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
+    all_gather_dtype: str = "none",
 ) -> StepTime:
     """Predicted step time on one rank.
 
@@ -430,6 +451,11 @@ def estimate_time(
         param_bytes / reduce_bytes: bytes per element of ``param_dtype`` / ``reduce_dtype``.
         policy: block spec of the planner (``"row"``, ``"element"``, ...), ours only.
         optimizer: ``"adamw"`` or ``"muon"`` (adds Newton-Schulz FLOPs over all ranks).
+        all_gather_dtype: ``"none"``, or ``"fp8_e4m3"`` / ``"int8"`` (ours only): the quantized parameter
+            all-gather (``QuantizedAllGatherPolicy``, 32x32 blocks, docs/quantized_comm.md): eligible
+            matrices travel as 1-byte codes plus a 4-byte scale per block, the rest in ``param_dtype``;
+            the quantize (fp32 read, code write) and dequantize passes are charged at HBM bandwidth.
+            The whole-block-row granularity it adds to the layout is not modelled.
 
     Raises:
         ValueError: unknown cluster / layout / optimizer, or invalid parallel dims (also ``ep > 1`` on a
@@ -442,6 +468,15 @@ def estimate_time(
         cluster = CLUSTERS[cluster]
     if layout not in ("ours", "fsdp2"):
         raise ValueError(f"estimate_time: layout={layout!r} must be 'ours' or 'fsdp2'")
+    if all_gather_dtype not in ("none", "fp8_e4m3", "int8"):
+        raise ValueError(
+            f"estimate_time: all_gather_dtype={all_gather_dtype!r} must be 'none', 'fp8_e4m3' or 'int8'"
+        )
+    if all_gather_dtype != "none" and layout != "ours":
+        raise ValueError(
+            f"estimate_time: all_gather_dtype={all_gather_dtype!r} is raggedfsdp's quantized all-gather; "
+            f"layout={layout!r} (torch's fully_shard) gathers in param_dtype: use layout='ours'"
+        )
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"estimate_time: optimizer={optimizer!r} must be 'adamw' or 'muon'")
     for k, v in (("batch", batch), ("seq_len", seq_len)):
@@ -467,6 +502,7 @@ def estimate_time(
         reduce_bytes=reduce_bytes,
         policy=policy,
         align=align,
+        quant_block=(32, 32) if all_gather_dtype != "none" else None,
     )
     end, compute, host = _simulate(costs, c, activation_checkpointing)
     shard = sum(u.shard for u in costs)
@@ -504,5 +540,6 @@ def estimate_time(
         mfu=model_flops / parallel.tp / (step * c.peak_flops) if step else 0.0,
         padding_ratio=1 - numel / padded if padded else 0.0,
         allgather_bytes=max((u.padded for u in costs), default=0) * param_bytes,
+        ag_wire_bytes=sum(u.ag_bytes for u in costs),
         work_s=work,
     )

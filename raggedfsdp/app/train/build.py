@@ -22,6 +22,7 @@ from raggedfsdp.app.models import (
     build_model,
     build_model_config,
     make_mp_policy,
+    parse_dtype,
 )
 from raggedfsdp.app.train.config import TrainConfig
 from raggedfsdp.app.train.optimizers import shard_placement_fn_for
@@ -72,6 +73,7 @@ def build_parallel_model(cfg: TrainConfig, device: torch.device, world_size: int
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
         shard_placement_fn=shard_placement_fn_for(cfg.optimizer.name),
         unit=cfg.fsdp.unit,
+        all_gather_dtype=cfg.fsdp.all_gather_dtype,
         **ep_kw,
     )
     if cfg.model.init_device == "meta":
@@ -95,6 +97,8 @@ def build_parallel_model(cfg: TrainConfig, device: torch.device, world_size: int
         if t.compile:
             apply_compile(model)
         apply_fsdp(model, mesh, **fsdp_kw)
+    if cfg.fsdp.reduce_scatter_wire_dtype != "none":  # gradients travel in bf16, summed in reduce_dtype
+        model.set_reduce_scatter_wire_dtype(parse_dtype(cfg.fsdp.reduce_scatter_wire_dtype))
     if cfg.model.init_from:  # HF safetensors: each rank reads its own pieces (convert.py)
         from raggedfsdp.app.checkpoint.hf import load_hf_weights
 

@@ -155,6 +155,16 @@ class FSDPConfig:
     param_dtype: str = _f("fp32", "compute dtype of all-gathered params: fp32 | bf16", flag="--param-dtype")
     reduce_dtype: str = _f("fp32", "gradient reduce-scatter dtype: fp32 | bf16", flag="--reduce-dtype")
     reshard_after_forward: bool = _f(True, "free gathered block params after forward (ZeRO-3)")
+    all_gather_dtype: str = _f(
+        "none",
+        "quantized parameter all-gather (ragged backend): fp8_e4m3 | int8 (8-bit codes + fp32 scale per "
+        "32x32 block, ~0.5x bf16's wire bytes; docs/quantized_comm.md) | none",
+    )
+    reduce_scatter_wire_dtype: str = _f(
+        "none",
+        "gradient wire dtype (ragged backend): bf16 (bf16 pieces over an all-to-all, summed in reduce_dtype; "
+        "half an fp32 reduce-scatter's bytes) | none (the reduce-scatter in reduce_dtype)",
+    )
     unit: str = _f(
         "layer",
         "FSDP unit: layer (one per block) | superblock (hybrid models: one per 3 linear + 1 full "
@@ -323,6 +333,8 @@ class TrainConfig:
             "fsdp.backend": (f.backend, ("ragged", "torch")),
             "fsdp.param_dtype": (f.param_dtype, ("fp32", "bf16")),
             "fsdp.reduce_dtype": (f.reduce_dtype, ("fp32", "bf16")),
+            "fsdp.all_gather_dtype": (f.all_gather_dtype, ("none", "fp8_e4m3", "int8")),
+            "fsdp.reduce_scatter_wire_dtype": (f.reduce_scatter_wire_dtype, ("none", "bf16")),
             "model.init_device": (self.model.init_device, ("cpu", "meta")),
             "job.device": (self.job.device, ("auto", "cpu", "cuda")),
             "debug.fail_mode": (self.debug.fail_mode, ("raise", "exit", "hang", "savehang")),
@@ -365,6 +377,16 @@ class TrainConfig:
             )
         if self.job.pg_timeout_s <= 0:
             raise ValueError(f"job.pg_timeout_s must be > 0, got {self.job.pg_timeout_s}")
+        for key, value in (
+            ("fsdp.all_gather_dtype", f.all_gather_dtype),
+            ("fsdp.reduce_scatter_wire_dtype", f.reduce_scatter_wire_dtype),
+        ):
+            if value != "none" and f.backend != "ragged":
+                raise ValueError(
+                    f"{key}={value!r} is a raggedfsdp extension (torch's fully_shard has no quantized "
+                    f"all-gather or bf16-wire reduce-scatter): use fsdp.backend='ragged' (got {f.backend!r}), "
+                    f"or {key}='none'"
+                )
         if o.name != "adamw" and f.backend != "ragged":
             raise ValueError(
                 f"optimizer.name={o.name!r} needs RaggedShard parameters: use fsdp.backend='ragged' "

@@ -447,7 +447,13 @@ class Trainer:
             t.grad_accum,
             cfg.fsdp.backend,
             cfg.fsdp.param_dtype,
-            cfg.fsdp.reduce_dtype,
+            cfg.fsdp.reduce_dtype
+            + (f", all-gather {cfg.fsdp.all_gather_dtype}" if cfg.fsdp.all_gather_dtype != "none" else "")
+            + (
+                f", gradient wire {cfg.fsdp.reduce_scatter_wire_dtype}"
+                if cfg.fsdp.reduce_scatter_wire_dtype != "none"
+                else ""
+            ),
             type(self.optimizer).__name__,
         )
         tokens_per_step = t.global_batch_size * t.seq_len
