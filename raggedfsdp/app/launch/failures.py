@@ -20,7 +20,7 @@ import time
 
 __all__ = [
     "ONE_LINE", "PEER_FAILURE_HINTS", "REPORTED_ENV", "STOPPED_CODES", "capture_torchrun_logs", "culprits_of",
-    "failure_report", "one_line", "record_failure", "report_rank_failure", "write_failure_log",
+    "failure_report", "interruption", "one_line", "record_failure", "report_rank_failure", "write_failure_log",
 ]  # fmt: skip
 
 #: Set (to "1") by a launcher that prints the root cause's error line itself, for its ranks.
@@ -53,6 +53,51 @@ def one_line(failure) -> str:
 
 # Exit codes of a rank that stopped on a signal (train/watchdog.py: 128 + signum).
 STOPPED_CODES = {129: "SIGHUP", 130: "SIGINT", 143: "SIGTERM"}
+
+
+def _signal_of(failure) -> int:
+    """The signal number a rank stopped on (its own handler's ``128 + signum`` exit, or killed by
+    SIGTERM/SIGINT/SIGHUP), else 0."""
+    if failure.exitcode in STOPPED_CODES:
+        return failure.exitcode - 128
+    if failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT", "SIGHUP"):
+        return -failure.exitcode
+    return 0
+
+
+def interruption(err, closed_pids=()) -> tuple[int, int] | None:
+    """``(rank, signum)`` when a job (a torchrun ``ChildFailedError``) ended because a rank got a
+    signal, else ``None`` (a real failure: :func:`failure_report`).
+
+    An interruption: every failed rank either stopped on a signal (its handler's ``128 + signum``
+    exit, or killed by SIGTERM/SIGINT/SIGHUP, e.g. by torchrun after the first rank ended) or
+    recorded a collective error caused by a peer going away (:data:`PEER_FAILURE_HINTS`), and at
+    least one stopped on a signal. Which rank got it, whatever the race between the ranks' exits and
+    torchrun's SIGTERM to the rest (issue 41 item 9): the ranks named by a recorded ``Interrupted``
+    (:func:`record_failure` culprits: every rank knows them from the step's all-reduce), else those
+    that exited through their own handler (``128 + signum``: torchrun's SIGTERM kills the others
+    outright), else one killed by a signal torchrun did not send (``closed_pids``: the pids of its
+    ``Sending process PID closing signal`` records, :func:`capture_torchrun_logs`), else the first
+    signalled one observed (lowest rank on ties)."""
+    failures = sorted(err.failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
+    if not failures:
+        return None
+    for _, f in failures:
+        if _signal_of(f) == 0 and not (
+            isinstance(f.message, dict) and any(h in one_line(f) for h in PEER_FAILURE_HINTS)
+        ):
+            return None
+    signalled = [(r, f) for r, f in failures if _signal_of(f)]
+    if not signalled:
+        return None
+    named = sorted(_blamed(failures))
+    if named:
+        sig = next((_signal_of(f) for r, f in signalled if r in named), _signal_of(signalled[0][1]))
+        return named[0], sig
+    own = [(r, f) for r, f in signalled if f.exitcode in STOPPED_CODES]
+    external = [(r, f) for r, f in signalled if f.pid not in set(closed_pids)]
+    rank, f = (own or external or signalled)[0]
+    return rank, _signal_of(f)
 
 
 def has_error_file(failure) -> bool:
@@ -158,12 +203,21 @@ def failure_report(
     return summary, last_line
 
 
-def capture_torchrun_logs(path):
+def capture_torchrun_logs(path, closed_pids: set | None = None):
     """Send torchrun's own log records (``torch.distributed.elastic.*``, ``torch.distributed.run``:
     ``Sending process N closing signal SIGTERM``, ``failed (exitcode: 1) local_rank: 1 ...``) to the
-    file ``path`` (created at the first record) instead of stderr. Returns ``undo()``, which restores
-    the loggers (a launcher called in-process, e.g. by tests, leaves nothing behind)."""
+    file ``path`` (created at the first record) instead of stderr; ``closed_pids`` (a set) collects
+    the pids torchrun sends its closing signal to (:func:`interruption`). Returns ``undo()``, which
+    restores the loggers (a launcher called in-process, e.g. by tests, leaves nothing behind)."""
     handler = _LazyFileHandler(path, delay=True)
+    if closed_pids is not None:
+
+        def note_closed(record) -> bool:
+            if str(record.msg).startswith("Sending process %s closing signal") and record.args:
+                closed_pids.add(int(record.args[0]))
+            return True
+
+        handler.addFilter(note_closed)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
     before = [log.propagate for log in logs]

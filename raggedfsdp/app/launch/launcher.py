@@ -20,9 +20,9 @@ from pathlib import Path
 
 from raggedfsdp.app.launch.failures import (
     REPORTED_ENV,
-    STOPPED_CODES,
     capture_torchrun_logs,
     failure_report,
+    interruption,
     write_failure_log,
 )
 
@@ -54,8 +54,11 @@ def run_reported(
     "--module", "raggedfsdp.app.bench.worker", ...]``) in this process; returns the exit code.
 
     0: every rank succeeded. 128 + signum: the launcher was interrupted (Ctrl-C, SIGTERM, SIGHUP,
-    forwarded to the ranks by torchrun), or every failed rank stopped on a signal: one line
-    ``PROG: interrupted ...`` plus ``resume_hint``. Otherwise a rank failed: the one last line above
+    forwarded to the ranks by torchrun): one line ``PROG: interrupted by SIGNAL`` plus ``resume_hint``;
+    or a rank got a signal (:func:`~raggedfsdp.app.launch.failures.interruption`; the other ranks
+    stopped with it, cleanly or killed by torchrun, whatever the race): one line
+    ``PROG: [rank R/W] terminated by SIGTERM (exit code 143)`` plus ``resume_hint``, always 143 for
+    a SIGTERM (130 SIGINT, 129 SIGHUP). Otherwise a rank failed: the one last line above
     (the root cause: :func:`~raggedfsdp.app.launch.failures.failure_report`), the full report written to
     ``out_dir/failure{tag}.log`` (``tag``: e.g. ``.node1`` for one node of several; if it cannot be
     written, the failure table goes to stderr instead), exit code 1, or 2 when the root cause is a
@@ -69,7 +72,8 @@ def run_reported(
 
     out_dir = Path(out_dir)
     os.environ[REPORTED_ENV] = "1"
-    restore_logs = capture_torchrun_logs(out_dir / f"launcher{tag}.log")
+    closed_pids: set[int] = set()  # the ranks torchrun itself stopped (interruption)
+    restore_logs = capture_torchrun_logs(out_dir / f"launcher{tag}.log", closed_pids)
     try:
         run(parse_args(torchrun_argv))
     except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
@@ -77,11 +81,17 @@ def run_reported(
         print(f"{prog}: interrupted by {name}{resume_hint}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if codes and codes <= set(STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
-            code = min(codes)
-            print(f"{prog}: interrupted (exit code {code}){on}{resume_hint}", file=sys.stderr, flush=True)
-            return code
+        stop = interruption(e, closed_pids)
+        if stop is not None:  # a rank got a signal (the others stopped with it): one line, 128 + signum
+            rank, signum = stop
+            name = signal.Signals(signum).name
+            print(
+                f"{prog}: [rank {rank}/{world_size}] terminated by {name} (exit code {128 + signum}){on}"
+                f"{resume_hint}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 + signum
         report = out_dir / f"failure{tag}.log"
         summary, last_line = failure_report(e, world_size, details=str(report), prog=prog)
         try:

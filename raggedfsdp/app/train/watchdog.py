@@ -135,9 +135,10 @@ def _where(frame) -> str:
 class Interrupted(Exception):
     """Raised on every rank at the step boundary after a SIGINT/SIGTERM/SIGHUP (exit 128 + signum)."""
 
-    def __init__(self, signum: int, message: str) -> None:
+    def __init__(self, signum: int, message: str, ranks=()) -> None:
         super().__init__(message)
         self.signum = signum
+        self.culprits = tuple(sorted(int(r) for r in ranks))  # the ranks that got the signal
 
 
 class NoWatchdog:
