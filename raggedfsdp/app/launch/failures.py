@@ -215,6 +215,7 @@ def capture_torchrun_logs(path, closed_pids: set | None = None):
         def note_closed(record) -> bool:
             if str(record.msg).startswith("Sending process %s closing signal") and record.args:
                 closed_pids.add(int(record.args[0]))
+                _kill_if_stopped(int(record.args[0]))
             return True
 
         handler.addFilter(note_closed)
@@ -232,6 +233,23 @@ def capture_torchrun_logs(path, closed_pids: set | None = None):
         handler.close()
 
     return undo
+
+
+def _kill_if_stopped(pid: int) -> None:
+    """SIGKILL ``pid`` if it is stopped (SIGSTOP: state ``T`` in /proc/PID/stat; Linux only).
+
+    torchrun closes the other ranks with SIGTERM and waits 30 s before SIGKILL; a stopped rank (a
+    rank frozen in a save, issue 41 item 10) cannot act on SIGTERM, so the job's end waited those
+    30 s. Called as torchrun logs its closing signal, i.e. once the job is already ending."""
+    import signal
+
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, IndexError, ValueError):
+        pass
 
 
 class _LazyFileHandler(logging.FileHandler):
