@@ -97,3 +97,38 @@ def test_sigterm_to_one_rank_ends_with_one_line_and_143(tmp_path, when):
     ), lines[-6:]
     assert not any("error:" in line for line in lines), [x for x in lines if "error:" in x]
     assert took < 60, took
+
+
+def test_only_torchruns_own_closing_signals_are_not_an_interruption(tmp_path):
+    """The classification itself (``launch.failures.interruption``) on torchrun's failure records: a
+    collective that timed out on a hung rank, which torchrun then stopped with SIGTERM (its pid in the
+    launcher's ``closing signal`` records), is a failure, not "rank 2 terminated"; the same SIGTERM
+    from outside is an interruption naming that rank; a recorded ``Interrupted`` names its ranks."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from raggedfsdp.app.launch.failures import interruption
+
+    def failure(rank, exitcode, message=None, culprits=None):
+        path = tmp_path / f"error_{rank}_{exitcode}.json"
+        if message is not None:
+            extra = {
+                "py_callstack": message,
+                "timestamp": "100",
+                **({"culprits": culprits} if culprits else {}),
+            }
+            path.write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+    hang = ChildFailedError("w", {0: failure(0, 1, "RuntimeError: Timed out waiting"), 2: failure(2, -15)})
+    assert interruption(hang, closed_pids={1002}) is None
+    assert interruption(hang, closed_pids=()) == (2, 15)
+    raced = ChildFailedError("w", {0: failure(0, -15), 1: failure(1, 143)})
+    assert interruption(raced, closed_pids={1000}) == (1, 15)
+    clean = ChildFailedError(
+        "w", {r: failure(r, 143, "Interrupted: interrupted by SIGTERM", [1]) for r in (0, 1)}
+    )
+    assert interruption(clean, closed_pids=()) == (1, 15)
+    real = ChildFailedError("w", {0: failure(0, 1, "ValueError: real problem"), 1: failure(1, 143)})
+    assert interruption(real) is None

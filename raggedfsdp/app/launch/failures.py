@@ -75,10 +75,11 @@ def interruption(err, closed_pids=()) -> tuple[int, int] | None:
     least one stopped on a signal. Which rank got it, whatever the race between the ranks' exits and
     torchrun's SIGTERM to the rest (issue 41 item 9): the ranks named by a recorded ``Interrupted``
     (:func:`record_failure` culprits: every rank knows them from the step's all-reduce), else those
-    that exited through their own handler (``128 + signum``: torchrun's SIGTERM kills the others
-    outright), else one killed by a signal torchrun did not send (``closed_pids``: the pids of its
-    ``Sending process PID closing signal`` records, :func:`capture_torchrun_logs`), else the first
-    signalled one observed (lowest rank on ties)."""
+    among those torchrun did not stop itself (``closed_pids``: the pids of its ``Sending process PID
+    closing signal`` records, :func:`capture_torchrun_logs`; none known: every rank counts) the first
+    that exited through its own handler (``128 + signum``), else the first killed by the signal. No
+    such rank (every signal was torchrun's closing of the others, e.g. after a peer's collective timed
+    out on a hung rank): not an interruption."""
     failures = sorted(err.failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
     if not failures:
         return None
@@ -94,9 +95,12 @@ def interruption(err, closed_pids=()) -> tuple[int, int] | None:
     if named:
         sig = next((_signal_of(f) for r, f in signalled if r in named), _signal_of(signalled[0][1]))
         return named[0], sig
-    own = [(r, f) for r, f in signalled if f.exitcode in STOPPED_CODES]
-    external = [(r, f) for r, f in signalled if f.pid not in set(closed_pids)]
-    rank, f = (own or external or signalled)[0]
+    closed = set(closed_pids)
+    external = [(r, f) for r, f in signalled if f.pid not in closed]
+    if not external:  # every signal was torchrun's closing of the rest: a failure elsewhere (e.g. a hang)
+        return None
+    own = [(r, f) for r, f in external if f.exitcode in STOPPED_CODES]
+    rank, f = (own or external)[0]
     return rank, _signal_of(f)
 
 
