@@ -99,6 +99,7 @@ def test_sigterm_to_one_rank_ends_with_one_line_and_143(tmp_path, when):
     assert took < 60, took
 
 
+@pytest.mark.core
 def test_only_torchruns_own_closing_signals_are_not_an_interruption(tmp_path):
     """The classification itself (``launch.failures.interruption``) on torchrun's failure records: a
     collective that timed out on a hung rank, which torchrun then stopped with SIGTERM (its pid in the
