@@ -17,7 +17,7 @@ def test_explicit_flags():
     n = node_options(2, 1, "127.0.0.1:29511", "job7", environ={})
     assert n.torchrun_argv(2) == [
         "--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=static",
-        "--rdzv-endpoint=127.0.0.1:29511", "--rdzv-id=job7", "--max-restarts=0",
+        "--rdzv-endpoint=127.0.0.1:29511", "--rdzv-id=job7", "--rdzv-conf=timeout=300", "--max-restarts=0",
     ]  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from raggedfsdp.app.checkpoint.integrity import (
     own_step_folders,
     pick_resume,
     read_manifest,
+    step_mismatch,
     verify_step_folder,
     write_manifest,
 )
@@ -160,7 +161,9 @@ def open_step_folder(
     ``CheckpointError`` (one line naming the path and the cause, then a fix): a path that does not
     exist or is a file; an unfinished save (``step-N.tmp``: interrupted before its final rename,
     whether or not its files look complete); no DCP ``.metadata``, or one that cannot be read; no
-    ``model.*`` entries (and no ``train.step`` when ``train_state``); and, when ``verify``, any file
+    ``model.*`` entries (and no ``train.step`` when ``train_state``); with ``train_state``, a
+    ``step-N`` folder whose manifest says another step (:func:`integrity.step_mismatch`); and, when
+    ``verify``, any file
     that does not match the folder's ``manifest.json`` (missing, extra, truncated, or failing its
     SHA-256: :func:`raggedfsdp.app.checkpoint.integrity.verify_step_folder`). ``unchecked`` is the flag
     the message offers to skip that last check.
@@ -186,6 +189,12 @@ def open_step_folder(
             )
         path = latest
     _check_step_folder(path, train_state=train_state)
+    mismatch = step_mismatch(path) if train_state else None  # resumed, its step would be another
+    if mismatch is not None:
+        raise CheckpointError(
+            f"wrong step folder: {path}: {mismatch}; rename it to step-{read_manifest(path)['step']} "
+            "or resume another step-N"
+        )
     if verify:
         problem = verify_step_folder(path)
         if problem is not None:

@@ -34,6 +34,7 @@ __all__ = [
     "file_digest",
     "pick_resume",
     "read_manifest",
+    "step_mismatch",
     "verify_step_folder",
     "write_manifest",
 ]
@@ -64,6 +65,20 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+
+
+def step_mismatch(folder: Path) -> str | None:
+    """One line when the ``step-N`` folder ``folder`` holds another step's checkpoint (its manifest
+    says step M != N: copied or renamed by hand; issue 41 item 10), else None (also for a folder
+    without a manifest or not named ``step-N``)."""
+    m = _STEP_RE.match(folder.name)
+    man = read_manifest(folder)
+    if m is None or man is None or not isinstance(man.get("step"), int) or man["step"] == int(m.group(1)):
+        return None
+    return (
+        f"{folder.name} holds the checkpoint of step {man['step']} (its {MANIFEST} says step "
+        f"{man['step']}: copied or renamed by hand?)"
+    )
 
 
 def verify_step_folder(folder: Path) -> str | None:
@@ -119,7 +134,7 @@ def pick_resume(folder: Path, run_id: str | None) -> tuple[Path | None, list[str
         if run_id is None:
             foreign.append(f"{path.name} (no run id)")
             continue
-        problem = verify_step_folder(path)
+        problem = verify_step_folder(path) or step_mismatch(path)
         if problem is None:
             return path, notes + _foreign_note(foreign)
         notes.append(f"--resume auto: skipping {path}: {problem}")

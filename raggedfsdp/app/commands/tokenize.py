@@ -1,6 +1,8 @@
 """``raggedfsdp tokenize TEXT... --tokenizer tokenizer.json --out data.bin``: write a pre-tokenized
 ``.bin`` (see :mod:`raggedfsdp.app.train.data`) from text files with a local Hugging Face ``tokenizers``
-file (no download), appending the tokenizer's EOS id (``--eos-token``) after each document."""
+file (no download), appending the tokenizer's EOS id (``--eos-token``) after each document. The
+``NAME.bin.json`` sidecar records the file's CRC-32, which ``raggedfsdp train`` checks before the
+launch (:func:`raggedfsdp.app.train.tokens.verify_token_bin`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "tokenize",
         help="write a pre-tokenized .bin (uint16/uint32 token ids) from text with a local HF tokenizer",
-        description="Pre-tokenized data: a flat .bin of token ids (nanoGPT / Megatron style), memory-mapped.",
+        description=(
+            "Pre-tokenized data: a flat .bin of token ids (nanoGPT / Megatron style) and a JSON "
+            "sidecar with its dtype, vocabulary and CRC-32 (checked by raggedfsdp train)."
+        ),
     )
     p.add_argument("inputs", nargs="+", help="text files or folders of text files (each file is a document)")
     p.add_argument(

@@ -125,6 +125,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         node = node_options(getattr(args, "nnodes", None), getattr(args, "node_rank", None),
                             getattr(args, "rdzv_endpoint", None), getattr(args, "rdzv_id", None))  # fmt: skip
+        node.check_endpoint()  # a host that does not resolve, node 0's port in use: one line, now
         cfg = load_config(args.config, overrides, validate=False)
         from raggedfsdp.app.train import run_dir
 
@@ -162,6 +163,8 @@ def run_train(args: argparse.Namespace) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(args.nproc))
 
+    from raggedfsdp.app.launch.env import rdzv_timeout_s
+
     torchrun_argv = [
         *node.torchrun_argv(args.nproc),
         "--module",
@@ -173,7 +176,8 @@ def run_train(args: argparse.Namespace) -> int:
         if node.nnodes == 1
         else (
             f"node {node.node_rank}/{node.nnodes}, ranks {node.node_rank * args.nproc}-"
-            f"{(node.node_rank + 1) * args.nproc - 1} of {world}, rendezvous {node.endpoint}"
+            f"{(node.node_rank + 1) * args.nproc - 1} of {world}, rendezvous {node.endpoint}; waiting up to "
+            f"{rdzv_timeout_s()} s for the other nodes"
         )
     )
     print(
@@ -196,6 +200,7 @@ def run_train(args: argparse.Namespace) -> int:
             tag=node_tag,
             on="" if node.nnodes == 1 else f" (node {node.node_rank} of {node.nnodes})",
             resume_hint=f"; resume with --resume auto --out {cfg.job.out}",
+            rendezvous=None if node.nnodes == 1 else (node.endpoint, rdzv_timeout_s()),
         )
     finally:
         os.environ.pop(REFERENCE_ENV, None)  # a launcher called in-process leaves nothing behind

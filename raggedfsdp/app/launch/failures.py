@@ -20,7 +20,7 @@ import time
 
 __all__ = [
     "ONE_LINE", "PEER_FAILURE_HINTS", "REPORTED_ENV", "STOPPED_CODES", "capture_torchrun_logs", "culprits_of",
-    "failure_report", "one_line", "record_failure", "report_rank_failure", "write_failure_log",
+    "failure_report", "interruption", "one_line", "record_failure", "report_rank_failure", "write_failure_log",
 ]  # fmt: skip
 
 #: Set (to "1") by a launcher that prints the root cause's error line itself, for its ranks.
@@ -53,6 +53,55 @@ def one_line(failure) -> str:
 
 # Exit codes of a rank that stopped on a signal (train/watchdog.py: 128 + signum).
 STOPPED_CODES = {129: "SIGHUP", 130: "SIGINT", 143: "SIGTERM"}
+
+
+def _signal_of(failure) -> int:
+    """The signal number a rank stopped on (its own handler's ``128 + signum`` exit, or killed by
+    SIGTERM/SIGINT/SIGHUP), else 0."""
+    if failure.exitcode in STOPPED_CODES:
+        return failure.exitcode - 128
+    if failure.exitcode < 0 and failure.signal_name() in ("SIGTERM", "SIGINT", "SIGHUP"):
+        return -failure.exitcode
+    return 0
+
+
+def interruption(err, closed_pids=()) -> tuple[int, int] | None:
+    """``(rank, signum)`` when a job (a torchrun ``ChildFailedError``) ended because a rank got a
+    signal, else ``None`` (a real failure: :func:`failure_report`).
+
+    An interruption: every failed rank either stopped on a signal (its handler's ``128 + signum``
+    exit, or killed by SIGTERM/SIGINT/SIGHUP, e.g. by torchrun after the first rank ended) or
+    recorded a collective error caused by a peer going away (:data:`PEER_FAILURE_HINTS`), and at
+    least one stopped on a signal. Which rank got it, whatever the race between the ranks' exits and
+    torchrun's SIGTERM to the rest (issue 41 item 9): the ranks named by a recorded ``Interrupted``
+    (:func:`record_failure` culprits: every rank knows them from the step's all-reduce), else those
+    among those torchrun did not stop itself (``closed_pids``: the pids of its ``Sending process PID
+    closing signal`` records, :func:`capture_torchrun_logs`; none known: every rank counts) the first
+    that exited through its own handler (``128 + signum``), else the first killed by the signal. No
+    such rank (every signal was torchrun's closing of the others, e.g. after a peer's collective timed
+    out on a hung rank): not an interruption."""
+    failures = sorted(err.failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
+    if not failures:
+        return None
+    for _, f in failures:
+        if _signal_of(f) == 0 and not (
+            isinstance(f.message, dict) and any(h in one_line(f) for h in PEER_FAILURE_HINTS)
+        ):
+            return None
+    signalled = [(r, f) for r, f in failures if _signal_of(f)]
+    if not signalled:
+        return None
+    named = sorted(_blamed(failures))
+    if named:
+        sig = next((_signal_of(f) for r, f in signalled if r in named), _signal_of(signalled[0][1]))
+        return named[0], sig
+    closed = set(closed_pids)
+    external = [(r, f) for r, f in signalled if f.pid not in closed]
+    if not external:  # every signal was torchrun's closing of the rest: a failure elsewhere (e.g. a hang)
+        return None
+    own = [(r, f) for r, f in external if f.exitcode in STOPPED_CODES]
+    rank, f = (own or external)[0]
+    return rank, _signal_of(f)
 
 
 def has_error_file(failure) -> bool:
@@ -158,12 +207,22 @@ def failure_report(
     return summary, last_line
 
 
-def capture_torchrun_logs(path):
+def capture_torchrun_logs(path, closed_pids: set | None = None):
     """Send torchrun's own log records (``torch.distributed.elastic.*``, ``torch.distributed.run``:
     ``Sending process N closing signal SIGTERM``, ``failed (exitcode: 1) local_rank: 1 ...``) to the
-    file ``path`` (created at the first record) instead of stderr. Returns ``undo()``, which restores
-    the loggers (a launcher called in-process, e.g. by tests, leaves nothing behind)."""
+    file ``path`` (created at the first record) instead of stderr; ``closed_pids`` (a set) collects
+    the pids torchrun sends its closing signal to (:func:`interruption`). Returns ``undo()``, which
+    restores the loggers (a launcher called in-process, e.g. by tests, leaves nothing behind)."""
     handler = _LazyFileHandler(path, delay=True)
+    if closed_pids is not None:
+
+        def note_closed(record) -> bool:
+            if str(record.msg).startswith("Sending process %s closing signal") and record.args:
+                closed_pids.add(int(record.args[0]))
+                _kill_if_stopped(int(record.args[0]))
+            return True
+
+        handler.addFilter(note_closed)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
     before = [log.propagate for log in logs]
@@ -178,6 +237,23 @@ def capture_torchrun_logs(path):
         handler.close()
 
     return undo
+
+
+def _kill_if_stopped(pid: int) -> None:
+    """SIGKILL ``pid`` if it is stopped (SIGSTOP: state ``T`` in /proc/PID/stat; Linux only).
+
+    torchrun closes the other ranks with SIGTERM and waits 30 s before SIGKILL; a stopped rank (a
+    rank frozen in a save, issue 41 item 10) cannot act on SIGTERM, so the job's end waited those
+    30 s. Called as torchrun logs its closing signal, i.e. once the job is already ending."""
+    import signal
+
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, IndexError, ValueError):
+        pass
 
 
 class _LazyFileHandler(logging.FileHandler):

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from raggedfsdp.app.launch.failures import (
     REPORTED_ENV,
-    STOPPED_CODES,
     capture_torchrun_logs,
     failure_report,
+    interruption,
     write_failure_log,
 )
 
@@ -49,39 +49,62 @@ def run_reported(
     what: str = "job",
     on: str = "",
     resume_hint: str = "",
+    rendezvous: tuple[str, int] | None = None,
 ) -> int:
     """Launch ``torchrun_argv`` (torchrun's own arguments, e.g. ``["--standalone", "--nproc-per-node=2",
     "--module", "raggedfsdp.app.bench.worker", ...]``) in this process; returns the exit code.
 
     0: every rank succeeded. 128 + signum: the launcher was interrupted (Ctrl-C, SIGTERM, SIGHUP,
-    forwarded to the ranks by torchrun), or every failed rank stopped on a signal: one line
-    ``PROG: interrupted ...`` plus ``resume_hint``. Otherwise a rank failed: the one last line above
+    forwarded to the ranks by torchrun): one line ``PROG: interrupted by SIGNAL`` plus ``resume_hint``;
+    or a rank got a signal (:func:`~raggedfsdp.app.launch.failures.interruption`; the other ranks
+    stopped with it, cleanly or killed by torchrun, whatever the race): one line
+    ``PROG: [rank R/W] terminated by SIGTERM (exit code 143)`` plus ``resume_hint``, always 143 for
+    a SIGTERM (130 SIGINT, 129 SIGHUP). Otherwise a rank failed: the one last line above
     (the root cause: :func:`~raggedfsdp.app.launch.failures.failure_report`), the full report written to
     ``out_dir/failure{tag}.log`` (``tag``: e.g. ``.node1`` for one node of several; if it cannot be
     written, the failure table goes to stderr instead), exit code 1, or 2 when the root cause is a
     checkpoint that cannot be loaded. ``what`` names the job in the report's header (``job``,
-    ``bench``), ``on`` its place (`` (node 1 of 2)``). Call it on the launching process only; it
-    leaves no environment variable or logging handler behind.
+    ``bench``), ``on`` its place (`` (node 1 of 2)``). ``rendezvous``: ``(endpoint, timeout_s)`` of a
+    multi-node start (:func:`_watch_rendezvous`: a bounded wait, and Ctrl-C works during it). Call it
+    on the launching process only; it leaves no environment variable or logging handler behind.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import DistNetworkError
     from torch.distributed.run import parse_args, run
 
     out_dir = Path(out_dir)
+    stop_watch = _watch_rendezvous(prog, rendezvous) if rendezvous else None
     os.environ[REPORTED_ENV] = "1"
-    restore_logs = capture_torchrun_logs(out_dir / f"launcher{tag}.log")
+    closed_pids: set[int] = set()  # the ranks torchrun itself stopped (interruption)
+    restore_logs = capture_torchrun_logs(out_dir / f"launcher{tag}.log", closed_pids)
     try:
         run(parse_args(torchrun_argv))
+    except DistNetworkError as e:  # node 0's store cannot listen (the port taken since the pre-check)
+        from raggedfsdp.app.launch.env import port_in_use
+
+        print(
+            f"{prog}: error: {port_in_use(rendezvous[0], e) if rendezvous else e}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     except SignalException as e:  # Ctrl-C / SIGTERM / SIGHUP to the launcher: forwarded to the ranks
         name = signal.Signals(e.sigval).name
         print(f"{prog}: interrupted by {name}{resume_hint}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if codes and codes <= set(STOPPED_CODES):  # every failed rank stopped on a signal, cleanly
-            code = min(codes)
-            print(f"{prog}: interrupted (exit code {code}){on}{resume_hint}", file=sys.stderr, flush=True)
-            return code
+        stop = interruption(e, closed_pids)
+        if stop is not None:  # a rank got a signal (the others stopped with it): one line, 128 + signum
+            rank, signum = stop
+            name = signal.Signals(signum).name
+            print(
+                f"{prog}: [rank {rank}/{world_size}] terminated by {name} (exit code {128 + signum}){on}"
+                f"{resume_hint}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 + signum
         report = out_dir / f"failure{tag}.log"
         summary, last_line = failure_report(e, world_size, details=str(report), prog=prog)
         try:
@@ -92,6 +115,89 @@ def run_reported(
         print(last_line, file=sys.stderr, flush=True)
         return 2 if "CheckpointError: cannot load" in last_line else 1
     finally:
+        if stop_watch is not None:
+            stop_watch()
         restore_logs()
         os.environ.pop(REPORTED_ENV, None)  # a launcher called in-process leaves nothing behind
     return 0
+
+
+def _children() -> bool:
+    """Whether this process has a child (a rank started by torchrun; Linux /proc, else True)."""
+    me = str(os.getpid())
+    try:
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as fh:
+                        if fh.read().rsplit(")", 1)[1].split()[1] == me:
+                            return True
+                except (OSError, IndexError):
+                    continue
+    except OSError:
+        return True
+    return False
+
+
+def _watch_rendezvous(prog: str, rendezvous: tuple[str, int]):
+    """Bound a multi-node start's wait for the rendezvous (issue 41 item 4); returns ``stop()``.
+
+    torchrun's wait for node 0's store is C++ (a ``TCPStore`` connect/handshake): it ignored Ctrl-C
+    (Python's handler runs only when the main thread gets back to Python) and, against a port held
+    by another program, outlived its own timeout. A thread watches until this launcher's ranks
+    exist: a signal (seen through ``signal.set_wakeup_fd``, written by the C-level handler at once)
+    ends the process with one line and ``128 + signum``; so does ``timeout_s + 30`` s without ranks
+    (exit 1, naming the endpoint and the likely causes). Main thread only (``set_wakeup_fd``)."""
+    import select
+    import threading
+    import time
+
+    endpoint, timeout_s = rendezvous
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: no watch
+        os.close(r)
+        os.close(w)
+        return lambda: None
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s + 30
+        while not done.is_set():
+            ready, _, _ = select.select([r], [], [], 0.5)
+            if done.is_set() or _children():
+                return
+            if ready:
+                data = os.read(r, 64)
+                sig = next((b for b in data if b in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)), 0)
+                if sig:
+                    name = signal.Signals(sig).name
+                    print(f"{prog}: interrupted by {name} while waiting for the rendezvous at {endpoint}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    os._exit(128 + sig)
+            if time.monotonic() > deadline:
+                print(
+                    f"{prog}: error: no rendezvous at {endpoint} within {timeout_s + 30:g} s: is node 0 "
+                    "started with the same --rdzv-endpoint, is that port free on node 0 (not held by "
+                    "another program) and reachable from here (a firewall)?",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="raggedfsdp-rendezvous-watch", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        done.set()
+        thread.join(timeout=2)
+        try:
+            signal.set_wakeup_fd(old_fd)
+        except ValueError:
+            pass
+        os.close(r)
+        os.close(w)
+
+    return stop

@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tag = f"[rank {rank}/{world_size}]"
+    from raggedfsdp.app.train.trainer import Interrupted
+    from raggedfsdp.app.train.watchdog import Interrupts
+
+    # first thing: a signal during the start-up (checks, rendezvous, model build) stops every rank at
+    # step 1's boundary, naming this rank, instead of killing it mid-setup (issue 41 item 9)
+    interrupts = Interrupts(tag, announce=rank == 0).install()
     try:
         cfg = load_config(args.config, overrides_from_args(args), validate=False)
         run = run_dir.prepare(cfg, world_size, rank=rank, check_model=True)  # validated once per process
@@ -75,20 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    tag = f"[rank {rank}/{world_size}]"
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"{tag} %(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )
-    from raggedfsdp.app.train.trainer import Interrupted
-    from raggedfsdp.app.train.watchdog import Interrupts
-
-    interrupts = Interrupts(tag, announce=rank == 0).install()
     try:
         return _run(cfg, run, rank, world_size, local_rank, local_world_size, interrupts)
     except Interrupted as e:  # every rank, at the same step boundary: one line (rank 0), 128 + signum
+        record_failure(e, e.culprits)  # the signalled ranks, for the launcher's last line (no-op alone)
         if rank == 0:
             print(f"{tag} {e}", file=sys.stderr, flush=True)
         return 128 + e.signum

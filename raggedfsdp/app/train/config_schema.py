@@ -522,11 +522,13 @@ class TrainConfig:
         Raises ``ValueError`` naming the path and the cause (missing, empty, no readable text files,
         too small for the held-out split; see :func:`raggedfsdp.app.train.data.check_data`), or the
         ``--model.vocab_size`` that cannot hold the data's token ids (a byte-level corpus: 256; a
-        ``.bin``: its sidecar's vocabulary, when it records one). Returns the
-        corpus size in bytes. Cheap: file sizes only (no tokenization).
+        ``.bin``: its sidecar's vocabulary, when it records one), or a ``.bin`` whose CRC-32 differs
+        from its sidecar's or that holds an id outside the model's vocabulary
+        (:func:`raggedfsdp.app.train.tokens.verify_token_bin`). Returns the corpus size in bytes.
+        Cheap: file sizes only (no tokenization); a ``.bin`` is read once (~50 ms per 100 MB cached).
         """
         from raggedfsdp.app.models import build_model_config
-        from raggedfsdp.app.train.data import check_data, is_token_bin, token_bin_info
+        from raggedfsdp.app.train.data import check_data, is_token_bin, token_bin_info, verify_token_bin
 
         d = self.data
         mv = build_model_config(self.model.name, self.model.flavor, **self.model_overrides()).vocab_size
@@ -537,6 +539,12 @@ class TrainConfig:
                     f"data {d.path!r} was tokenized with a vocabulary of {vocab:,} but the model has "
                     f"vocab_size={mv:,}; pass --model.vocab_size {vocab}"
                 )
+            # its CRC-32 and every id against the model's vocabulary (one pass; issue 41 item 8); the
+            # launcher warns about an old sidecar, its ranks do not again
+            from raggedfsdp.app.train.data_identity import REFERENCE_ENV
+
+            warn = REFERENCE_ENV not in os.environ and os.environ.get("RANK", "0") == "0"
+            verify_token_bin(d.path, mv, warn=warn)
         elif mv < _BYTE_VOCAB:  # bytes are token ids 0..255: a smaller vocabulary failed at step 1, per rank
             what = (
                 f"--model.vocab_size {mv}"

@@ -47,6 +47,7 @@ from raggedfsdp.app.train.tokens import (  # re-exported: the .bin format and re
     _TokenFile,
     is_token_bin,
     token_bin_info,
+    verify_token_bin,
     write_token_bin,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "is_token_bin",
     "load_token_corpus",
     "token_bin_info",
+    "verify_token_bin",
     "write_token_bin",
 ]
 

@@ -392,7 +392,7 @@ class Trainer:
         else:
             what = "no checkpoint saved (checkpointing is off: --checkpoint-interval N)"
         ranks = sorted(signals)
-        raise Interrupted(signum, f"interrupted by {name} (rank(s) {ranks}) after step {step}: {what}")
+        raise Interrupted(signum, f"interrupted by {name} (rank(s) {ranks}) after step {step}: {what}", ranks)
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -544,7 +544,7 @@ class Trainer:
                         raise Interrupted(min(signals.values()), (
                             f"interrupted by {signal_name(min(signals.values()))} (rank(s) {sorted(signals)}) "
                             f"during the save of step {step}, which completed: saved {path}; continue with "
-                            f"--resume auto --out {cfg.job.out}"))  # fmt: skip
+                            f"--resume auto --out {cfg.job.out}"), signals)  # fmt: skip
                 mark = time.perf_counter()  # exclude checkpoint time too
         if t.steps >= first:
             check_params(
