@@ -97,8 +97,16 @@ def fresh_clone(tmp_path, monkeypatch):
 def test_train_help_examples_pass_validation(fresh_clone, monkeypatch, capsys):
     import torch.distributed.run as tdr
 
+    import socket
+
     launched = []
     monkeypatch.setattr(tdr, "run", lambda ns: launched.append(ns))
+    # the examples' node 0 is a host named node0: resolve it here as the loopback (the pre-launch
+    # check of --rdzv-endpoint looks the host up)
+    real = socket.getaddrinfo
+    monkeypatch.setattr(
+        socket, "getaddrinfo", lambda host, *a, **k: real("127.0.0.1" if host == "node0" else host, *a, **k)
+    )
     shared = fresh_clone / "shared-fs"
     shared.mkdir()
     examples = [a for name, a in help_examples() if name == "train" and a[0] == "train"]

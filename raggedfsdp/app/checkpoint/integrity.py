@@ -69,7 +69,7 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 
 def step_mismatch(folder: Path) -> str | None:
     """One line when the ``step-N`` folder ``folder`` holds another step's checkpoint (its manifest
-    says step M != N: copied or renamed by hand; issue 41 item 10), else None (also for a folder
+    says step M != N: copied or renamed by hand), else None (also for a folder
     without a manifest or not named ``step-N``)."""
     m = _STEP_RE.match(folder.name)
     man = read_manifest(folder)

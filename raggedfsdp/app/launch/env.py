@@ -96,7 +96,7 @@ class NodeOptions:
                 f"--rdzv-conf=timeout={rdzv_timeout_s()}", "--max-restarts=0"]  # fmt: skip
 
     def check_endpoint(self) -> None:
-        """Pre-launch check of ``endpoint`` (several nodes; issue 41 item 4), ``ValueError`` in one line:
+        """Pre-launch check of ``endpoint`` (several nodes), ``ValueError`` in one line:
         a host that does not resolve (torchrun retried DNS for 15 minutes, deaf to Ctrl-C), and on
         node 0 a port already in use (torchrun's store could not listen: a 44-line traceback). Cost:
         one DNS lookup (the resolver's own timeout) and, on node 0, one ``bind``."""

@@ -73,7 +73,7 @@ def interruption(err, closed_pids=()) -> tuple[int, int] | None:
     exit, or killed by SIGTERM/SIGINT/SIGHUP, e.g. by torchrun after the first rank ended) or
     recorded a collective error caused by a peer going away (:data:`PEER_FAILURE_HINTS`), and at
     least one stopped on a signal. Which rank got it, whatever the race between the ranks' exits and
-    torchrun's SIGTERM to the rest (issue 41 item 9): the ranks named by a recorded ``Interrupted``
+    torchrun's SIGTERM to the rest: the ranks named by a recorded ``Interrupted``
     (:func:`record_failure` culprits: every rank knows them from the step's all-reduce), else those
     among those torchrun did not stop itself (``closed_pids``: the pids of its ``Sending process PID
     closing signal`` records, :func:`capture_torchrun_logs`; none known: every rank counts) the first
@@ -243,7 +243,7 @@ def _kill_if_stopped(pid: int) -> None:
     """SIGKILL ``pid`` if it is stopped (SIGSTOP: state ``T`` in /proc/PID/stat; Linux only).
 
     torchrun closes the other ranks with SIGTERM and waits 30 s before SIGKILL; a stopped rank (a
-    rank frozen in a save, issue 41 item 10) cannot act on SIGTERM, so the job's end waited those
+    rank frozen in a save) cannot act on SIGTERM, so the job's end waited those
     30 s. Called as torchrun logs its closing signal, i.e. once the job is already ending."""
     import signal
 

@@ -140,7 +140,7 @@ def _children() -> bool:
 
 
 def _watch_rendezvous(prog: str, rendezvous: tuple[str, int]):
-    """Bound a multi-node start's wait for the rendezvous (issue 41 item 4); returns ``stop()``.
+    """Bound a multi-node start's wait for the rendezvous; returns ``stop()``.
 
     torchrun's wait for node 0's store is C++ (a ``TCPStore`` connect/handshake): it ignored Ctrl-C
     (Python's handler runs only when the main thread gets back to Python) and, against a port held

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from raggedfsdp.app.train.watchdog import Interrupts
 
     # first thing: a signal during the start-up (checks, rendezvous, model build) stops every rank at
-    # step 1's boundary, naming this rank, instead of killing it mid-setup (issue 41 item 9)
+    # step 1's boundary, naming this rank, instead of killing it mid-setup
     interrupts = Interrupts(tag, announce=rank == 0).install()
     try:
         cfg = load_config(args.config, overrides_from_args(args), validate=False)

@@ -539,7 +539,7 @@ class TrainConfig:
                     f"data {d.path!r} was tokenized with a vocabulary of {vocab:,} but the model has "
                     f"vocab_size={mv:,}; pass --model.vocab_size {vocab}"
                 )
-            # its CRC-32 and every id against the model's vocabulary (one pass; issue 41 item 8); the
+            # its CRC-32 and every id against the model's vocabulary (one pass); the
             # launcher warns about an old sidecar, its ranks do not again
             from raggedfsdp.app.train.data_identity import REFERENCE_ENV
 

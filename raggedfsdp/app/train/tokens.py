@@ -13,7 +13,7 @@ per 16 MiB chunk: an out-of-vocabulary id anywhere is found before step 1, not o
 samples it). CRC-32 rather than SHA-256: it detects accidental corruption (not tampering) at about
 twice SHA-256's speed; measured on a 100 MB file in the page cache, 2-core shared machine: read 5 ms,
 CRC-32 30 ms, SHA-256 63 ms, BLAKE2b 114 ms; ``verify_token_bin`` (CRC-32 + max) 45-48 ms
-(benchmarks/README.md, issue 41).
+(benchmarks/README.md).
 A sidecar written before the checksum existed loads with a one-time warning.
 
 Reading (:class:`TokenArray`): nothing is read until a batch needs its windows (corpora larger than

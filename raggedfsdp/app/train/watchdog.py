@@ -443,7 +443,7 @@ class Watchdog:
             beat = json.loads(self.store.get(f"hb{r}"))
             age = now - beat["t"]
             # a peer's heartbeat comes from its watchdog thread, which ticks through a long save too:
-            # none for the limit outside a save means its process stopped (issue 41 item 10: a rank
+            # none for the limit outside a save means its process stopped (a rank
             # frozen in a save was judged by the save's longer limit, 0.6 x pg_timeout_s)
             if age > max(self.effective_timeout("train")[0], 4 * self.interval_s):
                 return r, age, beat
