@@ -58,7 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_flags(parser, args.command, extras)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        if e.name != "numpy":
+            raise
+        # the library needs torch alone; the application (data, sizing) needs numpy too
+        print(
+            f"raggedfsdp {args.command}: error: the raggedfsdp application needs numpy, which is not "
+            "installed here: pip install numpy (or pip install -e . without --no-deps)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> None:

@@ -240,6 +240,13 @@ def _granularity_fn(shard_placement_fn, mesh: DeviceMesh | None = None):
 
     from raggedfsdp.planner.policy import BlockSpec, granularity_for, granularity_for_local
 
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"fully_shard: shard_placement_fn must be a callable param -> placement or block spec, got "
+            f"{type(shard_placement_fn).__name__} {shard_placement_fn!r}; e.g. "
+            f"shard_placement_fn=lambda p: {shard_placement_fn!r}"
+        )
+
     def fn(p: nn.Parameter, fqn: str = ""):
         r = shard_placement_fn(p) if shard_placement_fn is not None else None
         r = _unwrap_placement_result(r, p, fqn, mesh)

@@ -267,6 +267,8 @@ def _bad_input(rank, ws):
         fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward="yes")
     with pytest.raises(TypeError, match="shard_placement_fn"):
         fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: True)
+    with pytest.raises(TypeError, match="shard_placement_fn must be a callable"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn="row")  # a spec, not a function
     with pytest.raises(ValueError, match="meta device"):
         fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta")), mesh=mesh)
     meta = fully_shard(nn.Linear(4, 4, device="meta"), mesh=mesh)
