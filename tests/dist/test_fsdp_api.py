@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.distributed.fsdp  # noqa: F401  (the skip condition reads it at collection)
 from _dist import run_distributed
 from torch import nn
 
@@ -170,35 +171,41 @@ def _checkpoint_wrapper(ws):
 
 def _placements(ws):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
     from torch.distributed.tensor import Shard
 
+    # ShardPlacementResult and dp_mesh_dims are torch 2.13's (2.11 / 2.12 have neither)
+    since_2_13 = hasattr(_fsdp_common, "ShardPlacementResult")
     mesh = init_device_mesh("cpu", (ws,))
-    info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
     fns = {
         "dim1": lambda p: Shard(1) if p.ndim == 2 else None,
         "dim-1": lambda p: Shard(-1) if p.ndim == 2 else Shard(0),
-        "result": lambda p: ShardPlacementResult(Shard(0), info),
     }
+    if since_2_13:
+        ShardPlacementResult = _fsdp_common.ShardPlacementResult
+        info = _fsdp_common.FSDPMeshInfo(mesh, shard_mesh_dim=0)
+        fns["result"] = lambda p: ShardPlacementResult(Shard(0), info)
+    kw = {"dp_mesh_dims": None} if since_2_13 else {}
     res = {}
     for name, fs in _libs().items():
         for case, fn in fns.items():
             torch.manual_seed(0)
             m = nn.Sequential(Block(), Block())
             for b in m:
-                fs(b, mesh=mesh, shard_placement_fn=fn, dp_mesh_dims=None)
-            fs(m, mesh=mesh, dp_mesh_dims=None)
+                fs(b, mesh=mesh, shard_placement_fn=fn, **kw)
+            fs(m, mesh=mesh, **kw)
             res[name, case] = _train(m, ws, 6)
     for case in fns:
         _same(res["ours", case], res["torch", case], f"shard_placement_fn {case}")
     import raggedfsdp
 
-    sub = init_device_mesh("cpu", (ws,), mesh_dim_names=("other",))  # another mesh (same ranks)
-    sub_info = FSDPMeshInfo(sub, shard_mesh_dim=0)
-    with pytest.raises(NotImplementedError, match="per-parameter meshes"):
-        raggedfsdp.fully_shard(
-            Block(), mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(None, sub_info)
-        )
+    if since_2_13:
+        sub = init_device_mesh("cpu", (ws,), mesh_dim_names=("other",))  # another mesh (same ranks)
+        sub_info = _fsdp_common.FSDPMeshInfo(sub, shard_mesh_dim=0)
+        with pytest.raises(NotImplementedError, match="per-parameter meshes"):
+            raggedfsdp.fully_shard(
+                Block(), mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(None, sub_info)
+            )
     with pytest.raises(ValueError, match=r"Shard\(5\)"):
         raggedfsdp.fully_shard(Block(), shard_placement_fn=lambda p: Shard(5))
 
@@ -384,6 +391,9 @@ def _dp_mesh_dims(rank, ws):
     dist.barrier()
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"), reason="dp_mesh_dims is torch >= 2.13's"
+)
 def test_dp_mesh_dims_vs_torch():
     run_distributed(_dp_mesh_dims, 2, timeout=600)
 
