@@ -1,9 +1,9 @@
-"""Test tiers (issue 41 item 15): a plain ``pytest`` runs the default tier, ``pytest --full`` everything.
+"""Test tiers: a plain ``pytest`` runs the default tier, ``pytest --full`` everything.
 
-The default tier is every test under tests/unit plus the tests under tests/dist and tests/e2e marked
-``core``: one multi-rank parity test per core feature (fsdp at world sizes 3 and 5, the optimizers,
+The default tier is every test under tests/unit plus the tests under tests/dist, tests/e2e and
+tests/frameworks marked ``core``: one multi-rank parity test per core feature (fsdp at world sizes 3 and 5, the optimizers,
 checkpoints, RaggedShard redistribution and torch's DTensor API, one launched ``raggedfsdp train``) and
-the checks that run in-process before a launch. Every other test under tests/dist and tests/e2e, and
+the checks that run in-process before a launch. Every other test under those three folders, and
 every test marked ``slow`` anywhere, is the full tier: it gets the ``slow`` marker and a default run
 deselects it, saying how many and how to run them.
 
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_MULTI_RANK_DIRS = tuple(os.path.join(_HERE, d) + os.sep for d in ("dist", "e2e"))
+_MULTI_RANK_DIRS = tuple(os.path.join(_HERE, d) + os.sep for d in ("dist", "e2e", "frameworks"))
 FULL_ENV = "RAGGEDFSDP_FULL_TESTS"
 
 

@@ -311,7 +311,7 @@ def _nonfinite_cases(rank, world, tmp):
     def counted(name, fn):
         def call(*a, **k):
             where = sys._getframe(1).f_code.co_filename
-            if f"raggedfsdp{os.sep}train{os.sep}" in where:  # the trainer's own (not FSDP's) collectives
+            if f"app{os.sep}train{os.sep}" in where:  # the trainer's own (not FSDP's) collectives
                 calls.append((name, os.path.basename(where)))
             return fn(*a, **k)
 
