@@ -3,9 +3,9 @@
 The default tier is every test under tests/unit plus the tests under tests/dist, tests/e2e and
 tests/frameworks marked ``core``: one multi-rank parity test per core feature (fsdp at world sizes
 3 and 5, the optimizers, checkpoints, RaggedShard redistribution and torch's DTensor API, one
-launched ``raggedfsdp train``) and the checks that run in-process before a launch. Every other test under those three folders, and
-every test marked ``slow`` anywhere, is the full tier: it gets the ``slow`` marker and a default run
-deselects it, saying how many and how to run them.
+launched ``raggedfsdp train``) and the checks that run in-process before a launch. Every other test
+under those three folders, and every test marked ``slow`` anywhere, is the full tier: it gets the
+``slow`` marker and a default run deselects it, saying how many and how to run them.
 
 The full tier runs with ``pytest --full`` or ``RAGGEDFSDP_FULL_TESTS=1 pytest`` (``.ci/run`` does).
 A full-tier test named on the command line by its file or node id runs anyway, and an explicit ``-m``
