@@ -95,3 +95,14 @@ def test_convert_verifies_the_checkpoint_like_train(ckpt, tmp_path, capsys):
         shutil.rmtree(unfinished)
     again = torch.load(tmp_path / "again.pt")
     assert good.keys() == again.keys() and all(torch.equal(good[k], again[k]) for k in good)
+
+
+@pytest.mark.core
+def test_convert_to_a_path_it_cannot_write_is_one_line(ckpt, tmp_path, capsys):
+    """An output under a regular file (no folder can be made there): one line naming the path, exit 2
+    (found by a fresh-user trial: it was torch.save's 18-line traceback)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, err = _convert(ckpt, blocker / "sub" / "out.pt", capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"raggedfsdp convert: error: cannot write {blocker / 'sub' / 'out.pt'}"), err

@@ -101,8 +101,12 @@ def run(args) -> int:
         return error(f"cannot read checkpoint {step_dir}: {short_error(e)[:300]} ({how})")
     if args.to == "torch":
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, out)
+        except (OSError, RuntimeError) as e:  # torch.save's writer raises RuntimeError for an open failure
+            why = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][-200:]
+            return error(f"cannot write {out}: {why} (choose a path this user can write)")
         print(
             f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} params) from "
             f"{step_dir} to {out}"
@@ -130,5 +134,7 @@ def run(args) -> int:
         return error("--to safetensors needs the safetensors package: pip install 'raggedfsdp[hf]'")
     except (KeyError, ValueError) as e:
         return error(str(e))
+    except OSError as e:
+        return error(f"cannot write {args.out}: {e.strerror or e} (choose a path this user can write)")
     print(f"wrote {out / 'model.safetensors'} and config.json ({cfg.num_params():,} params) from {step_dir}")
     return 0
