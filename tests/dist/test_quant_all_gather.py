@@ -186,7 +186,11 @@ def _oracle(policy, data, lr=1e-2):
 
 
 def _train(model, data, rank, ws, lr=1e-2):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return _train_opt(model, torch.optim.AdamW(model.parameters(), lr=lr), data, rank, ws)
+
+
+def _train_opt(model, opt, data, rank, ws):
+    """Steps of ``opt`` on this rank's slice of each global batch; the global mean loss of each step."""
     losses = []
     for x, y in data:
         per = x.shape[0] // ws

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import run_distributed
-from test_quant_all_gather import Net, _data, _fake_quant, _shard, _train
+from test_quant_all_gather import Net, _data, _fake_quant, _shard, _train, _train_opt
 
 STEPS = 6
 
@@ -59,22 +58,6 @@ def _oracle(policy, data, opt_name="adamw", frozen=False, steps=None):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _train_opt(model, opt, data, rank, ws):
-    losses = []
-    for x, y in data:
-        per = x.shape[0] // ws
-        loss = F.cross_entropy(
-            model(x[rank * per : (rank + 1) * per]).float(), y[rank * per : (rank + 1) * per]
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / ws)
-    return losses
 
 
 def _full(model):
