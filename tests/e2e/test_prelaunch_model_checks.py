@@ -1,9 +1,10 @@
-"""Two refusals that came only after a ~40 s launch (issue 41 item 14) now come before it, one line each
-with the cause first: ``--model.init_from`` a folder that is missing (two tracebacks, then the line;
-an empty run folder left) or holds no safetensors, and resuming a checkpoint of another model (a
-1,786-character line whose cause came last, suggesting ``--checkpoint.allow_partial true``, which cannot
-help when every shape differs). In-process ``raggedfsdp train``: it returns before starting torchrun.
-The checkpoint is a real ``save_checkpoint`` of the debug LLaMA at one gloo rank."""
+"""Refusals that came only after a ~40 s launch now come before it, one line each with the cause
+first: ``--model.init_from`` a folder that is missing (two tracebacks, then the line; an empty run
+folder left) or holds no safetensors; resuming a checkpoint of another model (a 1,786-character line
+whose cause came last, suggesting ``--checkpoint.allow_partial true``, which cannot help when every
+shape differs); resuming with another ``--optim`` (a rank's list of every missing state key).
+In-process ``raggedfsdp train``: it returns before starting torchrun. The checkpoint is a real
+``save_checkpoint`` of the debug LLaMA at one gloo rank."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def _save(rank, ws, folder):
     model = build_model("llama", "debug")
     model.init_weights(3)
     opt = torch.optim.AdamW(model.parameters())
-    meta = {"config": {"model": {"name": "llama", "flavor": "debug", "dim": None}}}
+    meta = {
+        "config": {"model": {"name": "llama", "flavor": "debug", "dim": None}, "optimizer": {"name": "adamw"}}
+    }
     save_checkpoint(
         folder, 2, model=model, optimizer=opt, lr=0.1, seed=0, keep_latest=0, meta=meta, run_id="r1"
     )
@@ -90,3 +93,24 @@ def test_resuming_another_models_checkpoint_is_refused_before_the_launch(debug_c
 
     cfg = load_config(None, {"model.name": "llama", "model.flavor": "debug"}, validate=False)
     check_resume_model(cfg, debug_ckpt)
+
+
+@pytest.mark.core
+def test_resuming_with_another_optimizer_is_refused_before_the_launch(debug_ckpt, tmp_path, capsys):
+    """The same model saved with AdamW, resumed with ``--optim muon``: one line before the launch (it
+    came after a ~20 s launch, as a rank's list of every missing ``momentum_buffer``)."""
+    ckpt = debug_ckpt
+    out = tmp_path / "out"
+    rc, err = _train(capsys, "--optim", "muon", "--out", str(out), "--resume", str(ckpt))
+    assert rc == 2 and err == [
+        f"raggedfsdp train: error: --resume: {ckpt} was saved with --optim adamw and this run uses --optim "
+        "muon: the adamw state cannot be loaded into muon; resume with --optim adamw, start a new run with "
+        "another --out, or pass --checkpoint.allow_partial true to load the model weights only (muon starts "
+        "with fresh state)"
+    ], err
+    assert not out.exists()
+    from raggedfsdp.app.train.config import load_config
+    from raggedfsdp.app.train.resume_check import check_resume_model
+
+    same = {"model.name": "llama", "model.flavor": "debug", "optimizer.name": "adamw"}
+    check_resume_model(load_config(None, same, validate=False), ckpt)  # the saved optimizer passes

@@ -233,7 +233,8 @@ def _all_gather_line(plan: EPPlan) -> str:
     return (
         f"largest all-gather ({best}{' + its experts' if plan.experts is not None else ''}): ours {ours:,} "
         f"elements "
-        f"= {2 * ours / 1e9:.3g} GB bf16; FSDP2 Shard(0) {f2:,} = {2 * f2 / 1e9:.3g} GB ({f2 / ours:.2f}x)"
+        f"= {2 * ours / 1e9:.3g} GB bf16; FSDP2 Shard(0) {f2:,} = {2 * f2 / 1e9:.3g} GB "
+        f"(FSDP2 / ours = {f2 / ours:.2f}x)"
     )
 
 

@@ -35,6 +35,7 @@ def check_resume_model(cfg: TrainConfig, path: Path) -> None:
         return
     missing, unexpected, mismatched = compare_keys(want, saved)
     if not (missing or unexpected or mismatched):
+        _check_resume_optimizer(cfg, path)
         return
     counts = [
         f"{len(mismatched)} of this model's {len(want)} tensors have another shape" if mismatched else "",
@@ -54,6 +55,23 @@ def check_resume_model(cfg: TrainConfig, path: Path) -> None:
         f"--resume: {path} holds another model: {', '.join(filter(None, counts))} (e.g. {first}){differs}; "
         f"resume it with the model it was saved with, or start a new run with another --out{fix}"
     )
+
+
+def _check_resume_optimizer(cfg: TrainConfig, path: Path) -> None:
+    """Before the launch: ``ValueError`` when ``path/meta.json`` records another optimizer than
+    ``--optim`` (its state has other keys: the load would refuse it on every rank after the launch)."""
+    try:
+        saved = json.loads((path / "meta.json").read_text())["config"]["optimizer"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    now = cfg.optimizer.name
+    if saved != now:
+        raise ValueError(
+            f"--resume: {path} was saved with --optim {saved} and this run uses --optim {now}: "
+            f"the {saved} state cannot be loaded into {now}; resume with --optim {saved}, start a new "
+            f"run with another --out, or pass --checkpoint.allow_partial true to load the model "
+            f"weights only ({now} starts with fresh state)"
+        )
 
 
 def config_diff(cfg: TrainConfig, path: Path) -> list[str]:
