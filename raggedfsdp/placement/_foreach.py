@@ -1,4 +1,5 @@
-"""A fast path for element-wise ``torch._foreach_*`` ops on RaggedShard DTensors.
+"""A fast path for element-wise ``torch._foreach_*`` ops on DTensors (RaggedShard, and any other
+placement but Partial).
 
 Why: ``torch.optim``'s foreach implementations (AdamW, Adam, SGD, ...) call about ten
 ``torch._foreach_*`` ops per step, each on lists of every parameter, gradient or state tensor, and
@@ -20,22 +21,22 @@ What: a DTensor custom op handler (``OpDispatcher._custom_op_handlers``, the dic
 ``loss_parallel`` extends, and ``placement/_ops.py`` for ``_foreach_norm``) on the element-wise
 foreach overloads (:data:`OPS`) that torch's DTensor has a sharding strategy for
 (:func:`supported_ops`: the others stay torch's business, so nothing that fails there starts working
-here). It takes the fast path when every tensor argument is a list of
-DTensors of one length, every list matches the first position by position (the same mesh object,
-equal placements, equal global shapes), the first list holds only RaggedShard DTensors and no
-placement is Partial (and, for an in-place op, every list has the first list's floating dtypes: see
-:func:`_verdict`): the op then runs once on the local tensors, and out-of-place results are
-wrapped with the first list's specs. That is what torch's dispatch computes for an element-wise op
-on equal specs (the op guard of ``placement/_ops.py`` keeps RaggedShard on element-wise ops), bitwise
-(``tests/dist/test_foreach_fast_path.py``), with no sharding propagation. A single tensor operand
-takes it only as a replicated 0-dim DTensor on the lists' mesh (``clip_grad_norm_``'s clip
+here). It takes the fast path when every tensor argument is a list of DTensors of one length, every list
+matches the first position by position (the same mesh object, equal placements, equal global shapes) and
+no placement is Partial (RaggedShard, or torch's own ``Shard`` / ``_StridedShard`` / ``Replicate``: a
+tensor-parallel user's parameters take it too; for an in-place op, every list has the first list's
+floating dtypes too: see :func:`_verdict`): the op then runs once on the local tensors, and out-of-place
+results are wrapped with the first list's specs. That is what torch's dispatch computes for an
+element-wise op on equal specs (the op guard of ``placement/_ops.py`` keeps RaggedShard on element-wise
+ops), bitwise (``tests/dist/test_foreach_fast_path.py``), with no sharding propagation. A single tensor
+operand takes it only as a replicated 0-dim DTensor on the lists' mesh (``clip_grad_norm_``'s clip
 coefficient in ``_foreach_mul_``), and a finite-order ``_foreach_norm`` (order 0 excepted: torch reduces
-that count with ``Partial("sum")``) of such a list is computed
-on the local pieces (:func:`norm_fast_path`, reached through ``placement/_ops.py``'s norm handler)
-with torch's output specs (``_NormPartial``): ``clip_grad_norm_`` of 785 grads took 8-9 s at its
-first call and at every new set of grads on torch 2.13, 0.66 s with it. Any other call -- another
-single tensor operand, a plain tensor in a list, mismatched specs, torch's ``Shard`` parameters --
-goes through torch's own dispatch (:func:`~raggedfsdp.placement._ops.call_torch_dispatch`), unchanged.
+that count with ``Partial("sum")``) of such a list is computed on the local pieces
+(:func:`norm_fast_path`, reached through ``placement/_ops.py``'s norm handler) with torch's output specs
+(``_NormPartial``): ``clip_grad_norm_`` of 785 grads took 8-9 s at its first call and at every new set
+of grads on torch 2.13, 0.66 s with it. Any other call -- another single tensor operand, a plain tensor
+in a list, mismatched specs, a Partial placement -- goes through torch's own dispatch
+(:func:`~raggedfsdp.placement._ops.call_torch_dispatch`), unchanged.
 
 When: installed with the other patches (``placement/_patches.py`` item 10) on every torch;
 ``RAGGEDFSDP_FOREACH_FAST_PATH=0`` never installs it (A/B benchmarks, or to rule it out when
@@ -50,8 +51,6 @@ import os
 import threading
 
 import torch
-
-from raggedfsdp.placement.ragged_shard import RaggedShard
 
 aten = torch.ops.aten
 
@@ -102,7 +101,6 @@ _SPEC = operator.attrgetter("_spec")
 _LOCAL = operator.attrgetter("_local_tensor")
 _PLACEMENTS = operator.attrgetter("placements")
 _IS_PARTIAL = operator.methodcaller("is_partial")
-_FIRST = operator.itemgetter(0)
 _MESH = operator.attrgetter("mesh")
 _GSHAPE = operator.attrgetter("tensor_meta.shape")
 _CALLS = [0, 0]  # [fast path taken, fallen back]: read by tests and benchmarks (fast_path_counts)
@@ -176,10 +174,6 @@ def _check(spec_lists) -> tuple:
     # 800 params per op)
     if any(map(_IS_PARTIAL, itertools.chain.from_iterable(placements))):
         return _NO
-    if not all(map(isinstance, map(_FIRST, placements), itertools.repeat(RaggedShard))):
-        for pl in {id(p): p for p in placements}.values():  # e.g. HSDP's (Replicate, RaggedShard)
-            if not any(isinstance(p, RaggedShard) for p in pl):
-                return _NO
     meshes = list(map(id, map(_MESH, specs)))
     if meshes.count(meshes[0]) != n or any(s.tensor_meta is None for s in specs):
         return _NO

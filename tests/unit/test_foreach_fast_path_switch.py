@@ -109,13 +109,20 @@ def test_a_new_set_of_grads_needs_no_sharding_propagation(fast, monkeypatch):
         dist.destroy_process_group()
 
 
+def _partial(t, partial):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t.to_local(), t.device_mesh, [partial()], run_check=False)
+
+
 def test_verdict_cache_follows_the_specs_and_stays_bounded():
     """Note [verdict cache] in placement/_foreach.py: a list of the same spec objects reuses its verdict;
-    another list -- one spec replaced by a non-RaggedShard one, or lists that no longer match -- is
-    checked afresh; the cache never holds more than ``_VERDICTS_MAX`` lists."""
+    another list -- one spec replaced by a Partial one, or lists that no longer match -- is checked
+    afresh (a Replicate spec is eligible: a mixed list runs locally as torch's pointwise dispatch
+    does); the cache never holds more than ``_VERDICTS_MAX`` lists."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from raggedfsdp.placement import RaggedShard, _foreach
@@ -133,7 +140,9 @@ def test_verdict_cache_follows_the_specs_and_stays_bounded():
         assert first is not None and first == [a[0]._spec, a[1]._spec]
         assert _foreach._eligible([a, b]) is first  # cached: the same verdict object
         rep = [a[0], distribute_tensor(torch.zeros(6, 2), mesh, [Replicate()])]
-        assert _foreach._eligible([rep]) is None  # not all RaggedShard
+        assert _foreach._eligible([rep]) == [a[0]._spec, rep[1]._spec]  # Replicate: local, as torch's
+        part = [a[0], _partial(rep[1], Partial)]
+        assert _foreach._eligible([part]) is None  # a Partial placement: torch's dispatch
         assert _foreach._eligible([a, [b[1], b[0]]]) is None  # shapes no longer match position by position
         assert _foreach._eligible([a, b]) is first
         for _ in range(_foreach._VERDICTS_MAX + 20):

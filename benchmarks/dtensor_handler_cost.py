@@ -1,0 +1,116 @@
+"""Host cost of raggedfsdp's DTensor op handlers on DTensors that are *not* RaggedShard (a tensor-parallel
+user's ``Shard`` / ``Replicate`` DTensors): per op, microseconds per call with raggedfsdp's patches
+installed vs plain torch, each in its own process (DTensor's sharding caches live for a process).
+
+    python benchmarks/dtensor_handler_cost.py [--world-size 4] [--calls 300] [--repeats 7] [--json]
+
+Installing raggedfsdp's patches (``RaggedShard(...)``, ``fully_shard``) puts custom handlers in front of
+every DTensor call of some ops (``DTensor._op_dispatcher._custom_op_handlers``; the list is
+``raggedfsdp.placement._patches.patched_symbols()``): random fills, reductions, ``.item()``,
+squeeze/unsqueeze and the foreach ops. On a non-RaggedShard operand each hands the call back to
+torch's dispatch (raggedfsdp/placement/_ops.py ``call_torch_dispatch``) or runs its own fast path
+(foreach). This measures what that costs a TP user, next to control ops that have no handler
+(``add``, ``mm``). One process, a fake process group of ``--world-size`` ranks (no communication:
+only host work), a 1-D mesh; median over ``--repeats`` of the mean of ``--calls`` calls after warm-up.
+Results and the command: benchmarks/README.md, "DTensor handler cost for non-RaggedShard DTensors".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _cases(torch, mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])
+    w = distribute_tensor(torch.randn(32, 32), mesh, [Replicate()])
+    s = distribute_tensor(torch.tensor(3.0), mesh, [Replicate()])
+    xs = [distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]) for _ in range(32)]
+    ys = [distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]) for _ in range(32)]
+    return {
+        # ops with a raggedfsdp handler
+        "sum(dim=1)": lambda: x.sum(dim=1),
+        "mean()": lambda: x.mean(),
+        "amax()": lambda: x.amax(),
+        "max(dim=1)": lambda: x.max(dim=1),
+        "any()": lambda: (x > 0).any(),
+        "linalg.vector_norm": lambda: torch.linalg.vector_norm(x),
+        "unsqueeze(0)": lambda: x.unsqueeze(0),
+        "squeeze(0) of (1,64,32)": (lambda u: lambda: u.squeeze(0))(x.unsqueeze(0)),
+        ".item() (Replicate)": lambda: s.item(),
+        "uniform_": lambda: x.uniform_(),
+        "_foreach_add_ (32 tensors)": lambda: torch._foreach_add_(xs, ys),
+        "_foreach_norm (32 tensors)": lambda: torch._foreach_norm(xs),
+        # controls: no raggedfsdp handler
+        "control: add": lambda: x + x,
+        "control: mm": lambda: torch.mm(x, w),
+    }
+
+
+def _worker(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    if args.system == "raggedfsdp":
+        from raggedfsdp import RaggedShard
+
+        RaggedShard((0,), (1,) * args.world_size)  # installs the patches, as fully_shard does
+    torch.manual_seed(0)
+    cases = _cases(torch, mesh)
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        reps = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            reps.append((time.perf_counter() - t0) / args.calls * 1e6)
+        out[name] = statistics.median(reps)
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--system", choices=["torch", "raggedfsdp"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.system:
+        print(json.dumps(_worker(args)))
+        return 0
+    res = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for system in ("torch", "raggedfsdp"):
+        cmd = [sys.executable, __file__, "--system", system, "--world-size", str(args.world_size),
+               "--calls", str(args.calls), "--repeats", str(args.repeats)]  # fmt: skip
+        done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        res[system] = json.loads(done.stdout)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"{'op (non-RaggedShard DTensor)':30s}{'torch us':>10s}{'raggedfsdp us':>15s}{'ratio':>8s}")
+    for name in res["torch"]:
+        a, b = res["torch"][name], res["raggedfsdp"][name]
+        print(f"{name:30s}{a:10.1f}{b:15.1f}{b / a:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
