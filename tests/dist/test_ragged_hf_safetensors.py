@@ -8,6 +8,11 @@ hold exactly the full tensors (read back with ``safetensors`` in one process), a
 ``HuggingFaceStorageReader`` must load both the consolidated and the sharded folder exactly into
 other RaggedShard layouts. World sizes 3 and 5, empty pieces included; the reference is the full
 tensors drawn from one seed.
+
+Stacked weights (MoE experts, one ``(E, F, D)`` parameter, saved as ``E`` HF tensors):
+``raggedfsdp.placement.unbind_ragged`` splits a RaggedShard DTensor into its slices without
+communication (views), ``stack_ragged`` joins them; saved through the same writer and loaded into
+the slices of another layout, the stacked result must equal the full tensor.
 """
 
 import glob
@@ -119,6 +124,50 @@ def _hf_worker(rank: int, ws: int, root: str) -> None:
         assert glob.glob(os.path.join(one, "sharded", "*.part1.safetensors")), os.listdir(one + "/sharded")
     for folder in (one, os.path.join(one, "sharded"), two, os.path.join(two, "sharded")):
         _load_and_check(folder, mesh, ws, fulls)
+    _experts_case(rank, ws, mesh, os.path.join(root, "experts"))
+
+
+EXPERTS = (5, 3, 4)  # (E, F, D)
+
+
+def _experts_case(rank: int, ws: int, mesh, folder: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from raggedfsdp import RaggedShard
+    from raggedfsdp.placement import stack_ragged, unbind_ragged
+
+    full = torch.randn(EXPERTS, generator=torch.Generator().manual_seed(11))
+    n = full.numel()
+    layouts = [RaggedShard((0, 1, 2), _units(n, ws, 3)), RaggedShard((0, 1), _units(15, ws, 4))]
+    x = distribute_tensor(full, mesh, [layouts[0]])
+    parts = unbind_ragged(x)
+    assert len(parts) == EXPERTS[0]
+    for e, p in enumerate(parts):  # the slices, and views of x's piece
+        assert torch.equal(p.full_tensor(), full[e]), e
+        assert p.to_local().numel() == 0 or p.to_local().untyped_storage().data_ptr() == (
+            x.to_local().untyped_storage().data_ptr()
+        )
+    back = stack_ragged(parts, mesh, x.placements, x.shape)
+    assert back.placements == x.placements and torch.equal(back.to_local(), x.to_local())
+    sd = {f"experts.{e}.weight": p for e, p in enumerate(parts)}
+    dcp.save(
+        sd, storage_writer=HuggingFaceStorageWriter(folder, save_distributed=True, enable_consolidation=True)
+    )
+    dist.barrier()
+    if rank == 0:
+        _check_files(folder, {k: full[e] for e, k in enumerate(sd)})
+    y = distribute_tensor(torch.zeros_like(full), mesh, [layouts[1]])  # another layout: load into its slices
+    sd = {f"experts.{e}.weight": p for e, p in enumerate(unbind_ragged(y))}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(folder))
+    assert torch.equal(y.full_tensor(), full)  # in place, through the views
+    z = stack_ragged(list(sd.values()), mesh, y.placements, y.shape)
+    assert torch.equal(z.full_tensor(), full)
+    # slices in another layout are redistributed first (collective), with the same result
+    w = stack_ragged([p.redistribute(mesh, [Replicate()]) for p in parts], mesh, y.placements, y.shape)
+    assert torch.equal(w.full_tensor(), full)
 
 
 @pytest.mark.parametrize("ws", [3, 5])
