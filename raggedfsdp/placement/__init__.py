@@ -6,6 +6,7 @@ from raggedfsdp.placement._implicit import (
     strict_ops,
 )
 from raggedfsdp.placement._ops import RaggedPartial, RaggedShardOpError
+from raggedfsdp.placement._slices import slice_placements, stack_ragged, unbind_ragged
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 __all__ = [
@@ -14,5 +15,8 @@ __all__ = [
     "RaggedShardOpError",
     "implicit_redistribution_count",
     "implicit_redistributions_by_op",
+    "slice_placements",
+    "stack_ragged",
     "strict_ops",
+    "unbind_ragged",
 ]

@@ -281,3 +281,78 @@ def make_create_chunk_list(stock):
 
 def make_get_tensor_shard(stock):
     return _method(stock, get_tensor_shard)
+
+
+# ---- safetensors files: at most one chunk of a name per file -----------------------------
+def part_file_name(file_name: str, part: int) -> str:
+    """The name of part ``part`` of a file: ``shard-00001-model-00001-of-00001.safetensors`` ->
+    ``shard-00001-model-00001-of-00001.part1.safetensors``."""
+    stem, dot, ext = file_name.rpartition(".")
+    return f"{stem}.part{part}.{ext}" if dot and stem else f"{file_name}.part{part}"
+
+
+def split_safetensors_files(file_queue):
+    """Refill ``file_queue`` (``(path, file_name, write_items)``) so no file holds 2 chunks of one fqn.
+
+    A safetensors file maps each name to ONE tensor; torch's writer (``filesystem.py``
+    ``_write_files_from_queue``: ``tensor_dict[write_item.index.fqn] = tensor``) keeps the last
+    chunk of a name and drops the others, silently. A RaggedShard piece that is not a rectangle is
+    several chunks of its fqn on one rank (:func:`local_boxes`), so the ``k``-th chunk of a name in
+    a file goes to the file :func:`part_file_name` ``(file_name, k)`` next to it, with its own
+    ``saved_offsets``. torch's readers of such a folder (``HuggingFaceStorageReader`` and the HF
+    consolidation, which glob ``*.safetensors`` and merge the chunks of a name by their offsets)
+    then see every chunk. Entries without a repeated name are put back unchanged. Local, no
+    communication; ``ValueError`` (before anything is written) if an entry's path does not end
+    with its file name, where the part file could not be placed next to it.
+    """
+    import pathlib
+    import queue
+
+    entries = []
+    while True:
+        try:
+            entries.append(file_queue.get_nowait())
+        except queue.Empty:
+            break
+    out: queue.Queue = queue.Queue()
+    for path, file_name, items in entries:
+        parts: list[list] = [[]]
+        seen: dict[str, int] = {}
+        for item in items:
+            fqn = item.index.fqn if item.tensor_data is not None else None
+            k = seen.get(fqn, 0) if fqn is not None else 0
+            if fqn is not None:
+                seen[fqn] = k + 1
+            while len(parts) <= k:
+                parts.append([])
+            parts[k].append(item)
+        out.put((path, file_name, parts[0]))
+        for k, part in enumerate(parts[1:], start=1):
+            name = part_file_name(str(file_name), k)
+            if not str(path).endswith(str(file_name)):
+                raise ValueError(
+                    f"RaggedShard checkpoint: a safetensors file holds {len(parts)} chunks of "
+                    f"{part[0].index.fqn!r} (a RaggedShard piece that is not whole rows) and its path "
+                    f"{path!r} does not end with its file name {file_name!r}, so the extra chunks cannot be "
+                    "written to files next to it. Save with dcp.save's default FileSystemWriter, or use "
+                    "shard_placement_fn=lambda p: Shard(0) in fully_shard so each piece is whole rows"
+                )
+            new_path = str(path)[: len(str(path)) - len(str(file_name))] + name
+            out.put((type(path)(new_path) if isinstance(path, pathlib.PurePath) else new_path, name, part))
+    while not out.empty():
+        file_queue.put(out.get_nowait())
+    return file_queue
+
+
+def make_write_data(stock):
+    """torch's ``_FileSystemWriter._write_data`` (``checkpoint/filesystem.py``): for the safetensors format
+    (``HuggingFaceStorageWriter``, ``FileSystemWriter(serialization_format=SAFETENSORS)``) each file gets at
+    most one chunk per fqn (:func:`split_safetensors_files`); torch's code does the writing."""
+
+    def _write_data(self, planner, file_queue):
+        fmt = getattr(self, "serialization_format", None)
+        if fmt is not None and getattr(fmt, "value", None) == "safetensors":
+            file_queue = split_safetensors_files(file_queue)
+        return stock(self, planner, file_queue)
+
+    return _write_data

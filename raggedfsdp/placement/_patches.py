@@ -52,6 +52,11 @@ Patched torch functions (``module:qualname``) and why
 8. ``tensor._api:DTensor.__create_write_items__`` / ``__create_chunk_list__`` /
    ``__get_tensor_shard__`` and ``_state_dict_utils:_distribute_tensors``: DCP boxes and
    full-state-dict loading (``placement/_checkpoint.py``).
+   ``checkpoint.filesystem:_FileSystemWriter._write_data`` (the safetensors format:
+   ``HuggingFaceStorageWriter``): a safetensors file maps a name to one tensor and torch's writer keeps
+   the last chunk of a name per file, so a non-rectangular RaggedShard piece (several chunks) was
+   saved wrong, silently; the extra chunks of a name now go to ``*.part<k>.safetensors`` files next
+   to it (``_checkpoint.split_safetensors_files``), which torch's HF reader and consolidation merge.
 9. ``DTensor._op_dispatcher._custom_op_handlers`` gains entries (a dict torch reads per call):
    random ops (``placement/_random.py``: draw the full tensor, keep the piece), the inf-norms
    ``linalg_vector_norm`` / ``_foreach_norm`` (``placement/_ops.py``: empty pieces contribute 0),
@@ -180,6 +185,12 @@ TARGETS = (
         "_distribute_tensors",
         ("local_state_dict", "keys", "device"),
         _P + "_checkpoint:make_distribute_tensors",
+    ),
+    (
+        "torch.distributed.checkpoint.filesystem",
+        "_FileSystemWriter._write_data",
+        ("self", "planner", "file_queue"),
+        _P + "_checkpoint:make_write_data",
     ),
 )
 

@@ -62,7 +62,7 @@ def test_all_targets_patched_in_place():
     RaggedShard((0,), (1,))
     keys = {f"{m}:{q}" for m, q, _, _ in tp.TARGETS}
     syms = set(tp.patched_symbols())
-    assert keys <= syms and len(keys) == len(tp.TARGETS) == 15
+    assert keys <= syms and len(keys) == len(tp.TARGETS) == 16
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
     assert syms == keys | handlers
     fast = _foreach.supported_ops() if _foreach.wanted() else []  # patch 10, on unless turned off
