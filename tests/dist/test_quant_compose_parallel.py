@@ -356,3 +356,47 @@ def _compile_case(rank, ws):
 
 def test_quantized_all_gather_with_compile_per_block_ws3():
     run_distributed(_compile_case, 3)
+
+
+# ---- post-forward resharding to a smaller group -----------------------------------------------------------
+
+
+def _int_reshard_case(rank, ws):
+    """``reshard_after_forward=2`` at ws 4: after forward each rank keeps a 1/2 slice of the DEQUANTIZED
+    unsharded parameters and backward re-gathers it within pairs (unquantized): the same values as the
+    quantized gather, so the losses equal the ``reshard_after_forward=True`` run's bit for bit."""
+    import warnings
+
+    from test_quant_all_gather import Net, _data, _oracle, _train
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp import QuantizedAllGatherPolicy, fully_shard
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (ws,))
+    data = _data()
+    policy = QuantizedAllGatherPolicy("fp8_e4m3")
+    from raggedfsdp.buffer.wire import count_wire_bytes
+
+    res, wire = {}, {}
+    for raf in (True, 2):
+        torch.manual_seed(0)
+        model = Net()
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, all_gather_policy=policy, reshard_after_forward=raf)
+        fully_shard(model, mesh=mesh, all_gather_policy=policy)
+        with count_wire_bytes() as wire[raf]:
+            res[raf] = _train(model, data, rank, ws)
+        assert model.blocks[0]._raggedfsdp_state.group.quant_gather.quantizations == len(data)
+    if rank == 0:
+        print("reshard_after_forward True", res[True], "2", res[2])
+    assert res[2] == res[True], res
+    # the backward re-gathers of the blocks really came from the kept fp32 slices: other bytes, as many calls
+    ag_true, ag_2 = wire[True], wire[2]
+    assert ag_2.calls["all_gather"] == ag_true.calls["all_gather"], (ag_2.calls, ag_true.calls)
+    assert ag_2.all_gather != ag_true.all_gather, (ag_2.all_gather, ag_true.all_gather)
+    torch.testing.assert_close(res[2], _oracle(policy, data), rtol=1e-4, atol=0)
+
+
+def test_quantized_all_gather_with_int_reshard_after_forward_ws4():
+    run_distributed(_int_reshard_case, 4)
