@@ -56,8 +56,8 @@ def _cases(rank, world):
         assert [r["step"] for r in recs] == [1, 4, 8, 12], recs
         assert not any(r["straggler"]["named"] for r in recs), [r["straggler"] for r in recs]
         assert recs[0]["straggler"]["warmup"], recs[0]
-    # rank 1 frozen 0.3 s of every 0.4 s from step 2 on: named in the windows that follow
-    os.environ[FREEZE_ENV] = "0.3/0.4"
+    # rank 1 frozen 0.8 s of every 1 s from step 2 on: named in the windows that follow
+    os.environ[FREEZE_ENV] = "0.8/1.0"
     try:
         recs = _run(rank, tmp / "frozen", "freeze@step2:rank1")
     finally:
