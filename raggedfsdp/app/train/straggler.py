@@ -11,22 +11,29 @@ segment):
   a pre-hook after it);
 - ``backward`` of unit U: to reaching U's backward all-gather (a gradient hook on U's forward outputs,
   registered before FSDP's pre-backward hook; "left" is one registered after it);
-- ``reduce``: from the last backward mark to the step's gradient all-reduce (the rest of the backward,
-  the reduce-scatters' waits included);
-- ``optimizer``: from that all-reduce to the end of the step (clipping, the optimizer step).
+- ``post-backward`` of unit U: from leaving U's backward all-gather to reaching U's post-backward
+  (its reduce-scatter's launch, where older reduce-scatters are waited): an identity autograd function
+  on U's inputs, applied after FSDP's pre-forward so that its backward runs before FSDP's
+  post-backward ("left": one applied before FSDP's, whose backward runs after it);
+- ``reduce``: from the end of ``loss.backward()`` to the step's gradient all-reduce (the end of the
+  backward, the root's reduce-scatter and FSDP's final callback waiting the reduce-scatters, counts
+  as a collective);
+- ``optimizer``: from that all-reduce to the end of the step (clipping, the optimizer step);
+- ``stalled``: the time this process did not run (stopped, paused: :class:`StallClock`) while inside
+  a collective. A rank stopped there holds the others up (its gloo threads stop too) although it had
+  reached the collective in time, so that time is its own as well.
 
-So a rank that is slow or frozen anywhere in its step (forward, backward or optimizer) shows as own
-time that the others do not have. Only each unit's first forward and backward of a step count
-(micro-batches after the first, activation-checkpoint recomputes and eval forwards fall in the
+So a rank that is slow or frozen anywhere in its step (forward, backward, optimizer or a collective)
+shows as own time that the others do not have. Only each unit's first forward and backward of a step
+count (micro-batches after the first, activation-checkpoint recomputes and eval forwards fall in the
 enclosing segment, or in none).
 
 The sums since the last log step travel in the log step's existing MAX all-reduce (the peak-memory
 one; each rank fills only its row of a ``(world, segments)`` block, so MAX is a gather): no collective
 is added to any step. Rank 0 then names the rank whose own time per step (the sum of its segments)
 lags the median of the other ranks' the most, and the segment where it lags most:
-``slowest rank 1: +380 % own time per step, most before the backward all-gather of layers.3``. Time
-in collectives the probe does not see (the reduce-scatters inside the backward) counts as own time of
-the ranks that wait there, which only lowers a straggler's excess: a healthy run is not blamed for it.
+``slowest rank 1: +380 % own time per step (...), most before the backward all-gather of layers.3``,
+when the lag passes :data:`REPORT_PCT` and :data:`REPORT_MIN_S` (:func:`named`).
 
 The times are host clock times (``time.perf_counter``, no device sync): on CPU/gloo the collective
 waits block the host, so they cover all of a rank's work; on CUDA the wait is a stream wait, so they
@@ -37,6 +44,7 @@ which only appears where the host blocks on it. Single-device reference: :func:`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -70,6 +78,7 @@ class StallClock:
         self._thread: threading.Thread | None = None
         self._total = 0.0
         self._last = time.perf_counter()
+        self._at_exit = False
 
     def _late(self, now: float) -> float:
         late = now - self._last - self.tick
@@ -93,6 +102,9 @@ class StallClock:
             self._last = time.perf_counter()
             self._thread = threading.Thread(target=self._run, name="raggedfsdp-stall-clock", daemon=True)
             self._thread.start()
+            if not self._at_exit:  # joined before the interpreter finalizes, whatever path ends the run
+                atexit.register(self.stop)
+                self._at_exit = True
 
     def stop(self) -> None:
         """Stop and join the thread (idempotent; :meth:`start` may start it again)."""
@@ -344,6 +356,10 @@ class StragglerProbe:
             yield
         finally:
             self._left()
+
+    def pause(self) -> None:
+        """Stop the stall clock's thread (joined) until the next :meth:`start_step`."""
+        self._ticker.stop()
 
     def end_step(self) -> None:
         """After the optimizer step: closes the ``optimizer`` segment; nothing counts until the next

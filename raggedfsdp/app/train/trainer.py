@@ -538,6 +538,7 @@ class Trainer:
                 t.steps, self.model, self._grad_probe, self.device
             )  # the last update; earlier: the guard
         elapsed = time.perf_counter() - start
+        self.straggler.pause()  # no thread of ours left running after the last step
         self.watchdog.progress("done")
         summary = {
             "steps": t.steps,
