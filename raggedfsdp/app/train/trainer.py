@@ -159,7 +159,7 @@ class Trainer:
             self._grad_probe = []
             model.set_nonfinite_grad_probe(self._grad_probe)
 
-        # Straggler attribution: per-rank arrival at each FSDP unit, reported at log steps.
+        # Straggler attribution: per-rank own time between the step's collectives, reported at log steps.
         self.straggler = StragglerProbe(model, self.world_size, self.rank)
         self.hooks.fire("built")
 
