@@ -68,7 +68,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("bare", "harness", "fsdp", "train", "user")
+CASES = ("bare", "harness", "fsdp", "train", "user", "user41")
 
 
 # -- what the ranks run ----------------------------------------------------------------------------
@@ -175,11 +175,76 @@ def _rank_user() -> None:
         pg.allreduce([torch.ones(4)]).wait()
 
 
+def _rank_user41() -> None:
+    """Issue 41 item 11's script: Embedding(11, 7), three blocks (LayerNorm, Linear 7->h, GELU, Linear
+    h->7 without bias; h = 13, 101, 2), head Linear(7, 11); each block and the root ``fully_shard``-ed
+    (``SOAK_BACKEND``: ``ragged`` = raggedfsdp's, ``torch`` = torch's, the control); a plain copy trained
+    beside it on the global batch; 6 AdamW steps; ``full_tensor()`` of every parameter; a success line;
+    then ``dist.barrier(); dist.destroy_process_group()``."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if os.environ.get("SOAK_BACKEND", "ragged") == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from raggedfsdp import fully_shard
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    blocks = [
+        nn.Sequential(nn.LayerNorm(7), nn.Linear(7, h), nn.GELU(), nn.Linear(h, 7, bias=False))
+        for h in (13, 101, 2)
+    ]
+    model = nn.Sequential(nn.Embedding(11, 7), *blocks, nn.Linear(7, 11))
+    ref = copy.deepcopy(model)
+    for b in model[1:4]:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.optim.AdamW(ref.parameters(), lr=1e-2),
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(int(os.environ.get("SOAK_STEPS41", "6"))):
+        tok = torch.randint(0, 11, (2 * world, 5), generator=g)
+        tgt = torch.randint(0, 11, (2 * world, 5), generator=g)
+        mine = slice(2 * rank, 2 * rank + 2)
+        F.cross_entropy(model(tok[mine]).flatten(0, 1), tgt[mine].flatten()).backward()
+        F.cross_entropy(ref(tok).flatten(0, 1), tgt.flatten()).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    assert diff < 1e-4, diff
+    print(f"rank {rank}: trained 6 steps, max |param - plain copy| {diff:.2e}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if os.environ.get("SOAK_THREADS") == "1":  # what is still alive when the interpreter starts to exit
+        from raggedfsdp._release import unreleased
+
+        names = sorted(
+            Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
+        )
+        print(
+            f"rank {rank}: threads at exit {names}; held tensors a work still owns: {unreleased()}",
+            flush=True,
+        )
+
+
 def _child(case: str) -> None:
     if case in ("bare", "harness"):
         _rank_bare(case == "harness")
     elif case == "user":
         _rank_user()
+    elif case == "user41":
+        _rank_user41()
     elif case == "fsdp":
         sys.path.insert(0, str(ROOT / "tests"))
         from _dist import run_distributed
@@ -279,6 +344,8 @@ def _forked_rank(case: str, out: str) -> None:
             sys.exit(1)
     elif case == "user":
         _rank_user()
+    elif case == "user41":
+        _rank_user41()
     else:
         _rank_bare(case == "harness")
 
@@ -299,7 +366,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
     elif case == "fsdp":
         procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=_env(SOAK_NPROC=str(nproc)))]  # fmt: skip
-    elif case in ("bare", "harness", "user") and launcher == "torchrun":
+    elif case in ("bare", "harness", "user", "user41") and launcher == "torchrun":
         cmd = [
             sys.executable,
             "-m",
@@ -382,12 +449,15 @@ def main() -> None:
         help="--leak-work: seconds rank 1's last exit handler keeps the GIL",
     )
     p.add_argument("--steps", type=int, default=2, help="user: training steps")
+    p.add_argument("--backend", choices=("ragged", "torch"), default="ragged",
+                   help="user41: whose fully_shard (torch: the control)")  # fmt: skip
     p.add_argument("--burn", type=int, default=0, help="busy-loop processes running beside the soak (load)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ["SOAK_NUMEL"] = str(args.numel)
     os.environ["SOAK_STEPS"] = str(args.steps)
     os.environ["SOAK_HOLD_S"] = str(args.hold_s)
+    os.environ["SOAK_BACKEND"] = args.backend
     if args.leak_work:
         os.environ["SOAK_LEAK"] = "1"
     if args.inject_abort:
@@ -400,8 +470,8 @@ def main() -> None:
     launcher = "fresh" if args.case == "train" else args.launcher
     if args.inject_abort and args.case == "train":
         p.error("--inject-abort: bare, harness or fsdp")
-    if launcher == "torchrun" and args.case not in ("bare", "harness", "user"):
-        p.error("--launcher torchrun: bare, harness or user only")
+    if launcher == "torchrun" and args.case not in ("bare", "harness", "user", "user41"):
+        p.error("--launcher torchrun: bare, harness, user or user41 only")
     if args.leak_work and args.case != "user":
         p.error("--leak-work: user only")
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burn)]
@@ -446,7 +516,12 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     args.runs = max(args.runs, 1)
     load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
-    print(f"| {args.case}{' --leak-work' if args.leak_work else ''} | {launcher} | {args.nproc} | {args.runs} | "
+    case = (
+        args.case
+        + (" --leak-work" if args.leak_work else "")
+        + (f" --backend {args.backend}" if args.case == "user41" else "")
+    )
+    print(f"| {case} | {launcher} | {args.nproc} | {args.runs} | "
           f"{counts['abort']} | {counts['fail']} | {(time.monotonic() - t0) / args.runs:.2f} s | load {load} |")  # fmt: skip
 
 

@@ -22,9 +22,21 @@ Note [gloo release]
     (``Tensor._use_count()``) is back to what it was before the collective, i.e. until every work that
     held it is gone, so the last reference is always dropped by Python on the main thread. Long-lived
     buffers (``DBuffer.data``) need nothing. Checked by ``tests/dist/test_teardown.py``.
+
+    The hold itself must not end during finalization: the list of held tensors is a module global,
+    cleared when the interpreter tears the modules down, and an entry a lagging worker still owns then
+    (the last collective of the run, a ``full_tensor()`` just before ``barrier()`` and exit, with the
+    worker descheduled at high load) would be dropped there, leaving the worker to free it with the
+    GIL -- the abort again. So an ``atexit`` handler (run before that teardown, the interpreter whole)
+    keeps every entry still owned by a work alive for good (one more Python reference, never dropped:
+    the worker's release then frees nothing and needs no GIL; the process is ending) and drops the
+    others. ``tests/unit/test_release.py``.
 """
 
 from __future__ import annotations
+
+import atexit
+import ctypes
 
 import torch
 
@@ -59,9 +71,24 @@ def unreleased() -> int:
     return sum(b >= 0 for _, b in _HELD)
 
 
+def keep_unreleased_forever() -> int:
+    """``atexit``: make every held tensor a work still owns immortal (its Python object gets a reference
+    that is never dropped) and forget the rest. Returns how many were kept. Local; idempotent."""
+    kept = 0
+    for t, b in _HELD:
+        if b >= 0 and use_count(t) > b:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))
+            kept += 1
+    _HELD.clear()
+    return kept
+
+
+atexit.register(keep_unreleased_forever)
+
+
 def _prune() -> None:
     if _HELD:
         _HELD[:] = [(t, b) for t, b in _HELD if b < 0 or use_count(t) > b]
 
 
-__all__ = ["hold_until_released", "unreleased", "use_count"]
+__all__ = ["hold_until_released", "keep_unreleased_forever", "unreleased", "use_count"]

@@ -31,6 +31,13 @@ Kinds (each fires once, at the start of step N unless noted):
 - ``truncate``: at the start of step N this rank cuts the ``--data`` token file (a ``.bin``) to half
   of its size when the job opened it, in place (a file cut on a shared file system while the job
   reads it): the first read past the new end is a ``DataError`` naming the file and the offset.
+- ``freeze``: from the start of step N on, this rank's process is stopped (``SIGSTOP``) ``F`` seconds
+  of every ``P`` (``RAGGEDFSDP_FAULT_FREEZE=F/P``, default ``5/6``) by a helper process, then continued
+  (``SIGCONT``): a rank frozen periodically (a paused VM, a swap storm), which the straggler report
+  names. The helper continues the rank and exits at ``Trainer.close`` / the process's exit. POSIX only.
+
+:func:`install` registers the faults as trainer hooks (``train/hooks.py``): the training step itself
+has no fault code.
 
 The older hidden flags ``--debug.fail_rank/fail_step/fail_mode`` map to
 ``raise``/``exit``/``hang``/``savehang``. ``raggedfsdp bench`` honours the step faults (``raise``,
@@ -44,14 +51,15 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["ENV", "Fault", "FaultPlan", "parse_faults"]
+__all__ = ["ENV", "FREEZE_ENV", "Fault", "FaultPlan", "install", "parse_faults"]
 
 ENV = "RAGGEDFSDP_FAULT"
 KINDS = (
     "nan", "inf", "raise", "exit", "hang", "sigint", "sigterm", "badtoken", "shortbatch", "enospc", "eacces",
-    "slowsave", "oom", "nangrad", "nanparam", "swapdata", "savehang", "truncate",
+    "slowsave", "oom", "nangrad", "nanparam", "swapdata", "savehang", "truncate", "freeze",
 )  # fmt: skip
 SLEEP_ENV = "RAGGEDFSDP_FAULT_SLEEP_S"
+FREEZE_ENV = "RAGGEDFSDP_FAULT_FREEZE"
 _ITEM = re.compile(r"^(?P<kind>[a-z]+)@step(?P<step>\d+)(?::rank(?P<rank>\d+))?$")
 
 
@@ -181,3 +189,134 @@ def fault_writer(path, inject: str):
             raise (OSError if inject == "enospc" else PermissionError)(code, os.strerror(code), target)
 
     return _FaultWriter(str(path))
+
+
+def install(trainer) -> None:
+    """Register ``trainer.faults`` (a :class:`FaultPlan`) and the ``--debug.slow_*`` straggler into
+    ``trainer.hooks`` (``train/hooks.py``). Registers nothing when there is no fault (the step then
+    makes no hook call). The hooks read the trainer's attributes when they fire (``sampler``,
+    ``corpus``, ``model``, ``model_cfg``, ``straggler``)."""
+    import dataclasses
+    import time
+
+    plan, hooks, rank, debug = trainer.faults, trainer.hooks, trainer.rank, trainer.cfg.debug
+    if debug.slow_rank >= 0:
+
+        def built():
+            from raggedfsdp.app.train.straggler import inject_slow_rank
+
+            slow_s = inject_slow_rank(trainer.model, debug, rank, trainer.straggler)
+            if slow_s:  # without --debug.slow_unit: late from the step's start
+                hooks.register("step_begin", lambda _step: time.sleep(slow_s))
+
+        hooks.register("built", built)
+    if not plan:
+        return
+
+    def corpus(c):  # swapdata@step0: another corpus of the same size, before the start's agreement
+        return dataclasses.replace(c, train=c.train.flip(0).contiguous()) if plan.take("swapdata", 0) else c
+
+    freezer: list = []
+
+    def step_begin(step):
+        plan.inject_step(step, rank)
+        if plan.take("swapdata", step):  # other data from this step on (found by the step's check)
+            trainer.sampler.tokens = trainer.sampler.tokens.flip(0).contiguous()
+        if plan.take("truncate", step):  # the .bin cut in place: its next read past the end fails
+            truncate_token_file(trainer.corpus.train)
+        if plan.take("freeze", step):
+            freezer.append(start_freezer(os.getpid(), os.environ.get(FREEZE_ENV, "5/6")))
+
+    def batch(b, step, micro):
+        inputs, targets = b
+        if micro == 0 and plan.take("badtoken", step):
+            inputs = inputs.clone()
+            inputs[-1, 3] = trainer.model_cfg.vocab_size
+        if micro == 0 and plan.take("shortbatch", step):
+            inputs, targets = inputs[:-1], targets[:-1]
+        return inputs, targets
+
+    def logits(out, step, micro):
+        if micro == 0 and plan.take("nangrad", step):
+            out.register_hook(lambda g: g * float("nan"))  # this rank's gradients only, loss finite
+
+    def loss(value, step, micro):
+        if micro != 0:
+            return value
+        plan.inject_forward(step)  # oom
+        if plan.take("nan", step):
+            return value * float("nan")
+        return value * float("inf") if plan.take("inf", step) else value
+
+    def after_optimizer(step):
+        if plan.take("nanparam", step):  # one element of this rank's first non-empty shard
+            from torch.distributed.tensor import DTensor
+
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.model.parameters()]
+            next(t for t in local if t.numel()).detach().view(-1)[0] = float("nan")
+
+    def close():
+        while freezer:
+            freezer.pop().stop()
+
+    for event, fn in (("corpus", corpus), ("step_begin", step_begin), ("batch", batch), ("logits", logits),
+                      ("loss", loss), ("after_optimizer", after_optimizer), ("close", close),
+                      ("save_writer", plan.save_writer_factory)):  # fmt: skip
+        hooks.register(event, fn)
+
+
+_FREEZER = """
+import os, signal, sys, time
+pid, frozen, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("ready", flush=True)
+try:
+    while True:
+        time.sleep(period - frozen)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(frozen)
+        os.kill(pid, signal.SIGCONT)
+except ProcessLookupError:
+    pass
+finally:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+"""
+
+
+class _Freezer:
+    def __init__(self, proc) -> None:
+        self.proc = proc
+
+    def stop(self) -> None:
+        """Continue the rank and end the helper (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()  # its handler exits through the finally: SIGCONT
+            self.proc.wait()
+
+
+def start_freezer(pid: int, spec: str) -> _Freezer:
+    """``freeze``: a helper process that stops ``pid`` (``SIGSTOP``) ``F`` s of every ``P`` s
+    (``spec = "F/P"``, ``0 < F < P``) and continues it when it is told to stop or ``pid`` ends.
+    ValueError for a bad ``spec`` or a platform without ``SIGSTOP``."""
+    import atexit
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        frozen, period = (float(x) for x in spec.split("/"))
+    except ValueError:
+        frozen = period = -1.0
+    if not 0 < frozen < period:
+        raise ValueError(f"{FREEZE_ENV}={spec!r}: expected F/P seconds with 0 < F < P, e.g. 5/6")
+    if not hasattr(signal, "SIGSTOP"):
+        raise ValueError(f"{ENV}=freeze@stepN needs SIGSTOP (POSIX); this platform has none")
+    cmd = [sys.executable, "-c", _FREEZER, str(pid), str(frozen), str(period)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()  # started: the first stop comes period - frozen seconds from now
+    freezer = _Freezer(proc)
+    atexit.register(freezer.stop)
+    return freezer

@@ -14,7 +14,6 @@ gradient is therefore the gradient of the mean loss over the global batch, whate
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -44,7 +43,7 @@ from raggedfsdp.app.train.data import (
     windows,
 )
 from raggedfsdp.app.train.data_identity import check_same_corpus, fingerprint, reference_fingerprint
-from raggedfsdp.app.train.faults import FaultPlan, truncate_token_file
+from raggedfsdp.app.train.faults import FaultPlan, install
 from raggedfsdp.app.train.guard import (
     StepGuard,
     check_params,
@@ -54,17 +53,12 @@ from raggedfsdp.app.train.guard import (
     out_of_memory,
     signal_name,
 )
+from raggedfsdp.app.train.hooks import Hooks
 from raggedfsdp.app.train.lr_schedule import lr_at
 from raggedfsdp.app.train.metrics import MetricsLogger, model_flops_per_token, peak_flops, peak_memory_bytes
 from raggedfsdp.app.train.optimizers import build_optimizer
 from raggedfsdp.app.train.run_checkpoints import load_run_checkpoint, pick_resume, save_run_checkpoint
-from raggedfsdp.app.train.straggler import (
-    REPORT_MIN_S,
-    REPORT_PCT,
-    StragglerProbe,
-    describe,
-    inject_slow_rank,
-)
+from raggedfsdp.app.train.straggler import StragglerProbe, describe, named
 from raggedfsdp.app.train.watchdog import Interrupted, NoWatchdog
 
 logger = logging.getLogger(__name__)
@@ -106,7 +100,10 @@ class Trainer:
         self.out_dir = Path(cfg.job.out)
         self.watchdog = watchdog or NoWatchdog()
         self.interrupts = interrupts
+        # what code outside the step may observe or change (train/hooks.py): here the test-only faults
+        self.hooks = Hooks()
         self.faults = FaultPlan.from_env(self.rank, cfg.debug)
+        install(self)
         t = cfg.training
         self.guard = StepGuard(
             rank=self.rank,
@@ -139,8 +136,8 @@ class Trainer:
             source=repr(self.corpus.source),
             val_fraction=cfg.data.val_fraction,
         )
-        if self.faults and self.faults.take("swapdata", 0):  # another corpus of the same size on this rank
-            self.corpus = dataclasses.replace(self.corpus, train=self.corpus.train.flip(0).contiguous())
+        if self.hooks:
+            self.corpus = self.hooks.pipe("corpus", self.corpus)
         # every rank reads the corpus the pre-launch check saw (one all_gather)
         check_same_corpus(fingerprint(self.corpus), device, reference_fingerprint())
         self.sampler = BatchSampler(
@@ -162,9 +159,9 @@ class Trainer:
             self._grad_probe = []
             model.set_nonfinite_grad_probe(self._grad_probe)
 
-        # Straggler attribution: per-rank arrival at each FSDP unit, reported at log steps.
+        # Straggler attribution: per-rank own time between the step's collectives, reported at log steps.
         self.straggler = StragglerProbe(model, self.world_size, self.rank)
-        self._slow_s = inject_slow_rank(model, cfg.debug, self.rank, self.straggler)
+        self.hooks.fire("built")
 
         # Optimizer (train/optimizer_table.py): decay matrices and embeddings, not norm gains.
         self.optimizer = build_optimizer(cfg.optimizer, model)
@@ -206,7 +203,11 @@ class Trainer:
         return box[0]
 
     def close(self) -> None:
-        """Release ``OUT/.lock`` and the metrics file (the process exiting does it too)."""
+        """Release ``OUT/.lock``, the metrics file (the process exiting does it too) and the hooks."""
+        if hasattr(self, "hooks"):
+            self.hooks.fire("close")
+        if hasattr(self, "straggler"):
+            self.straggler.remove()
         lock = getattr(self, "_lock", None)
         if lock is not None:
             lock.release()
@@ -240,7 +241,7 @@ class Trainer:
         return save_run_checkpoint(
             self.ckpt_folder, step, lr, self.cfg, model=self.model, optimizer=self.optimizer,
             config_hash=self.config_hash, world_size=self.world_size, run_id=self.run_id,
-            writer_factory=self.faults.save_writer_factory(step),
+            writer_factory=self.hooks.first("save_writer", step),
         )  # fmt: skip
 
     # -- steps -------------------------------------------------------------------------------
@@ -262,12 +263,8 @@ class Trainer:
 
     def _batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.sampler.get(step, micro)  # (b, T), (b, T)
-        if self.faults and micro == 0:
-            if self.faults.take("badtoken", step):
-                inputs = inputs.clone()
-                inputs[-1, 3] = self.model_cfg.vocab_size
-            if self.faults.take("shortbatch", step):
-                inputs, targets = inputs[:-1], targets[:-1]
+        if self.hooks:
+            inputs, targets = self.hooks.pipe("batch", (inputs, targets), step, micro)
         check_batch(
             inputs,
             targets,
@@ -288,15 +285,9 @@ class Trainer:
         self.watchdog.progress(f"step {step} start", step, phase="train")
         if self._grad_probe is not None:
             self._grad_probe.clear()
-        if self.faults:
-            self.faults.inject_step(step, self.rank)
-            if self.faults.take("swapdata", step):  # other data from this step on (found by the step's check)
-                self.sampler.tokens = self.sampler.tokens.flip(0).contiguous()
-            if self.faults.take("truncate", step):  # the .bin cut in place: its next read past the end fails
-                truncate_token_file(self.corpus.train)
         self.straggler.start_step()
-        if self._slow_s:  # --debug.slow_rank without --debug.slow_unit: late from the step's start
-            time.sleep(self._slow_s)
+        if self.hooks:
+            self.hooks.fire("step_begin", step)
         accum = t.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         self.aux_loss_sum = None  # this step's auxiliary loss (mean over micro-batches), if the model has one
@@ -307,31 +298,27 @@ class Trainer:
             if sync_toggle:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             logits = self.model(inputs)  # (b, T, V)
-            if self.faults and micro == 0 and self.faults.take("nangrad", step):
-                logits.register_hook(lambda g: g * float("nan"))  # this rank's gradients only, loss finite
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
-            if self.faults and micro == 0:
-                self.faults.inject_forward(step)  # oom
-                if self.faults.take("nan", step):
-                    loss = loss * float("nan")
-                elif self.faults.take("inf", step):
-                    loss = loss * float("inf")
+            if self.hooks:
+                self.hooks.fire("logits", logits, step, micro)
+                loss = self.hooks.pipe("loss", loss, step, micro)
             aux = aux_loss(self.model)  # e.g. MoE load balancing (weighted, in the graph); None: dense
             (loss if aux is None else loss + aux / accum).backward()
             loss_sum += loss.detach()
             if aux is not None:
                 prev = self.aux_loss_sum if self.aux_loss_sum is not None else 0.0
                 self.aux_loss_sum = prev + aux.detach().float() / accum
-        self.straggler.stop()
+        self.straggler.after_backward()
         self.watchdog.progress(f"step {step} optimizer", step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         signum = self.interrupts.signum if self.interrupts is not None else 0
         probe = self._grad_probe
         grad_bad = torch.stack([f for _, f in probe]).any() if probe else None
-        stats = self.guard.reduce(
-            [p.grad for p in params], loss_sum, signum=signum, grad_nonfinite=grad_bad,
-            params=list(self.model.parameters()), data=batch_checksums(self.sampler, step, self.dp_rank),
-        )  # fmt: skip
+        with self.straggler.grad_reduce():
+            stats = self.guard.reduce(
+                [p.grad for p in params], loss_sum, signum=signum, grad_nonfinite=grad_bad,
+                params=list(self.model.parameters()), data=batch_checksums(self.sampler, step, self.dp_rank),
+            )  # fmt: skip
         self.last_stats = stats
         check_same_data(step, stats.data, self.tp, self.batch_ids(step), self.corpus.source)
         self.last_applied = self.guard.check(step, stats, self.batch_ids(step), detail=self._nonfinite_detail)
@@ -344,10 +331,10 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-            if self.faults and self.faults.take("nanparam", step):  # one element of this rank's first shard
-                p = next(p for p in self.model.parameters() if _local(p).numel())
-                _local(p).detach().view(-1)[0] = float("nan")
+            if self.hooks:
+                self.hooks.fire("after_optimizer", step)
         self.optimizer.zero_grad(set_to_none=True)
+        self.straggler.end_step()
         dev = self.device  # fill kernels, not host-to-device copies: the host need not wait for the step
         return torch.full((), stats.loss, device=dev), torch.full((), stats.grad_norm, device=dev), lr
 
@@ -500,8 +487,8 @@ class Trainer:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                 slow = self.straggler.report(peak[1:].tolist())
                 if slow is not None:
-                    extra["straggler"] = slow
-                    if slow["excess_pct"] >= REPORT_PCT and slow["excess_s"] >= REPORT_MIN_S:
+                    extra["straggler"] = {**slow, "named": named(slow)}
+                    if named(slow):
                         logger.info("step %d: %s", step, describe(slow))
                 now = time.perf_counter()
                 n = step - mark_step
@@ -551,6 +538,7 @@ class Trainer:
                 t.steps, self.model, self._grad_probe, self.device
             )  # the last update; earlier: the guard
         elapsed = time.perf_counter() - start
+        self.straggler.pause()  # no thread of ours left running after the last step
         self.watchdog.progress("done")
         summary = {
             "steps": t.steps,
