@@ -131,13 +131,11 @@ def _bounded_memory(rank, ws, mesh):
             assert model._raggedfsdp_state.comm.reduces.peak_inflight <= k
             expected = _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws)
             _assert_grads(model, expected, f"K={k}")
-    # Note [early free] with real gloo collectives: once an in-flight reduce-scatter reports completion,
-    # the next hook frees its input, so even with K = 2 no two block reduce-scatter inputs are ever
-    # alive at once; the gradients stay exact. Completion is reported by comm_completion("done"): gloo's
-    # reduce_scatter_tensor work reports is_completed() only after wait() (its copy-out runs there; NCCL's
-    # is an event query), so on gloo the poll itself never frees early.
-    from _memory import comm_completion
-
+    # Note [early free] with real gloo collectives and what they report themselves: once an in-flight
+    # reduce-scatter reports completion, the next hook frees its input, so even with K = 2 no two block
+    # reduce-scatter inputs are ever alive at once; the gradients stay exact. gloo's reduce-scatter work
+    # reports is_completed() only after wait(), so this holds only because the reduce-scatter is settled
+    # when issued (Note [settled reduce-scatter] in raggedfsdp/fsdp/_reduce.py), as FSDP2's synchronous one
     torch.manual_seed(0)
     ref = ToyLM(n_layers)
     model = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh)
@@ -145,12 +143,11 @@ def _bounded_memory(rank, ws, mesh):
     tok_l, tgt_l = _slice(*data[0], rank, ws)
     counter = _LiveGradBuffers(model._raggedfsdp_state.group)
     try:
-        with comm_completion("done"):
-            lm_loss(model, tok_l, tgt_l).backward()
+        lm_loss(model, tok_l, tgt_l).backward()
     finally:
         counter.close()
     assert counter.peak_non_root == 1, (
-        f"early free: {counter.peak_non_root} block reduce-scatter inputs alive at once"
+        f"early free on gloo: {counter.peak_non_root} block reduce-scatter inputs alive at once"
     )
     _assert_grads(model, _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws), "early free")
     with pytest.raises(ValueError, match="max_input_buffers=0"):
