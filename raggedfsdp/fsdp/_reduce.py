@@ -67,6 +67,7 @@ from raggedfsdp.buffer.streams import on_stream
 from raggedfsdp.buffer.wire_reduce import reduce_scatter_wire
 from raggedfsdp.fsdp._agreement import Agreement
 from raggedfsdp.fsdp._common import GradState, RuntimeOptions, check, labelled
+from raggedfsdp.fsdp._loops import unique_by_id
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
@@ -276,16 +277,9 @@ class ReduceQueue:
         groups: dict[int, tuple[FSDPParamGroup, list]] = {}
         for r in attach:
             groups.setdefault(id(r.group), (r.group, []))[1].append(r)
-        for g, rs in groups.values():
-            if len(rs) == 1:  # the per-step case: one reduction of the unit
-                params = rs[0].params
-                g.grads.attach_sharded(list(zip(params, map(used.__getitem__, map(id, params)))))
-                continue
-            acc: dict[int, tuple] = {}
-            for r in rs:
-                for fp in r.params:
-                    acc[id(fp)] = (fp, used[id(fp)])
-            g.grads.attach_sharded(list(acc.values()))
+        for g, rs in groups.values():  # each param once, in order, over the unit's reductions
+            params = unique_by_id([r.params for r in rs])
+            g.grads.attach_sharded(list(zip(params, map(used.__getitem__, map(id, params)))))
 
     def reset(self) -> None:
         """reset_iter_state: wait and drop every record (the agreement is reset by its owner, the
@@ -310,7 +304,7 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     )
     queue.make_room()
     ws = group.shard_world * group.replicate_world
-    factor = grads.divide_factor()
+    factor = group.gradient_divide_factor or float(ws)
     # AVG in the collective when it equals the requested division (no extra kernel); else SUM + one scale
     use_avg = factor == float(ws) and not group.is_hsdp and ws > 1
     op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
@@ -334,9 +328,7 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         group.tensors.clear_unsharded_grads()
         params = tuple(grads.grad_fps)
         flags = grads.take_used_flags()
-        if queue.options.debug_on():
-            group.agree_on_collective("reduce-scatter", group.bufs.grad_layout.total_size)
-        queue.agreement.note(group, "reduce-scatter")
+        queue.agreement.note(group, "reduce-scatter", group.bufs.grad_layout.total_size)
         if group.nonfinite_probe is not None:  # this rank's own grads, before the collective mixes them
             group.nonfinite_probe.append((group.unit_name, _nonfinite(group.bufs)))
         if group.rs_wire_dtype is not None:  # Note [bf16-wire reduce-scatter]
