@@ -487,6 +487,7 @@ class FSDPParamGroup:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
         self._unshard.context = self.comm.agreement.context(self)
+        self.comm.add_gather(self)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
@@ -548,13 +549,15 @@ class FSDPParamGroup:
         ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``): (1) complete the oldest in-flight
         reduce-scatters down to K - 1 (Note [bounded gradient memory] in ``_reduce.py``), (2) reshard,
         (3) fold the gradients autograd kept into the flat grad buffer (Note [grad fold] in ``_grads.py``),
-        (4) reduce-scatter it (or hold it: no-sync). (1) and (2) come before the fold allocates, so at
+        (4) reduce-scatter it (or hold it: no-sync). (1), (2) and the wait of a prefetched all-gather
+        (``CommContext.wait_gathers``) come before the fold allocates, so at
         most K reduce-scatter inputs, one unit's params and one unit's per-parameter grads (the
         prefetched unit's params aside) are alive at any time of backward. Collective."""
         grads, trainable = self.grads, self.any_trainable
         if self.reduce_grads and trainable and grads.grad_state is not GradState.REDUCING:
             self.comm.reduces.make_room()
         self.reshard(free=self.reshard_after_backward)  # before the fold allocates
+        self.comm.wait_gathers()  # ... and the backend scratch of a prefetched all-gather is gone
         any_grad = grads.fold() if trainable else False
         cast = self.reduce_dtype != self.param_dtype
         if grads.after_fold(any_grad, self.reduce_grads, self.all_reduce_grads, cast):

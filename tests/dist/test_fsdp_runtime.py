@@ -142,13 +142,29 @@ def _bounded_memory(rank, ws, mesh):
     model.set_reduce_scatter_max_input_buffers(2)
     tok_l, tgt_l = _slice(*data[0], rank, ws)
     counter = _LiveGradBuffers(model._raggedfsdp_state.group)
+    # and no all-gather (a prefetch) is still unwaited when a post-backward folds its grads into the flat
+    # buffer: gloo's all-gather owns a full-size scratch until waited (CommContext.wait_gathers)
+    from raggedfsdp.fsdp._grads import UnitGrads
+
+    groups = [st.group for m in model.modules() if (st := getattr(m, "_raggedfsdp_state", None)) and st.group]
+    seen, orig_fold = [], UnitGrads.fold
+
+    def fold(self):
+        seen.append([(g.unit_name, g._unshard.waited) for g in groups if g._unshard is not None])
+        return orig_fold(self)
+
+    UnitGrads.fold = fold
     try:
         lm_loss(model, tok_l, tgt_l).backward()
     finally:
         counter.close()
+        UnitGrads.fold = orig_fold
     assert counter.peak_non_root == 1, (
         f"early free on gloo: {counter.peak_non_root} block reduce-scatter inputs alive at once"
     )
+    assert any(seen), f"no all-gather in flight at any fold: the check is vacuous ({seen})"
+    unwaited = [s for s in seen if not all(w for _, w in s)]
+    assert not unwaited, f"all-gathers not waited before a fold allocates the grad buffer: {unwaited}"
     _assert_grads(model, _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws), "early free")
     with pytest.raises(ValueError, match="max_input_buffers=0"):
         model.set_reduce_scatter_max_input_buffers(0)
