@@ -183,10 +183,6 @@ class DBuffer:
         self.data.zero_()
         return self
 
-    def scale_(self, factor: float) -> DBuffer:
-        self.data.mul_(factor)
-        return self
-
     # ---- collectives (in place, even-sized) ------------------------------------------------
     def all_gather_from(self, shard: torch.Tensor, group, async_op: bool = False):
         """Fill this global buffer from every rank's ``(S,)`` ``shard``. Collective over ``group``.

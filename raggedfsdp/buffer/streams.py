@@ -186,19 +186,58 @@ class CommHandle:
             if _MODEL[0] is not None:
                 _MODEL[0].wait_handle(stream, self)
             if self.work is not None:
-                try:
-                    self.work.wait()
-                except RuntimeError as e:  # a peer aborted (e.g. gloo's size check) or timed out
-                    ctx = self.context() if self.context is not None else ""
-                    raise CollectiveError(f"raggedfsdp: the {self.what}{ctx} failed: {e}") from e
+                self._wait_work()
                 if dev.type == "cpu":
                     # gloo's Work owns clones of its inputs: drop it once the host has waited (on CPU a
                     # completed wait orders every later use), or the scratch stays alive with the handle
                     self.work = None
-            wait_stream(stream, self.stream)  # local copies issued on the side stream
+            wait_stream(stream, self.stream)  # local copies and settled collectives on the side stream
         self.waited_on.add(key)
         for b in self.buffers:
             b._note_waited(self, key)
+
+    def settle(self) -> None:
+        """Wait the collective on the stream it was issued from, now: what a synchronous c10d call does
+        (torch's FSDP2 issues its reduce-scatter so, ``_fsdp_collectives.py: foreach_reduce``). On CUDA
+        that stream waits for it and the host does not; on gloo the host blocks until it is done and
+        the work is dropped, with the scratch clone of the input gloo's reduce-scatter holds until
+        ``wait()`` (Note [settled reduce-scatter] in ``raggedfsdp/fsdp/_reduce.py``). For every other
+        stream the handle stays pending: :meth:`wait` still orders a stream after it, :meth:`is_done`
+        asks an event recorded after it (CPU: done). Local; a no-op without a work or once settled."""
+        if self.work is None or isinstance(self.work, _Settled):
+            return
+        with on_stream(self.stream):
+            self._wait_work()
+        event = None
+        if self.stream is not None and _MODEL[0] is None:  # a CUDA side stream: query it later
+            event = new_event(self.buffers[0].data.device)
+            record_event(event, self.stream)
+        self.work = _Settled(event)
+
+    def _wait_work(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as e:  # a peer aborted (e.g. gloo's size check) or timed out
+            ctx = self.context() if self.context is not None else ""
+            raise CollectiveError(f"raggedfsdp: the {self.what}{ctx} failed: {e}") from e
+
+
+class _Settled:
+    """The work of a settled collective (:meth:`CommHandle.settle`): already waited on its issuing
+    stream. ``is_completed()``: that stream has passed it (an event query on CUDA; True on CPU, where
+    the host waited). ``wait()``: nothing more; :meth:`CommHandle.wait` orders the waiting stream after
+    the issuing one."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 __all__ = [

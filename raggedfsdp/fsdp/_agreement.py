@@ -18,7 +18,8 @@ Note [unit agreement]
     memory with an event and checked at the next root forward (or the next check), so the step has no
     host sync; a mismatch then raises one step late -- the optimizer step of that iteration used the
     wrong gradients, and the message says so (restore the last checkpoint). ``RAGGEDFSDP_DEBUG=1``
-    checks every collective before it runs instead. ``RuntimeOptions.agreement_check`` = "auto"
+    checks every all-gather and reduce-scatter before it runs instead, in the same :meth:`Agreement.note`
+    (:meth:`Agreement.check_now`), so one mechanism does both. ``RuntimeOptions.agreement_check`` = "auto"
     (that rule), "immediate" (always read at once) or "deferred" (always defer; used by the CPU tests).
     Mismatched collectives of *different* sizes do not get that
     far: gloo aborts the rank with the smaller buffer ("Received data size doesn't match expected
@@ -41,6 +42,7 @@ from raggedfsdp._release import hold_until_released, use_count
 
 from raggedfsdp.buffer import CommHandle
 from raggedfsdp.fsdp._common import CollectiveMismatchError, RuntimeOptions, attr_scan
+from raggedfsdp.fsdp._loops import or_into
 
 _SHARDED_REQUIRES_GRAD = operator.attrgetter("sharded.requires_grad")
 
@@ -78,14 +80,41 @@ class Agreement:
     counts: dict = field(default_factory=dict)  # unit id -> collectives issued since the last check
     pending: list[DeferredCheck] = field(default_factory=list)  # read at the next check
 
-    def note(self, group: FSDPParamGroup, kind: str) -> None:
-        """Record that this rank issues ``kind`` for ``group``. Local, O(1)."""
+    def note(self, group: FSDPParamGroup, kind: str, numel: int | None = None) -> None:
+        """Record that this rank issues ``kind`` for ``group`` (``numel`` elements over its shard group).
+        Local, O(1); in debug mode (``RuntimeOptions.debug_on``) with ``numel`` given, first
+        :meth:`check_now`: collective (one small blocking all-reduce over the shard group)."""
+        if numel is not None and self.options.debug_on():
+            self.check_now(group, kind, numel)
         code = (group.unit_id + 1) * 4 + _KINDS[kind]
         self.seq_hash = (self.seq_hash * _HASH_MUL + code) % _HASH_MOD
         self.seq_len += 1
         self.counts[group.unit_id] = self.counts.get(group.unit_id, 0) + 1
         if len(self.seq) < _SEQ_KEEP:
             self.seq.append((group.unit_name, kind))
+
+    def check_now(self, group: FSDPParamGroup, kind: str, numel: int) -> None:
+        """Debug mode: check, before it runs, that every rank of ``group``'s shard group issues this
+        collective for the same unit (id and size), so collectives of different units never pair up
+        silently (e.g. data-dependent routing that runs a unit on some ranks only). Raises
+        ``RuntimeError`` naming both units. Collective (one small blocking MAX all-reduce)."""
+        if group.shard_world == 1:
+            return
+        uid = group.unit_id
+        dev = group.device if group.device.type == "cuda" else "cpu"
+        t = torch.tensor([uid, -uid, numel, -numel], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.shard_group)
+        hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
+        if hi_id != -lo_id or hi_n != -lo_n:
+            raise RuntimeError(
+                f"raggedfsdp: collective mismatch on rank {dist.get_rank()}: this rank issues the {kind} of "
+                f"FSDP unit {group.unit_name!r} (#{uid}, {numel} elements) while another rank of its group "
+                f"issues one of unit #{-lo_id if -lo_id != uid else hi_id} "
+                f"({-lo_n if -lo_n != numel else hi_n} elements). Every rank must run the same FSDP units in "
+                "the same order; a unit run by only some ranks (data-dependent routing, e.g. MoE experts as "
+                "separate units) must be run on every rank (with an empty input) or merged into a unit that "
+                "every rank runs"
+            )
 
     def ran(self) -> str:
         """This rank's collectives since the last check, for error messages."""
@@ -140,12 +169,7 @@ class Agreement:
         self.check_pending()  # the previous backward's deferred check first
         local_or: dict[int, bool] = {}
         for r in recs:
-            ids = list(map(id, r.params))
-            if local_or.keys().isdisjoint(ids):  # the per-step case: one reduction per unit
-                local_or.update(zip(ids, map(bool, r.flags)))
-                continue
-            for i, f in zip(ids, r.flags):
-                local_or[i] = local_or.get(i, False) or bool(f)
+            or_into(local_or, list(map(id, r.params)), r.flags)
         units = list(self.units) or list({id(r.group): r.group for r in recs}.values())
         by_mesh: dict[tuple, list] = {}
         for g in units:

@@ -20,6 +20,8 @@ class CommContext:
     * ``reduces``: the bounded FIFO of in-flight reductions (Note [bounded gradient memory]).
     * ``agreement``: what this rank issued since the last check, and the deferred checks (Note [unit
       agreement] in ``_agreement.py``); every all-gather, reduce-scatter and all-reduce notes itself.
+    * ``gathers``: the units whose all-gather was issued and not yet waited (a prefetch);
+      :meth:`wait_gathers` waits them before a post-backward allocates its grad buffer.
     * ``post_optim_event``: ``FSDPModule.set_post_optim_event``'s event, waited once by the root.
     * ``options``: the :class:`~raggedfsdp.fsdp._common.RuntimeOptions` of the root (shared with
       ``reduces`` and ``agreement``).
@@ -33,6 +35,7 @@ class CommContext:
         self.ag_stream = None
         self.agreement = Agreement(self.options)
         self.reduces = ReduceQueue(agreement=self.agreement, options=self.options)
+        self.gathers: list = []
         self.pre_forward_order: list = []
         self.prev_pre_forward_order: list = []
         self.post_optim_event = None  # FSDPModule.set_post_optim_event: waited at the next root pre-forward
@@ -45,7 +48,28 @@ class CommContext:
         """reset_iter_state: drop every reduction and the agreement state. Local (waits issued work)."""
         self.reduces.reset()
         self.agreement.reset()
+        self.gathers = []
         self.pre_forward_order = []
+
+    def add_gather(self, group) -> None:
+        """``group`` issued an all-gather (dropping units whose gather was waited since: the list stays
+        as short as the gathers in flight, also in forward-only loops). Local."""
+        self.gathers = [g for g in self.gathers if g._unshard is not None]
+        self.gathers.append(group)
+
+    def wait_gathers(self) -> None:
+        """Order the compute stream after every all-gather in flight (a prefetched unit's), so that its
+        backend scratch is gone before a post-backward allocates the flat grad buffer. The next unit's
+        pre-backward would wait it next anyway, and the reduce-scatter that follows runs after it on
+        the same communicator, so nothing that could overlap is delayed but the fold's copy. On gloo
+        the host blocks until it is done and drops the work, which owns a full-size scratch output
+        (``aten::empty < gloo:all_gather``) until then: without this wait it was alive at the gloo
+        backward peak (``benchmarks/README.md``, "Settled reduce-scatter"). Local; the unit still
+        registers its params in ``wait_for_unshard`` (``CommHandle.wait`` is idempotent)."""
+        for g in self.gathers:
+            if g._unshard is not None:
+                g._unshard.wait(g.compute_stream())
+        self.gathers = []
 
     def start_forward(self) -> None:
         """Root pre-forward: the finished iteration's order becomes the prefetch schedule."""

@@ -5,9 +5,11 @@
 sharded grads, HSDP's deferred partial sum, the grad members, the used flags); the reduce records of
 ``_reduce.py`` change it only through its transition methods (``reduce_started``,
 ``reduce_scattered``, ``defer_partial``, ``take_partial``, ``reductions_finished``). The buffer
-transitions are :class:`raggedfsdp.buffer.UnitBuffers`.
+transitions are :class:`raggedfsdp.buffer.UnitBuffers`. The order of a unit's post-backward (make
+room, reshard, :meth:`UnitGrads.fold`, :meth:`UnitGrads.after_fold`, launch the reduce) is the group's,
+``FSDPParamGroup.post_backward``, as in torch's FSDP2.
 
-State machine (``GradState``)::
+State machine (``GradState``; ``post_backward`` is the group's)::
 
     NONE --prepare()--> ACCUMULATING --post_backward()--> REDUCING --reduce_scattered()--> NONE
                                      \\--no-sync--> HELD --next synced post_backward()--> REDUCING
@@ -93,7 +95,7 @@ from raggedfsdp.fsdp._common import (
     check,
     labelled,
 )
-from raggedfsdp.fsdp._reduce import launch_reduce
+from raggedfsdp.fsdp._loops import pairs_to_fold, same_objects, to_attach
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
@@ -105,14 +107,21 @@ class UnitGrads:
     """The gradient state of one FSDP unit and its transitions (see the module notes).
 
     Args:
-        group: the unit; read for its params, buffers, settings and communication context, and asked
-            to reshard in ``post_backward``.
+        group: the unit, read for what changes during its life: its buffers (``bufs``, new after
+            ``reset_sharded_storage``), its trainable params (``trainable`` / ``tensors``, refreshed at
+            each unshard), its reduce queue (``comm.reduces``, shared at the root's lazy init) and its
+            name. The order of the post-backward is the group's (``FSDPParamGroup.post_backward``);
+            the settings it decides by (``reduce_grads``, ``all_reduce_grads``, the dtypes) are passed in.
+        fsdp_params: the unit's params, in unit order (fixed for the unit's life).
+        index: ``id(fsdp_param) -> its index`` in ``fsdp_params``.
     """
 
-    def __init__(self, group: FSDPParamGroup):
+    def __init__(self, group: FSDPParamGroup, fsdp_params: list[FSDPParam], index: dict[int, int]):
         self.group = group
+        self.fsdp_params = fsdp_params
+        self.index = index
         self.grad_state = GradState.NONE
-        self.grad_fps: list[FSDPParam] = list(group.trainable)  # params with gradient storage
+        self.grad_fps: list[FSDPParam] = [fp for fp in fsdp_params if fp.requires_grad]  # with grad storage
         self._plan = _AttachPlan(None, [], [], [], [], None, [], [])  # attach_sharded's per-layout lists
         self.sg_pending = False  # the sharded grad buffer holds this backward's values, .grad not yet set
         self.partial_reduce: torch.Tensor | None = None  # HSDP: shard-reduced grads awaiting all-reduce
@@ -154,9 +163,9 @@ class UnitGrads:
         """Register :meth:`on_grad` as ``fp``'s unsharded-param tensor pre-hook if ``fp`` is one of the
         unit's poll points: at most ``POLL_HOOKS_PER_UNIT`` params, spread evenly over the unit (Note
         [grad hooks]). Local."""
-        n = len(self.group.fsdp_params)
+        n = len(self.fsdp_params)
         p = min(n, POLL_HOOKS_PER_UNIT)
-        i = self.group._index[id(fp)]
+        i = self.index[id(fp)]
         if (i * p) // n != ((i + 1) * p) // n:  # i ends one of p equal runs of the unit's params
             fp.unsharded.register_hook(functools.partial(self.on_grad, fp))  # C partial: 1 Python frame
             fp.hooked = True
@@ -252,36 +261,34 @@ class UnitGrads:
             or self.group.bufs.has_grads()
             or self.partial_reduce is not None
         )
-        if not held and _same(self.grad_fps, self.group.trainable):
+        if not held and same_objects(self.grad_fps, self.group.trainable):
             return  # the per-step case: the members are the trainable params (refreshed at each unshard)
         have = {id(fp) for fp in self.grad_fps}
-        want = [fp for fp in self.group.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
+        want = [fp for fp in self.fsdp_params if fp.requires_grad or (held and id(fp) in have)]
         if {id(fp) for fp in want} == have:
             return
         if self.grad_state is GradState.REDUCING:
             self.group.comm.reduces.complete_group(self.group)
         keep = {id(fp) for fp in want}
-        for fp in self.group.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
+        for fp in self.fsdp_params:  # sharded .grad views of the old buffer: copy out or re-point below
             if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad and id(fp) not in keep:
                 fp.sharded.grad = DTensor(fp.sharded_grad._local_tensor.clone(), fp.spec, requires_grad=False)
         kept = [fp for fp in want if fp.sharded_grad is not None and fp.sharded.grad is fp.sharded_grad]
-        old = self.group.bufs.set_grad_members(
-            tuple(self.group._index[id(fp)] for fp in want) if want else None
-        )
+        old = self.group.bufs.set_grad_members(tuple(self.index[id(fp)] for fp in want) if want else None)
         if old is not None and self.partial_reduce is not None:  # HSDP deferred all-reduce
             self.partial_reduce = self.group.bufs.relayout_sharded(self.partial_reduce, old)
-        for fp in self.group.fsdp_params:
+        for fp in self.fsdp_params:
             fp.sharded_grad = None
         for fp in kept:
             fp.sharded_grad = DTensor(
-                self.group.bufs.sharded_grad_buffer().local_view(self.group._index[id(fp)]),
+                self.group.bufs.sharded_grad_buffer().local_view(self.index[id(fp)]),
                 fp.spec,
                 requires_grad=False,
             )
             fp.sharded.grad = fp.sharded_grad
         self.grad_fps = want
 
-    def _collect_stray(self) -> bool:
+    def fold(self) -> bool:
         """Fold the grads autograd kept as its own tensors into the flat buffer and drop them (Note [grad
         fold]). True if the unit has grads to reduce (a unit whose pre-backward ran counts
         even if no gradient reached it on this rank: every rank that ran the unit's backward must take
@@ -293,18 +300,14 @@ class UnitGrads:
         if all_none(grads):
             stray = []
         else:  # a grad autograd kept as its own tensor (not a pre-set view of the buffer), in C loops
-            keep = map(operator.is_not, grads, itertools.repeat(None))
-            if not compact:
-                keep = map(operator.and_, keep, map(operator.is_not, grads, map(_GRAD_VIEW, fps_all)))
-            keep = list(keep)
-            stray = list(zip(itertools.compress(fps_all, keep), itertools.compress(grads, keep)))
+            stray = pairs_to_fold(fps_all, grads, None if compact else list(map(_GRAD_VIEW, fps_all)))
         if stray:
             if self.grad_state is GradState.REDUCING:  # a second backward through this unit
                 self.group.comm.reduces.complete_group(self.group)
             if self.grad_state is GradState.NONE:
                 self.grad_state = GradState.ACCUMULATING
 
-            index = self.group._index
+            index = self.index
             if any(issubclass(t, DTensor) for t in set(map(type, grads))):
                 # TP grads autograd left Partial: redistribute one at a time, freeing autograd's as we go
                 fps = [fp for fp, _ in stray]
@@ -331,49 +334,41 @@ class UnitGrads:
             self.group.bufs.begin_grads()
         return any_grad
 
-    def post_backward(self) -> None:
-        """Reduce-scatter (and HSDP all-reduce) the unit's grads if sync is on; reshard. Collective.
-
-        Order (Note [grad fold]): complete the oldest reduce-scatters down to K - 1 in flight and free
-        the unsharded params *before* the flat grad buffer is allocated, so that at most K reduce-scatter
-        inputs, one unit's params and one unit's per-parameter grads (the prefetched unit's params aside)
-        are alive at any time of backward, as in FSDP2."""
-        if self.group.reduce_grads and self.group.any_trainable and self.grad_state is not GradState.REDUCING:
-            self.group.comm.reduces.make_room()
-        self.group.reshard(free=self.group.reshard_after_backward)  # before the fold allocates
-        any_grad = self._collect_stray() if self.group.any_trainable else False
+    def after_fold(self, any_grad: bool, reduce_grads: bool, all_reduce_grads: bool, cast: bool) -> bool:
+        """The step of the unit's post-backward after the fold (``FSDPParamGroup.post_backward`` owns the
+        order): True if the grads are to be reduce-scattered now (a zero buffer when this rank ran the
+        unit's backward without grads); otherwise drop them (none) or hold them (``reduce_grads`` off:
+        no-sync, accumulating in ``reduce_dtype`` like FSDP2: ``cast``, ``reduce_dtype != param_dtype``).
+        Local."""
         if self.grad_state is GradState.REDUCING:
-            return  # already launched (e.g. the final callback after the post-backward hook)
-        if not any_grad and self.holds_unreduced():  # HSDP: a deferred partial sum awaits its all-reduce
-            self.grad_state, any_grad = (
-                GradState.ACCUMULATING,
-                True,
-            )  # (it rides on a reduce-scatter of zeros)
+            return False  # already launched (e.g. the final callback after the post-backward hook)
+        if not any_grad and self.holds_unreduced(reduce_grads, all_reduce_grads):
+            # HSDP: a deferred partial sum awaits its all-reduce (it rides on a reduce-scatter of zeros)
+            self.grad_state, any_grad = GradState.ACCUMULATING, True
         if not any_grad:
             self._drop_unsharded()
-            return
-        if not self.group.reduce_grads:  # no-sync: keep accumulating (in reduce_dtype, like FSDP2)
-            if self.group.reduce_dtype != self.group.param_dtype and self.group.bufs.grads.is_allocated:
-                self.group.bufs.hold_grads()
+            return False
+        bufs = self.group.bufs
+        if not reduce_grads:
+            if cast and bufs.grads.is_allocated:
+                bufs.hold_grads()
             for fp in self.grad_fps:
                 fp.unsharded.grad = None
             self.grad_state = GradState.HELD
-            return
-        if not self.group.bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
-            self.group.bufs.begin_grads()
-        launch_reduce(self.group, self.group.comm.reduces)
+            return False
+        if not bufs.has_grads():  # ran backward but no param got a gradient here: reduce zeros
+            bufs.begin_grads()
+        return True
 
-    def holds_unreduced(self) -> bool:
+    def holds_unreduced(self, reduce_grads: bool, all_reduce_grads: bool) -> bool:
         """True if this unit holds grads of earlier micro-batches that a synced backward must reduce even
         though the unit did not run in it (as FSDP2, whose final callback runs every group's
         post-backward): no-sync grads (``HELD``), or HSDP's partial sum whose all-reduce was deferred by
         ``set_requires_all_reduce(False)``. Local; the same on every rank that ran the same units."""
-        if not self.group.reduce_grads:
+        if not reduce_grads:
             return False
         return self.grad_state is GradState.HELD or (
-            self.grad_state is GradState.NONE
-            and self.partial_reduce is not None
-            and self.group.all_reduce_grads
+            self.grad_state is GradState.NONE and self.partial_reduce is not None and all_reduce_grads
         )
 
     def _drop_unsharded(self) -> None:
@@ -392,16 +387,13 @@ class UnitGrads:
             self.partial_flags = None
         return flags
 
-    def divide_factor(self) -> float:
-        return self.group.gradient_divide_factor or float(self.group.shard_world * self.group.replicate_world)
-
     def release_unused_sharded(self) -> None:
         """Free the sharded grad buffer if no sharded param holds a ``.grad`` and no reduction of this
         iteration wrote it (called by the root before forward). Local."""
         if self.sg_pending:
             return
         with attr_scan():
-            if not all_none(map(_SHARDED_PARAM_GRAD, self.group.fsdp_params)):
+            if not all_none(map(_SHARDED_PARAM_GRAD, self.fsdp_params)):
                 return
         self.group.bufs.release_sharded_grads()
 
@@ -429,13 +421,13 @@ class UnitGrads:
             buf = self.group.bufs.sharded_grad_buffer()
             for fp in self.grad_fps:
                 if fp.sharded.grad is None:
-                    buf.local_view(self.group._index[id(fp)]).zero_()
+                    buf.local_view(self.index[id(fp)]).zero_()
         return fresh
 
     def _adopt_foreign_grad(self, fp: FSDPParam) -> None:
         # the user replaced .grad with another tensor: move its values into our buffer view
         buf = self.group.bufs.sharded_grad_buffer()
-        i = self.group._index[id(fp)]
+        i = self.index[id(fp)]
         g = fp.sharded.grad
         local = g._local_tensor if isinstance(g, DTensor) else g
         buf.local_view(i).copy_(local.reshape(-1))
@@ -457,12 +449,12 @@ class UnitGrads:
         base = buf.data  # views of it stay valid while it is freed and re-grown (Note [DBuffer roles])
         fps, us = zip(*used) if used else ((), ())
         with attr_scan():
-            held = map(operator.is_not, map(_SHARDED_PARAM_GRAD, fps), itertools.repeat(None))
-            todo = list(itertools.compress(fps, map(operator.or_, us, held)))
+            todo = to_attach(fps, us, list(map(_SHARDED_PARAM_GRAD, fps)))
             shardeds = list(map(_SHARDED, todo))
             hooks = list(map(POST_ACCUMULATE_GRAD_HOOKS, shardeds))
         plan = self._attach_plan(buf)
-        if _same(todo, plan.fps) and not any(hooks) and _no_sharded_grads(todo):  # {} after a removed hook
+        # ({} after a removed hook: any() is False)
+        if same_objects(todo, plan.fps) and not any(hooks) and _no_sharded_grads(todo):
             # every piece in one split (a third of 785 narrow calls' time), picked in member order
             views = map(base.split_with_sizes(plan.split_sizes).__getitem__, plan.pick)
             sgs = list(map(_dtensor_wrap(), views, plan.specs))
@@ -477,8 +469,8 @@ class UnitGrads:
             if not self.group.bufs.hand_off_sharded_grads():
                 return
         # Note [sharded grad lifetime]: the .grad views own the storage from here on
-        assign_each(self.group.fsdp_params, "sharded_grad", itertools.repeat(None))
-        assign_each(self.group.fsdp_params, "sharded_grad_base", itertools.repeat(None))
+        assign_each(self.fsdp_params, "sharded_grad", itertools.repeat(None))
+        assign_each(self.fsdp_params, "sharded_grad_base", itertools.repeat(None))
 
     def _attach_plan(self, buf) -> _AttachPlan:
         """The sharded grad buffer's per-member local pieces, rebuilt when the layout, the members or the
@@ -487,10 +479,10 @@ class UnitGrads:
         if (
             plan.layout is not buf.layout
             or plan.tensors is not self.group.tensors
-            or not _same(plan.fps, self.grad_fps)
+            or not same_objects(plan.fps, self.grad_fps)
         ):
             fps = list(self.grad_fps)
-            index = self.group._index
+            index = self.index
             pieces = [buf.layout.piece(index[id(fp)], buf.rank) for fp in fps]
             offs = [buf.layout.shard_offset(index[id(fp)], buf.rank) for fp in fps]
             numels = [b - a for a, b in pieces]
@@ -517,7 +509,7 @@ class UnitGrads:
             if sg is None or fp.sharded_grad_base is not base:  # built once per sharded grad buffer
                 span = spans.get(id(fp))
                 if span is None:  # not a grad member of this layout (it left the set with its .grad)
-                    i = self.group._index[id(fp)]
+                    i = self.index[id(fp)]
                     a, b = buf.layout.piece(i, buf.rank)
                     span = (buf.layout.shard_offset(i, buf.rank), b - a)
                 view = base.narrow(0, *span)  # buf.local_view(i)
@@ -534,7 +526,7 @@ class UnitGrads:
         """reset_iter_state for this unit's gradients: drop unsharded grads, free their buffer, clear every
         per-iteration field. Local."""
         g = self.group
-        for fp in g.fsdp_params:
+        for fp in self.fsdp_params:
             if fp.unsharded is not None:
                 fp.unsharded.grad = None
             fp.got_grad = False
@@ -573,12 +565,6 @@ _SHARDED_GRAD = operator.attrgetter("sharded_grad")
 @functools.cache
 def _dtensor_wrap():
     return dtensor_wrapper()  # resolved at first use: importing raggedfsdp reads no torch internal
-
-
-def _same(a: list, b: list) -> bool:
-    """``a`` and ``b`` hold the same objects in the same order (identity: FSDPParam's ``==`` compares
-    tensors; the loop in C)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _no_sharded_grads(fps: list[FSDPParam]) -> bool:

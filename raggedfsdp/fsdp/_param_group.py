@@ -43,14 +43,14 @@ from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import FSDPParam, GradState, ParamState, check, contiguous_stride, labelled
 from raggedfsdp.fsdp._common import ParamTensors
 from raggedfsdp.fsdp._grads import UnitGrads
+from raggedfsdp.fsdp._reduce import launch_reduce
 from raggedfsdp.fsdp._tp import local_tensor, spmd_mesh, tp_spec_of
+from raggedfsdp.fsdp._unit_checks import reshard_replacement, warn_padding
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import padding_vs_fsdp2, plan_segments
+from raggedfsdp.planner import plan_segments
 from raggedfsdp.planner.policy import granularity_for, ragged_dims
 
 COLLECTIVE_ALIGN_BYTES = 16  # NCCL-friendly shard alignment (paper-notes 2.2, "g_coll")
-PADDING_WARN_EXCESS = 0.03  # warn when a unit pads this fraction of its elements more than FSDP2 would
-_padding_warned: set = set()
 
 
 def _mark_units_stepped(optimizer, *_args, **_kwargs) -> None:
@@ -182,7 +182,7 @@ class FSDPParamGroup:
             order="best",
             shapes=[tuple(fp.shape) for fp in self.fsdp_params],
         )
-        self._warn_padding()
+        warn_padding(self.layout, self.fsdp_params)
         self.quant_gather = None  # Note [quantized all-gather] in raggedfsdp/buffer/quant_gather.py
         if all_gather_policy is not None:
             self.quant_gather = QuantizedGather(
@@ -195,7 +195,7 @@ class FSDPParamGroup:
         self.bufs = self._make_buffers(self.storage_device if device.type != "meta" else device)
         self.trainable = [fp for fp in self.fsdp_params if fp.requires_grad]  # refreshed at each unshard
         self._index = {id(fp): i for i, fp in enumerate(self.fsdp_params)}
-        self.grads = UnitGrads(self)  # the gradient state (Note [frozen parameters]: its grad members)
+        self.grads = UnitGrads(self, self.fsdp_params, self._index)  # the gradient state
         self._set_grad_members_of_bufs()
         self._init_sharded(params)
         self._init_unsharded()
@@ -227,43 +227,6 @@ class FSDPParamGroup:
         self.post_forward_rank = 0
         self.post_forward_buf: torch.Tensor | None = None  # the kept 1/k slice
         self._post_forward_version = -1  # master version the slice was cut at
-
-    def _warn_padding(self) -> None:
-        """Warn once per unit (on global rank 0) when its layout pads ``PADDING_WARN_EXCESS`` of its
-        elements more than torch's ``fully_shard`` would (its dim-0 padding): blocks never cut by a rank
-        boundary (a block policy: rows, tiles, Shampoo bands) cost memory at large world sizes. The
-        default (element granularity, no ``shard_placement_fn``) pads at most ``align`` elements per
-        rank and never warns: padding the alignment alone causes (a tiny unit) is not counted. Local."""
-        import warnings
-
-        import torch.distributed as dist
-
-        ours, ref = padding_vs_fsdp2(self.layout)
-        lay = self.layout  # the collective alignment alone (no block) pads each segment to m x align elements
-        chunk = lay.world_size * lay.align
-        seg = [0] * len(lay.segment_spans)
-        for i, e in enumerate(lay.numels):
-            seg[lay.segment_of(i)] += e
-        aligned = sum(-(-e // chunk) * chunk - e for e in seg) / max(lay.total_numel, 1)
-        key = tuple(fp.fqn for fp in self.fsdp_params)
-        if ours - max(ref, aligned) <= PADDING_WARN_EXCESS or key in _padding_warned:
-            return
-        _padding_warned.add(key)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        coarse = sorted(self.fsdp_params, key=lambda fp: -fp.granularity)[:3]
-        blocks = ", ".join(f"{fp.fqn!r} {tuple(fp.shape)} ({fp.granularity} elements)" for fp in coarse)
-        names = ", ".join(key[:4]) + (f", ... ({len(key)} params)" if len(key) > 4 else "")
-        warnings.warn(
-            f"raggedfsdp.fully_shard: the FSDP unit of {names} pads {ours:.1%} of its "
-            f"{self.layout.total_numel} elements on {self.layout.world_size} ranks (torch's fully_shard: "
-            f"{ref:.1%}) because no rank boundary may cut a block; its largest blocks: {blocks}. Only "
-            "structure-aware optimizers need blocks (AdamW8bit, Shampoo: their shard_placement_fn). For "
-            "AdamW, SGD and raggedfsdp.optim.Muon leave shard_placement_fn unset (the default, element "
-            "granularity, pads least); otherwise give blocks only to the parameters that need them, or "
-            "shard over fewer ranks (HSDP: a 2-D mesh)",
-            stacklevel=4,
-        )
 
     def _make_buffers(self, storage: torch.device) -> UnitBuffers:
         return UnitBuffers(
@@ -463,7 +426,7 @@ class FSDPParamGroup:
                 or new.device_mesh != fp.spec.mesh
                 or tuple(new.placements) != tuple(fp.spec.placements)
             ):
-                new = self._reshard_replacement(new, fp)
+                new = reshard_replacement(new, fp)
             for attr in ("_raggedfsdp_owner", "_raggedfsdp_unit"):
                 if hasattr(fp.sharded, attr):
                     setattr(new, attr, getattr(fp.sharded, attr))
@@ -473,38 +436,6 @@ class FSDPParamGroup:
         if changed:
             self.tensors = ParamTensors(self.fsdp_params)  # current even if the reset below raises
             self.reset_sharded_storage()
-
-    def _reshard_replacement(self, new: torch.Tensor, fp: FSDPParam) -> nn.Parameter:
-        """``new`` (a full plain tensor, or a DTensor on the unit's 1-D mesh) as an ``nn.Parameter`` DTensor
-        with ``fp``'s spec; ``ValueError`` if that is not possible (see ``adopt_registered_params``)."""
-        mesh, placements = fp.spec.mesh, tuple(fp.spec.placements)
-        plain_ok = not isinstance(new, DTensor) and fp.tp_spec is None
-        dtensor_ok = isinstance(new, DTensor) and new.device_mesh == mesh
-        if new.shape != fp.sharded.shape or mesh.ndim != 1 or not (plain_ok or dtensor_ok):
-            what = (
-                f"a DTensor with placements {tuple(new.placements)} on {new.device_mesh}"
-                if isinstance(new, DTensor)
-                else f"a {type(new).__name__} of shape {tuple(new.shape)}"
-            )
-            raise ValueError(
-                f"raggedfsdp: {what} was registered in place of the sharded parameter {fp.fqn!r} (shape "
-                f"{tuple(fp.sharded.shape)}, placements {placements}); register a full tensor of that shape "
-                "or a DTensor on the parameter's own mesh (e.g. distribute_tensor(full, p.device_mesh, "
-                "p.placements), or load through DCP)"
-            )
-        with torch.no_grad():
-            full = new.full_tensor() if isinstance(new, DTensor) else new.detach()
-            (pl,) = placements
-            if isinstance(pl, RaggedShard):
-                local = pl.shard_full(full, mesh.get_local_rank())
-            elif pl.is_replicate():
-                local = full.clone()
-            else:  # not a placement raggedfsdp gives a 1-D unit's params
-                raise ValueError(f"raggedfsdp: cannot reshard {fp.fqn!r} to placement {pl}")
-            out = DTensor.from_local(
-                local, mesh, placements, run_check=False, shape=fp.sharded.shape, stride=fp.sharded.stride()
-            )
-        return nn.Parameter(out, requires_grad=new.requires_grad)
 
     # ---- unshard / reshard ---------------------------------------------------------------
     def mark_master_changed(self) -> None:
@@ -535,14 +466,12 @@ class FSDPParamGroup:
                 "module.to_empty(device=...) and initialize them (e.g. reset_parameters()) before forward"
             )
         check(self._unshard is None, "double unshard: an all-gather is already in flight")
-        if self.comm.options.debug_on():
-            self.agree_on_collective("all-gather", self.layout.total_size)
+        self.comm.agreement.note(self, "all-gather", self.layout.total_size)  # Note [unit agreement]
         version = self._master_version()
         # The in-place all-gather must not bump the version counter that autograd's saved aliases of the
         # unsharded params share. gloo bumps it at launch and again when the work completes (possibly on a
         # background thread before wait() is called), so record the version now and restore it after wait.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.bufs.params.data)
-        self.comm.agreement.note(self, "all-gather")  # Note [unit agreement]
         with labelled(f"raggedfsdp::unshard ({self.unit_name})"):
             if self.post_forward_buf is not None and version == self._post_forward_version:
                 buf, self.post_forward_buf = self.post_forward_buf, None
@@ -558,6 +487,7 @@ class FSDPParamGroup:
                 self.post_forward_buf = None
                 self._unshard = self.bufs.gather_params(self.shard_group, stream=self.comm.ag_stream)
         self._unshard.context = self.comm.agreement.context(self)
+        self.comm.add_gather(self)
         self._gathered_version = version
         self.param_state = ParamState.UNSHARDING
 
@@ -611,12 +541,27 @@ class FSDPParamGroup:
         return (
             self.grads.grad_state is GradState.ACCUMULATING
             or (not ran_post_backward and self.param_state is not ParamState.SHARDED)
-            or self.grads.holds_unreduced()
+            or self.grads.holds_unreduced(self.reduce_grads, self.all_reduce_grads)
         )
 
     def post_backward(self) -> None:
-        """The unit's post-backward (``UnitGrads.post_backward``: reshard, fold, reduce). Collective."""
-        self.grads.post_backward()
+        """The unit's post-backward, in FSDP2's order (``FSDPParamGroup.post_backward`` in
+        ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``): (1) complete the oldest in-flight
+        reduce-scatters down to K - 1 (Note [bounded gradient memory] in ``_reduce.py``), (2) reshard,
+        (3) fold the gradients autograd kept into the flat grad buffer (Note [grad fold] in ``_grads.py``),
+        (4) reduce-scatter it (or hold it: no-sync). (1), (2) and the wait of a prefetched all-gather
+        (``CommContext.wait_gathers``) come before the fold allocates, so at
+        most K reduce-scatter inputs, one unit's params and one unit's per-parameter grads (the
+        prefetched unit's params aside) are alive at any time of backward. Collective."""
+        grads, trainable = self.grads, self.any_trainable
+        if self.reduce_grads and trainable and grads.grad_state is not GradState.REDUCING:
+            self.comm.reduces.make_room()
+        self.reshard(free=self.reshard_after_backward)  # before the fold allocates
+        self.comm.wait_gathers()  # ... and the backend scratch of a prefetched all-gather is gone
+        any_grad = grads.fold() if trainable else False
+        cast = self.reduce_dtype != self.param_dtype
+        if grads.after_fold(any_grad, self.reduce_grads, self.all_reduce_grads, cast):
+            launch_reduce(self, self.comm.reduces)
 
     @disable_functorch_if_active
     def reshard(self, free: bool = True) -> None:
@@ -635,33 +580,6 @@ class FSDPParamGroup:
             check(self._unshard is None, "free of the unsharded params while their all-gather is pending")
             self.bufs.free_params()
             self._gathered_version = -1
-
-    def agree_on_collective(self, what: str, numel: int) -> None:
-        """Debug mode: check that every rank of the shard group issues this collective for the same unit
-        (id and size), so collectives of different units never pair up silently (e.g. data-dependent
-        routing that runs a unit on some ranks only). Collective (one small blocking all-reduce)."""
-        import torch.distributed as dist
-
-        if self.shard_world == 1:
-            return
-        uid = self.unit_id
-        t = torch.tensor(
-            [uid, -uid, numel, -numel],
-            dtype=torch.int64,
-            device=self.device if self.device.type == "cuda" else "cpu",
-        )
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
-        hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
-        if hi_id != -lo_id or hi_n != -lo_n:
-            raise RuntimeError(
-                f"raggedfsdp: collective mismatch on rank {dist.get_rank()}: this rank issues the {what} of "
-                f"FSDP unit {self.unit_name!r} (#{uid}, {numel} elements) while another rank of its group "
-                f"issues one of unit #{-lo_id if -lo_id != uid else hi_id} "
-                f"({-lo_n if -lo_n != numel else hi_n} elements). Every rank must run the same FSDP units in "
-                "the same order; a unit run by only some ranks (data-dependent routing, e.g. MoE experts as "
-                "separate units) must be run on every rank (with an empty input) or merged into a unit that "
-                "every rank runs"
-            )
 
     def reset(self) -> None:
         """reset_iter_state for this unit (after the root queue was reset): wait the all-gather, reshard,

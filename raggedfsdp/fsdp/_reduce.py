@@ -32,11 +32,24 @@ Note [early free]
     a record whose completion would issue a collective (HSDP's replicate all-reduce) is left to
     ``make_room`` / ``drain``, which run at the same points on every rank. ``RuntimeOptions.early_free =
     False``
-    turns polling off (the worst case: what a network slower than the backward gives). On gloo the
-    reduce-scatter's work reports ``is_completed()`` only once it was waited (its copy-out runs in
-    ``wait()``), so there an input lives until ``make_room``, as in FSDP2. The memory tests fix what
+    turns polling off (the worst case: what a network slower than the backward gives). The reduce-scatter
+    is settled when issued (below), so on CPU it reports completion at once. The memory tests fix what
     collectives report (``tests/_memory.py: comm_completion``) rather than trust the backend or the
     fake process group, whose works report not completed on torch 2.11-2.14 and completed on 2.15.
+
+Note [settled reduce-scatter]
+    torch's FSDP2 issues its reduce-scatter synchronously on the reduce-scatter stream
+    (``async_op=False`` in ``_fsdp_collectives.py: foreach_reduce``) and keeps only its input and an
+    event until the next unit's post-backward. We do the same: :func:`launch_reduce` issues it async and
+    at once waits it on the stream it was issued from (:meth:`CommHandle.settle`). On NCCL that is a
+    stream wait (the host does not block; :meth:`CommHandle.is_done` queries an event recorded after
+    it). On gloo the host blocks until the collective is done, and that wait is what releases the
+    scratch clone of the input that gloo's reduce-scatter makes (``aten::clone <
+    c10d::_reduce_scatter_base_``) and holds until ``wait()``; its work reports ``is_completed()``
+    only after ``wait()``. Left async, the clone and the input lived through the next unit's backward
+    (+1 unit at the fwd+bwd peak on gloo, 1.05-1.10x FSDP2's; ``benchmarks/README.md``, "Settled
+    reduce-scatter"). The price on gloo is no overlap of the reduce-scatter with the next unit's
+    backward on the host, which FSDP2 on gloo does not have either.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ from raggedfsdp.buffer.streams import on_stream
 from raggedfsdp.buffer.wire_reduce import reduce_scatter_wire
 from raggedfsdp.fsdp._agreement import Agreement
 from raggedfsdp.fsdp._common import GradState, RuntimeOptions, check, labelled
+from raggedfsdp.fsdp._loops import unique_by_id
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import FSDPParamGroup
@@ -263,16 +277,9 @@ class ReduceQueue:
         groups: dict[int, tuple[FSDPParamGroup, list]] = {}
         for r in attach:
             groups.setdefault(id(r.group), (r.group, []))[1].append(r)
-        for g, rs in groups.values():
-            if len(rs) == 1:  # the per-step case: one reduction of the unit
-                params = rs[0].params
-                g.grads.attach_sharded(list(zip(params, map(used.__getitem__, map(id, params)))))
-                continue
-            acc: dict[int, tuple] = {}
-            for r in rs:
-                for fp in r.params:
-                    acc[id(fp)] = (fp, used[id(fp)])
-            g.grads.attach_sharded(list(acc.values()))
+        for g, rs in groups.values():  # each param once, in order, over the unit's reductions
+            params = unique_by_id([r.params for r in rs])
+            g.grads.attach_sharded(list(zip(params, map(used.__getitem__, map(id, params)))))
 
     def reset(self) -> None:
         """reset_iter_state: wait and drop every record (the agreement is reset by its owner, the
@@ -297,7 +304,7 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
     )
     queue.make_room()
     ws = group.shard_world * group.replicate_world
-    factor = grads.divide_factor()
+    factor = group.gradient_divide_factor or float(ws)
     # AVG in the collective when it equals the requested division (no extra kernel); else SUM + one scale
     use_avg = factor == float(ws) and not group.is_hsdp and ws > 1
     op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
@@ -321,9 +328,7 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         group.tensors.clear_unsharded_grads()
         params = tuple(grads.grad_fps)
         flags = grads.take_used_flags()
-        if queue.options.debug_on():
-            group.agree_on_collective("reduce-scatter", group.bufs.grad_layout.total_size)
-        queue.agreement.note(group, "reduce-scatter")
+        queue.agreement.note(group, "reduce-scatter", group.bufs.grad_layout.total_size)
         if group.nonfinite_probe is not None:  # this rank's own grads, before the collective mixes them
             group.nonfinite_probe.append((group.unit_name, _nonfinite(group.bufs)))
         if group.rs_wire_dtype is not None:  # Note [bf16-wire reduce-scatter]
@@ -338,6 +343,7 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         else:
             handle, inp = group.bufs.reduce_grads(group.shard_group, out=out, op=op, stream=queue.rs_stream)
         handle.context = queue.agreement.context(group)
+        handle.settle()  # Note [settled reduce-scatter]
     grads.reduce_started()
     rec = PendingReduce(group, handle, inp, out, direct, fresh, None if use_avg else factor, flags, params)
     queue.push(rec)

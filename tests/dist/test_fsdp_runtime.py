@@ -131,27 +131,40 @@ def _bounded_memory(rank, ws, mesh):
             assert model._raggedfsdp_state.comm.reduces.peak_inflight <= k
             expected = _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws)
             _assert_grads(model, expected, f"K={k}")
-    # Note [early free] with real gloo collectives: once an in-flight reduce-scatter reports completion,
-    # the next hook frees its input, so even with K = 2 no two block reduce-scatter inputs are ever
-    # alive at once; the gradients stay exact. Completion is reported by comm_completion("done"): gloo's
-    # reduce_scatter_tensor work reports is_completed() only after wait() (its copy-out runs there; NCCL's
-    # is an event query), so on gloo the poll itself never frees early.
-    from _memory import comm_completion
-
+    # Note [early free] with real gloo collectives and what they report themselves: once an in-flight
+    # reduce-scatter reports completion, the next hook frees its input, so even with K = 2 no two block
+    # reduce-scatter inputs are ever alive at once; the gradients stay exact. gloo's reduce-scatter work
+    # reports is_completed() only after wait(), so this holds only because the reduce-scatter is settled
+    # when issued (Note [settled reduce-scatter] in raggedfsdp/fsdp/_reduce.py), as FSDP2's synchronous one
     torch.manual_seed(0)
     ref = ToyLM(n_layers)
     model = shard_model(copy.deepcopy(ref), raggedfsdp.fully_shard, mesh)
     model.set_reduce_scatter_max_input_buffers(2)
     tok_l, tgt_l = _slice(*data[0], rank, ws)
     counter = _LiveGradBuffers(model._raggedfsdp_state.group)
+    # and no all-gather (a prefetch) is still unwaited when a post-backward folds its grads into the flat
+    # buffer: gloo's all-gather owns a full-size scratch until waited (CommContext.wait_gathers)
+    from raggedfsdp.fsdp._grads import UnitGrads
+
+    groups = [st.group for m in model.modules() if (st := getattr(m, "_raggedfsdp_state", None)) and st.group]
+    seen, orig_fold = [], UnitGrads.fold
+
+    def fold(self):
+        seen.append([(g.unit_name, g._unshard.waited) for g in groups if g._unshard is not None])
+        return orig_fold(self)
+
+    UnitGrads.fold = fold
     try:
-        with comm_completion("done"):
-            lm_loss(model, tok_l, tgt_l).backward()
+        lm_loss(model, tok_l, tgt_l).backward()
     finally:
         counter.close()
+        UnitGrads.fold = orig_fold
     assert counter.peak_non_root == 1, (
-        f"early free: {counter.peak_non_root} block reduce-scatter inputs alive at once"
+        f"early free on gloo: {counter.peak_non_root} block reduce-scatter inputs alive at once"
     )
+    assert any(seen), f"no all-gather in flight at any fold: the check is vacuous ({seen})"
+    unwaited = [s for s in seen if not all(w for _, w in s)]
+    assert not unwaited, f"all-gathers not waited before a fold allocates the grad buffer: {unwaited}"
     _assert_grads(model, _ddp_oracle_grads(ref, lambda m: lm_loss(m, tok_l, tgt_l), ws), "early free")
     with pytest.raises(ValueError, match="max_input_buffers=0"):
         model.set_reduce_scatter_max_input_buffers(0)
