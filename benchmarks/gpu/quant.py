@@ -46,7 +46,7 @@ CASES = [
             "--flavor", "llama3-8b", "--n-layers", "2", "--batch", "1", "--seq", "1024", "--steps", "5",
             "--warmup", "2", "--all-gather-dtype", "fp8_e4m3",
         ],
-        90,
+        150,  # builds two ~1.5B-parameter models on the host first
     ),
 ]  # fmt: skip
 
