@@ -11,20 +11,26 @@ A env     (inline)                             20          python / torch / CUDA
 B smoke   benchmarks/gpu/smoke.py              60          bf16 grad parity vs FSDP2, offload accumulation,
                                                            meta init, profiler count of synchronizing CUDA
                                                            calls per phase (both backends, two controls)
-C1 dense  benchmarks/gpu/train_compare.py      90          ~1.08B Llama, bf16/fp32, ws 1: ragged vs torch vs
+C1 dense  benchmarks/gpu/train_compare.py      75          ~1.08B Llama, bf16/fp32, ws 1: ragged vs torch vs
                                                            no-FSDP floor (tokens/s, phase times, host time,
                                                            loss diff, peak memory per system alone)
-C2 moe    train_compare.py --model moe         80          ~1.2B MoE (16 fused experts, top-2), the same
-D sim8    benchmarks/gpu/sim_ws8.py            80          fake-PG ws 8 rank 0 on the GPU: per-rank memory,
+C2 moe    train_compare.py --model moe         65          ~1.2B MoE (16 fused experts, top-2), the same
+D sim8    benchmarks/gpu/sim_ws8.py            60          fake-PG ws 8 rank 0 on the GPU: per-rank memory,
                                                            step time without comm, copy bytes, overlap
-E moe128  benchmarks/gpu/moe128.py             130         issue 22 item 4: ``raggedfsdp bench`` with 128
+E moe128  benchmarks/gpu/moe128.py             110         issue 22 item 4: ``raggedfsdp bench`` with 128
                                                            separate experts per layer, ws 1 NCCL, the
                                                            floor split's main-thread CPU ratio vs torch
+F quant   benchmarks/gpu/quant.py              70          issue 40 item 3: ``raggedfsdp bench
+                                                           --all-gather-dtype fp8_e4m3`` and ``none``, ws 1
+                                                           NCCL: quantize / dequantize seconds per step
+                                                           beside both systems' step time and peak memory
 ========  ===================================  ==========  =================================================
 
 Budget on one H200 (issue 21 / docs research note ``cuda-path-read-2026-12.md`` section 4): the
 stage estimates there are A 15 s, B 60-90 s, C1 90-120 s, C2 90 s, D 60-90 s (E was added later;
-the first H200 runs took 8-10 / 10-19 / 25-28 / 31 / 23 / 86-92 s); the budgets above add to 460 s,
+the first H200 runs took 8-10 / 10-19 / 25-28 / 31 / 23 / 86-92 s; F, added after them, is not yet
+measured on a GPU: it comes last, so it also gets what the earlier stages left unused); the budgets
+above add to 460 s,
 the **460 s internal deadline** (``--deadline``), which itself sits inside run.sh's 520 s outer guard
 and the 600 s device-command cap. A stage may use
 time an earlier stage left unused; it is always cut so that every later stage keeps at least half
@@ -53,10 +59,11 @@ HERE = os.path.join("benchmarks", "gpu")
 # (name, argv after the interpreter, budget in seconds on the GPU)
 STAGES = [
     ("smoke", [os.path.join(HERE, "smoke.py")], 60),
-    ("dense", [os.path.join(HERE, "train_compare.py"), "--model", "dense"], 90),
-    ("moe", [os.path.join(HERE, "train_compare.py"), "--model", "moe"], 80),
-    ("sim8", [os.path.join(HERE, "sim_ws8.py")], 80),
-    ("moe128", [os.path.join(HERE, "moe128.py")], 130),
+    ("dense", [os.path.join(HERE, "train_compare.py"), "--model", "dense"], 75),
+    ("moe", [os.path.join(HERE, "train_compare.py"), "--model", "moe"], 65),
+    ("sim8", [os.path.join(HERE, "sim_ws8.py")], 60),
+    ("moe128", [os.path.join(HERE, "moe128.py")], 110),
+    ("quant", [os.path.join(HERE, "quant.py")], 70),
 ]
 ENV_BUDGET = 20
 DEADLINE = 460.0  # >= ENV_BUDGET + the stage budgets (460 s); run.sh's outer guard is 520 s

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 21): stages env, smoke (no pytest), ~1B dense and ~1B MoE vs torch's
-# fully_shard and a no-FSDP floor, a simulated world size 8 on the GPU, the 128-expert bench; one JSON summary.
+# fully_shard and a no-FSDP floor, a simulated world size 8 on the GPU, the 128-expert bench, the fp8
+# all-gather's quantize cost beside the step time; one JSON summary.
 # Installs nothing; needs only torch (the GPU image: torch 2.11 + CUDA 13, Python 3.12) and this tree.
 #   bash benchmarks/gpu/run.sh            # on the GPU machine: internal deadline 460 s (run.py docstring)
 #   bash benchmarks/gpu/run.sh --dry-run  # on CPU: every stage on tiny shapes, same code paths

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from raggedfsdp._release import hold_until_released, use_count
 from raggedfsdp.buffer import block_quant as bq
+from raggedfsdp.buffer import quant_time
 from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -268,7 +269,12 @@ class QuantizedGather:
         plan = self.plan(bufs.param_dtype)
         shard = bufs.sharded.data
         out = torch.empty(plan.payload_bytes, dtype=torch.uint8, device=shard.device)
-        plan.pack(shard, bufs.rank, out)
+        acc = quant_time.active()  # opt-in accounting (raggedfsdp/buffer/quant_time.py); None: off
+        if acc is None:
+            plan.pack(shard, bufs.rank, out)
+        else:
+            with quant_time.timed(acc, "quantize", shard.device, plan.payload_bytes):
+                plan.pack(shard, bufs.rank, out)
         if out.device != bufs.device:
             out = out.to(bufs.device, non_blocking=True)  # CPU offload: the 8-bit payload crosses, not fp32
         self._cache = (bufs.sharded, version, out)
@@ -312,7 +318,12 @@ class _DequantizeHandle(CommHandle):
         if self._gathered is not None:
             dev = self._params.device
             with on_stream(stream if stream is not None else current_stream(dev)):
-                self._plan.unpack(self._gathered, self._params)
+                acc = quant_time.active()
+                if acc is None:
+                    self._plan.unpack(self._gathered, self._params)
+                else:
+                    with quant_time.timed(acc, "dequantize", dev, self._gathered.numel()):
+                        self._plan.unpack(self._gathered, self._params)
             self._gathered = None
 
 

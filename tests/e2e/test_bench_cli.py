@@ -67,6 +67,10 @@ def test_bench_json_smoke_moe_two_ranks():
             assert key in sysr, key
         assert len(sysr["step_seconds"]) == 2 and sysr["peak_memory_bytes"] > 0
     assert r["nproc"] == 2 and r["model"] == "moe"
+    for sysr in (a, b):  # no --all-gather-dtype: nothing quantized, the accounted step records exactly 0
+        assert sysr["quantize_seconds"] == sysr["dequantize_seconds"] == 0
+        assert sysr["quantize_calls"] == sysr["dequantize_calls"] == 0
+    assert r["quantize_dequantize_step_fraction"] == 0
     # the no-FSDP, no-communication floor (--floor, default on) and what it explains
     fl = r["local_floor"]["step_seconds_median"]
     assert fl > 0 and len(r["local_floor"]["step_seconds"]) == 2
@@ -210,9 +214,20 @@ def test_bench_quantized_wire_bytes_against_torch_two_ranks():
     assert 0.45 < r["reduce_scatter_wire_bytes_ratio"] <= 0.55, r["reduce_scatter_wire_bytes_ratio"]
     assert r["all_gather_wire_bytes_ratio"] == a["all_gather_wire_bytes"] / b["all_gather_wire_bytes"]
     assert abs(a["final_loss"] - b["final_loss"]) < 2e-2
+    # the quantize / dequantize work of one accounted step: one payload per unit, one dequantize per
+    # all-gather (the counted step's, the same step structure); torch's fully_shard quantizes nothing
+    assert a["quantize_seconds"] > 0 and a["dequantize_seconds"] > 0
+    assert (
+        b["quantize_seconds"] == b["dequantize_seconds"] == 0 == b["quantize_calls"] == b["dequantize_calls"]
+    )
+    gathers = sum(v for op, v in a["collectives_by_op"].items() if "allgather" in op)
+    assert a["dequantize_calls"] == gathers > a["quantize_calls"] > 0, (a["collectives_by_op"], a)
+    frac = (a["quantize_seconds"] + a["dequantize_seconds"]) / a["step_seconds_median"]
+    assert r["quantize_dequantize_step_fraction"] == pytest.approx(frac)
     table = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert table.returncode == 0, table.stderr[-3000:]
     assert "(raggedfsdp fp8_e4m3 / torch bf16)" in table.stdout
+    assert "of the raggedfsdp step" in table.stdout
 
 
 def test_failed_bench_ends_with_one_line_and_the_report_in_out(tmp_path):

@@ -29,7 +29,7 @@ def test_every_row_is_printed_with_its_values():
     assert f"{a['collectives']:16d}{b['collectives']:16d}" in text
     split = RESULT["non_comm_overhead_main_thread_split"]
     assert f"{split['raggedfsdp']['optimizer'] * 1e3:13.1f} ms" in text
-    assert text.count("\n") + 1 == 24, text
+    assert text.count("\n") + 1 == 25, text
 
 
 def test_a_negative_difference_is_called_noise():
@@ -39,3 +39,16 @@ def test_a_negative_difference_is_called_noise():
     r = _positive(RESULT)
     r["non_comm_overhead_seconds"]["torch"] = -0.001  # any of the differences
     assert NOTE in format_report(r)
+
+
+def test_quantize_row_shows_ms_and_the_share_of_the_step():
+    r = copy.deepcopy(RESULT)
+    a = r["raggedfsdp"]
+    a.update(quantize_seconds=0.002, dequantize_seconds=0.003, quantize_calls=3, dequantize_calls=5)
+    r["torch"].update(quantize_seconds=0.0, dequantize_seconds=0.0)
+    line = next(ln for ln in format_report(r).splitlines() if ln.startswith("quantize/dequant ms"))
+    assert "2.00 / 3.00" in line and "0.00 / 0.00" in line, line
+    assert f"{0.005 / a['step_seconds_median']:.1%} of the raggedfsdp step" in line, line
+    assert "(3 / 5 calls" in line
+    # an older result without the keys: 0
+    assert "0.00 / 0.00" in next(ln for ln in format_report(RESULT).splitlines() if "quantize/dequant" in ln)

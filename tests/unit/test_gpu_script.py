@@ -95,7 +95,7 @@ def test_stage_plan_fits_the_deadline():
     total = driver.ENV_BUDGET + sum(b for _, _, b in driver.STAGES)
     assert total <= driver.DEADLINE <= 460, total
     names = [s for s, _, _ in driver.STAGES]
-    assert names == ["smoke", "dense", "moe", "sim8", "moe128"]
+    assert names == ["smoke", "dense", "moe", "sim8", "moe128", "quant"]
     # every later stage keeps half its budget even when an earlier one could take all that is left
     t0 = time.monotonic() - 100  # 100 s already used
     for i in range(len(driver.STAGES)):

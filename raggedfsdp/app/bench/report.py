@@ -13,6 +13,23 @@ def _fb(r: dict) -> str:
     return f"{r['forward_peak_bytes'] / 2**20:.1f} / {r['backward_peak_bytes'] / 2**20:.1f}"
 
 
+def _quant_row(r: dict) -> str:
+    """The quantized all-gather's quantize / dequantize ms per step (an accounted step) and their share
+    of raggedfsdp's median step time."""
+    a, b = r["raggedfsdp"], r["torch"]
+
+    def qd(x):
+        return f"{x.get('quantize_seconds', 0) * 1e3:.2f} / {x.get('dequantize_seconds', 0) * 1e3:.2f}"
+
+    frac = (a.get("quantize_seconds", 0) + a.get("dequantize_seconds", 0)) / max(
+        a["step_seconds_median"], 1e-12
+    )
+    return (
+        f"{'quantize/dequant ms':22s}{qd(a):>16s}{qd(b):>16s}   {frac:.1%} of the raggedfsdp step "
+        f"({a.get('quantize_calls', 0)} / {a.get('dequantize_calls', 0)} calls, one accounted step)"
+    )
+
+
 def format_report(r: dict) -> str:
     """A human-readable table of a bench result (the ``--json`` object)."""
     a, b = r["raggedfsdp"], r["torch"]
@@ -45,6 +62,7 @@ def format_report(r: dict) -> str:
         f"{'reduce-scatter wire B':22s}{a.get('reduce_scatter_wire_bytes', 0):16,d}"
         f"{b.get('reduce_scatter_wire_bytes', 0):16,d}   x{r.get('reduce_scatter_wire_bytes_ratio', 0):.3f} "
         f"(raggedfsdp wire {r.get('reduce_scatter_wire_dtype', 'none')} / torch {r['reduce_dtype']})",
+        _quant_row(r),
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| "

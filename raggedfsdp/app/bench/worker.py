@@ -32,7 +32,10 @@ Phases (collective: every rank runs every phase):
    no main-thread figure sees -- there ``fwd_bwd`` is the forward and pre-backward part only;
 3. one counted forward + backward of each (the optimizer step, the same code for both, excluded): copy bytes
 around collectives (``raggedfsdp.app.bench.copy_accounting``),
-   collectives, host syncs (``raggedfsdp.app.bench.measure.StepCounter``);
+   collectives, host syncs (``raggedfsdp.app.bench.measure.StepCounter``); then one more forward +
+   backward of each under ``raggedfsdp.buffer.quant_time.account_quant_time``: ``quantize_seconds`` /
+   ``dequantize_seconds`` (and ``_calls``) of the quantized all-gather (``--all-gather-dtype``; 0 for
+   torch and for ``none``), CUDA-event times synced at its end, so the timed steps stay unsynced;
 4. one step of each under ``PeakMemory`` (the project's shared peak-memory method): a rank's peak is
    its persistent state (sharded params + optimizer state) plus the step's peak above its start;
    then one more step split into phases: forward peak (above the step's start) and backward peak
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> dict | None:
     from raggedfsdp.app.bench.copy_accounting import CopyCounter
     from raggedfsdp.app.bench.memory import enable_cpu_allocator_accounting
     from raggedfsdp.app.bench.registry import get_bench_model
+    from raggedfsdp.buffer.quant_time import account_quant_time
     from raggedfsdp.buffer.wire import count_wire_bytes
 
     # c10's process-wide CPU accounting, before any model is built: a block allocated earlier is
@@ -265,6 +269,16 @@ def run(args: argparse.Namespace) -> dict | None:
             host_sync_sites=syncs.sites,
         )
         traces[n] = sc.trace
+    for n in names:  # a separate step: the quantize / dequantize seconds (synced on CUDA) and calls
+        model, opt = systems[n]
+        tok = batches[k].to(device)
+        _sync(device)
+        dist.barrier()
+        with account_quant_time() as qt:
+            _forward_backward(model, tok)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        counts[n].update(qt.as_dict())  # torch's fully_shard never quantizes: 0
     if args.floor:  # the collectives alone, the systems alternated like the steps
         replays = {n: [] for n in names}
         replay_cpu = {n: [] for n in names}
@@ -415,6 +429,9 @@ def run(args: argparse.Namespace) -> dict | None:
         reduce_scatter_wire_bytes_ratio=r["reduce_scatter_wire_bytes"]
         / max(tt["reduce_scatter_wire_bytes"], 1),
         collectives_ratio=r["collectives"] / max(tt["collectives"], 1),
+        # the quantized all-gather's local work (accounted step) over raggedfsdp's median (timed) step
+        quantize_dequantize_step_fraction=(r["quantize_seconds"] + r["dequantize_seconds"])
+        / r["step_seconds_median"],
         final_loss_abs_diff=abs(r["final_loss"] - tt["final_loss"]),
         raggedfsdp=r,
         torch=tt,
