@@ -404,7 +404,13 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
             for q in procs:
                 q.wait()
             return "fail", f"timed out after {timeout:.0f}s"
-    return _classify([p.returncode for p in procs], "\n".join(o + e for o, e in outs))
+    text = "\n".join(o + e for o, e in outs)
+    verdict = _classify([p.returncode for p in procs], text)
+    keep = os.environ.get("SOAK_KEEP_DIR")  # every rank's output of an aborted or failed run
+    if keep and verdict[0] != "ok":
+        os.makedirs(keep, exist_ok=True)
+        Path(keep, f"{case}-{verdict[0]}-{time.time_ns()}.log").write_text(text)
+    return verdict
 
 
 def _classify(rcs: list[int], text: str) -> tuple[str, str]:

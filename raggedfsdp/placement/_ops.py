@@ -424,17 +424,37 @@ def call_torch_dispatch(op_call, args, kwargs):
             handlers[op_call] = mine
 
 
-def _is_ragged(t) -> bool:
-    from torch.distributed.tensor import DTensor
+_DTENSOR: list = []  # torch's DTensor class, imported at first use (these run on every handled call)
 
-    return isinstance(t, DTensor) and any(isinstance(p, RaggedShard) for p in t._spec.placements)
+
+def _dtensor_cls():
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def _has_placement(t, kind) -> bool:
+    """``t`` is a DTensor with a ``kind`` placement on some mesh dim (a plain loop: a handler's per-call
+    check on every operand, e.g. each tensor of a ``_foreach_norm`` list)."""
+    if not isinstance(t, _dtensor_cls()):
+        return False
+    for p in t._spec.placements:
+        if isinstance(p, kind):
+            return True
+    return False
+
+
+def _is_ragged(t) -> bool:
+    return _has_placement(t, RaggedShard)
 
 
 def _reduce_inf_partials(t):
     """``t`` with every InfNormPartial mesh dim all-reduced to Replicate (``t`` itself if it has none)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
 
-    if not isinstance(t, DTensor) or not any(isinstance(p, InfNormPartial) for p in t._spec.placements):
+    if not _has_placement(t, InfNormPartial):
         return t
     return t.redistribute(
         t.device_mesh, [Replicate() if isinstance(p, InfNormPartial) else p for p in t.placements]
@@ -479,7 +499,9 @@ def inf_norm_handler(op_call, args, kwargs):
     from torch.distributed.tensor import DTensor
 
     if op_call is aten._foreach_norm.Scalar:
-        tensors = [_reduce_inf_partials(t) for t in args[0]]
+        tensors = args[0]
+        if any(_has_placement(t, InfNormPartial) for t in tensors):
+            tensors = [_reduce_inf_partials(t) for t in tensors]
         ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
         dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
         ragged = any(_is_ragged(t) for t in tensors)
