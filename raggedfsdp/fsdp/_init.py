@@ -415,7 +415,9 @@ def _spmd_params(params, mesh: DeviceMesh, n_dp: int, shard_names: tuple[str, ..
                 "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. "
                 f"via distribute_module). Got plain tensor for parameter '{fqn}'."
             )
-        if p.device_mesh is not mesh:  # torch compares the objects too (_fsdp_param.py), not their values
+        # by value: torch (_fsdp_param.py) compares the objects, and then refuses the same script run twice,
+        # since DTensors built on a new but equal mesh come back on the first one (benchmarks/torch_suite.md)
+        if p.device_mesh != mesh:
             raise ValueError(
                 "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got different "
                 f"mesh objects: parameter {fqn!r} is on {p.device_mesh} and fully_shard got {mesh}; pass "

@@ -170,7 +170,7 @@ _KEY = re.compile(
 )
 
 
-_KEYED = [_tied_in_two_units, _spmd_shard_on_dp_dim, _spmd_equal_but_other_mesh]
+_KEYED = [_tied_in_two_units, _spmd_shard_on_dp_dim]
 
 
 @pytest.mark.parametrize("misuse", _KEYED, ids=lambda f: f.__name__)
@@ -186,3 +186,26 @@ def test_misuse_raises_torch_type_and_key_sentence(fake_world, misuse):
     assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
     key = _KEY.search(str(theirs.value)).group(0)
     assert key in str(ours.value), (key, str(ours.value))
+
+
+def test_equal_mesh_object_accepted_where_torch_raises(fake_world):
+    """The one deliberate difference: torch compares the param's mesh and ``mesh=`` as objects, ours by
+    value (torch then refuses a script that builds an equal mesh again: its DTensors come back on the first
+    one). A param on another, unequal mesh raises torch's sentence in both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fs
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import raggedfsdp
+
+    with pytest.raises(ValueError, match="got different mesh objects"):
+        _spmd_equal_but_other_mesh(torch_fs)
+    _spmd_equal_but_other_mesh(raggedfsdp.fully_shard)  # no error
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "fsdp"))
+    for fs in (torch_fs, raggedfsdp.fully_shard):
+        m = nn.Linear(4, 4, bias=False)
+        m.weight = nn.Parameter(DTensor.from_local(m.weight.data, other, [Replicate()] * 2, run_check=False))
+        with pytest.raises(ValueError, match="same mesh passed to fully_shard, but got different mesh"):
+            fs(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp"))
