@@ -37,6 +37,7 @@ _F, _SD = (
 )
 _I, _C = "test_fully_shard_init_excerpt.py::", "test_fully_shard_clip_grad_norm_"
 _T = "test_fully_shard_training.py::"
+_D = "test_fully_shard_dtensor.py::TestFullyShardDTensorCPU::"
 CLASSIFIED: dict[str, tuple[str, str]] = {
     _C + ".py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d": (
         "even-split",
@@ -112,6 +113,23 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
         "earlier-error",
         "torch's ValueError and sentence, raised by the second fully_shard call (before any sharding state "
         "is built twice) instead of the first forward, outside the test's assertRaises",
+    ),
+    _D + "test_dtensor_train_parity_cpu": (
+        "unsupported",
+        "its DDP-only cases (dp_mesh_dims, replicate and no shard dim): NotImplementedError, docs/fsdp.md",
+    ),
+    _D + "test_fsdp_tp_dtensor_sharded_params_cpu": ("placement", "asserts Shard on the DP dim: RaggedShard"),
+    _D + "test_sharded_param_correctness_1d_cpu": ("placement", "asserts Shard on the DP dim: RaggedShard"),
+    _D + "test_reduce_scatter_unused_dtensor_param_cpu": (
+        "OPEN",
+        "set_reduce_scatter_unused_params(True): an unused EP-sharded DTensor param's grad stays None on a "
+        "1-rank dp mesh; torch gives zeros (not fixed yet)",
+    ),
+    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionJVP::"
+    "test_no_warmup_jvp_reshard_after_forward_false": (
+        "OPEN",
+        "torch.func.jvp through bf16 units, reshard_after_forward=False, no warm-up: an autograd.Function "
+        "of ours lacks setup_context (RuntimeError); torch runs (not fixed yet)",
     ),
     _SD + "MultiProcess::test_dp_tp_state_dict_save_load": (
         "even-split",
