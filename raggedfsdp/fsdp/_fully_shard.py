@@ -331,7 +331,7 @@ def fully_shard(
     params = _managed_params(modules, ignored)
     planned, spmd_specs = params, None
     if spmd_mesh is not None:
-        planned, spmd_specs = _spmd_params(params, spmd_mesh, n_dp)
+        planned, spmd_specs = _spmd_params(params, spmd_mesh, n_dp, tuple(dp_mesh_dims.shard_names))
     _move_states_to_device(modules, planned, mesh, offload)  # a CPU-built module on a CUDA mesh, like FSDP2
     device = _device_of(planned, mesh, offload)
     gran_fn = _granularity_fn(shard_placement_fn, mesh)

@@ -66,8 +66,11 @@ def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tupl
                 if prev is None:
                     prev = _owner_of(p, modules)
                 unit, _, other_fqn = prev.partition(":")
-                raise ValueError(
-                    f"fully_shard: parameter {fqn!r} of {here} is the same parameter as {other_fqn!r} of the "
+                raise ValueError(  # torch's sentence first (its _fsdp_state.py raises it at lazy init)
+                    f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP group. "
+                    "For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the "
+                    f"same FSDP group. fully_shard: parameter {fqn!r} of {here} is the same parameter as "
+                    f"{other_fqn!r} of the "
                     f"fully_shard unit {unit}, which already sharded it: a parameter shared (tied) across "
                     "units cannot be sharded twice (it would be silently untied). Apply fully_shard so that "
                     "both owners are in one unit (e.g. skip the inner call, or wrap their common parent), "
@@ -393,7 +396,7 @@ def _spmd_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims):
     return dp, len(rep) + len(shard)
 
 
-def _spmd_params(params, mesh: DeviceMesh, n_dp: int):
+def _spmd_params(params, mesh: DeviceMesh, n_dp: int, shard_names: tuple[str, ...] = ()):
     """Note [dp_mesh_dims]: each managed parameter (a DTensor on ``mesh``, ``Replicate()`` on its first
     ``n_dp`` dims) as the tensor the unit plans: a DTensor on the other dims with the other placements
     (the TP path), or its local tensor when there are none. Returns ``(planned params, spmd_specs)`` for
@@ -412,16 +415,20 @@ def _spmd_params(params, mesh: DeviceMesh, n_dp: int):
                 "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. "
                 f"via distribute_module). Got plain tensor for parameter '{fqn}'."
             )
+        # by value: torch (_fsdp_param.py) compares the objects, and then refuses the same script run twice,
+        # since DTensors built on a new but equal mesh come back on the first one (benchmarks/torch_suite.md)
         if p.device_mesh != mesh:
             raise ValueError(
-                f"Expected param's DTensor mesh to be the same mesh passed to fully_shard, but parameter "
-                f"{fqn!r} is on {p.device_mesh} and fully_shard got {mesh}"
+                "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got different "
+                f"mesh objects: parameter {fqn!r} is on {p.device_mesh} and fully_shard got {mesh}; pass "
+                "the DeviceMesh object the parameters were distributed on"
             )
         for i in range(n_dp):
             if not isinstance(p.placements[i], Replicate):
+                kind = "shard" if names[i] in shard_names else "replicate"
                 raise ValueError(
-                    f"Expected Replicate() on DP dim '{names[i]}' (index {i}) but got {p.placements[i]} for "
-                    f"parameter {fqn!r}"
+                    f"Expected Replicate() on DP {kind} dim '{names[i]}' (index {i}) but got "
+                    f"{p.placements[i]} for parameter {fqn!r}"
                 )
         spec = p._spec
         if other_mesh is None:
