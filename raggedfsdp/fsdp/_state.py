@@ -37,17 +37,31 @@ logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
 
 
 class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward runs once the inputs' grads are computed."""
+    """Identity on the module's inputs; its backward runs once the inputs' grads are computed.
+
+    ``setup_context``, ``generate_vmap_rule`` and ``jvp`` let it run under ``torch.func`` transforms
+    (``jvp`` / ``vmap`` of a unit whose inputs require grad), as torch's ``RegisterPostBackwardFunction``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): the tangents pass through unchanged."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, state, *inputs):
-        ctx.state = state
+    def forward(state, *inputs):
         return inputs if len(inputs) != 1 else inputs[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.state._post_backward_of_module()
         return (None,) + grads
+
+    @staticmethod
+    def jvp(ctx, state_tangent, *tangents):
+        # the non-tensor state has no tangent; the module's reduce is left to the backward, if any
+        return tangents if len(tangents) != 1 else tangents[0]
 
 
 class FSDPState:
