@@ -28,6 +28,7 @@ from torch.autograd import Variable
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import ParamState, TrainingState, state_of
 from raggedfsdp.fsdp._compile import dynamo_disable
+from raggedfsdp.fsdp._init import _check_no_all_gather_extension
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._tree import cast_floating, grad_tensors, map_tensors, replace_grad_tensors
 
@@ -121,6 +122,9 @@ class FSDPState:
             st.is_root = False
             st.root = self
         self.all_states = seen
+        for st in seen:  # an extension set on a sharded param after fully_shard (every rank sets it)
+            for fp in st.group.fsdp_params if st.group is not None else ():
+                _check_no_all_gather_extension(fp.sharded, fp.fqn, type(st.modules[0]).__name__)
         # one shared context (streams, reduce queue, order) for the whole tree
         devices = [st.group.device for st in seen if st.group is not None]
         comm = CommContext(devices[0] if devices else None, options=self.comm.options)
