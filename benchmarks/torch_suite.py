@@ -38,6 +38,7 @@ _F, _SD = (
 _I, _C = "test_fully_shard_init_excerpt.py::", "test_fully_shard_clip_grad_norm_"
 _T = "test_fully_shard_training.py::"
 _D = "test_fully_shard_dtensor.py::TestFullyShardDTensorCPU::"
+_E = "test_fully_shard_extensions.py::TestFullyShardAllGatherExtensions"
 CLASSIFIED: dict[str, tuple[str, str]] = {
     _C + ".py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d": (
         "even-split",
@@ -120,17 +121,21 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
     ),
     _D + "test_fsdp_tp_dtensor_sharded_params_cpu": ("placement", "asserts Shard on the DP dim: RaggedShard"),
     _D + "test_sharded_param_correctness_1d_cpu": ("placement", "asserts Shard on the DP dim: RaggedShard"),
-    _D + "test_reduce_scatter_unused_dtensor_param_cpu": (
-        "OPEN",
-        "set_reduce_scatter_unused_params(True): an unused EP-sharded DTensor param's grad stays None on a "
-        "1-rank dp mesh; torch gives zeros (not fixed yet)",
-    ),
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionJVP::"
-    "test_no_warmup_jvp_reshard_after_forward_false": (
-        "OPEN",
-        "torch.func.jvp through bf16 units, reshard_after_forward=False, no warm-up: an autograd.Function "
-        "of ours lacks setup_context (RuntimeError); torch runs (not fixed yet)",
-    ),
+    **{
+        _E + name: (
+            "unsupported",
+            "tensor-subclass all-gather extension (fsdp_pre_all_gather): NotImplementedError naming the "
+            "parameter on every rank, at fully_shard (or the first forward for a monkey-patched local "
+            "tensor); docs/fsdp.md",
+        )
+        for name in (
+            "MultiProcess::test_all_gather_extensions_train_parity",
+            "MultiThread::test_all_gather_extension_hsdp_mesh",
+            "MultiThread::test_all_gather_extension_outer_size_stride",
+            "MultiThread::test_all_gather_extensions_end_to_end",
+            "MultiThread::test_all_gather_extensions_monkey_patch",
+        )
+    },
     _SD + "MultiProcess::test_dp_tp_state_dict_save_load": (
         "even-split",
         "same data_ptr()==0 => rank > 0 assertion as test_dp_state_dict_save_load",

@@ -25,6 +25,7 @@ from raggedfsdp.fsdp._common import FSDPTypeError, FSDPValueError, state_of
 from raggedfsdp.fsdp._compile import eager_hook
 from raggedfsdp.fsdp._module import FSDPModule, UnshardHandle
 from raggedfsdp.fsdp._init import (
+    _check_no_all_gather_extension,
     _device_of,
     _granularity_fn,
     _init_mesh,
@@ -241,7 +242,8 @@ def fully_shard(
         NotImplementedError: a non-contiguous (e.g. ``channels_last``) parameter, a
             ``ShardPlacementResult`` on a mesh other than the unit's, ``dp_mesh_dims`` without a shard dim
             or with the DP dims not leading the mesh, int ``reshard_after_forward`` with ``dp_mesh_dims``
-            (torch raises it too), a later torch's argument (above).
+            (torch raises it too), a later torch's argument (above), a parameter whose tensor subclass
+            defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torch's all-gather extension).
     """
     _check_later_kwargs(later_torch_kwargs, mp_policy)
     _register_optimizer_hook()
@@ -329,6 +331,8 @@ def fully_shard(
             reshard_after_forward = True
     ignored = set(ignored_params or ())
     params = _managed_params(modules, ignored)
+    for p, fqn, _ in params:
+        _check_no_all_gather_extension(p, fqn, type(modules[0]).__name__)
     planned, spmd_specs = params, None
     if spmd_mesh is not None:
         planned, spmd_specs = _spmd_params(params, spmd_mesh, n_dp, tuple(dp_mesh_dims.shard_names))

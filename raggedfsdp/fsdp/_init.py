@@ -45,6 +45,29 @@ def _init_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
+_EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def _check_no_all_gather_extension(tensor: torch.Tensor, name: str, unit: str) -> None:
+    """Raise ``NotImplementedError`` if ``tensor`` (a parameter, or a DTensor parameter's local tensor)
+    defines torch FSDP2's tensor-subclass all-gather extension (``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather``, torch/distributed/fsdp/_fully_shard/_fsdp_param.py). raggedfsdp's
+    all-gather runs in place on the unit's flat buffer and would silently ignore the extension, so ranks
+    would train something other than what the subclass asks for. Every rank holds the same parameter
+    types, so every rank raises (no rank is left waiting in a collective)."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    hooks = [h for h in _EXTENSION_HOOKS if hasattr(local, h)]
+    if hooks:
+        raise NotImplementedError(
+            f"fully_shard: parameter {name!r} of {unit} is a {type(local).__name__} that defines "
+            f"{' / '.join(hooks)} (torch FSDP2's tensor-subclass all-gather extension), which raggedfsdp "
+            "does not support: its all-gather runs in place on the unit's flat buffer. Use plain tensor "
+            "parameters (e.g. keep the subclass outside the parameter), all_gather_policy="
+            "QuantizedAllGatherPolicy(...) for 8-bit all-gathers, or torch.distributed.fsdp.fully_shard "
+            "for this module"
+        )
+
+
 def _managed_params(modules, ignored) -> list[tuple[nn.Parameter, str, list[tuple[nn.Module, str]]]]:
     """Params under ``modules`` not managed by a nested ``fully_shard``, in registration order, with
     owners."""

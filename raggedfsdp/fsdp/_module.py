@@ -243,11 +243,17 @@ class FSDPModule(torch_fsdp.FSDPModule):
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Accepted for API parity: raggedfsdp always reduce-scatters a unit's whole flat gradient buffer
-        (zeros for parameters this rank did not use), so ranks with different control flow never issue
-        mismatched collectives; which parameters get a ``.grad`` is decided over all ranks."""
+        """With ``True``, every trainable parameter of the unit gets a ``.grad`` after a backward that
+        reduces its gradients: zeros for a parameter no rank used, as torch's FSDP2 (which reduce-scatters
+        a zero gradient for it). With ``False`` (the default) such a parameter keeps ``grad=None``; whether
+        a parameter was used is decided over all ranks either way. raggedfsdp always reduce-scatters a
+        unit's whole flat gradient buffer (zeros where this rank did not use a parameter), so ranks with
+        different control flow never issue mismatched collectives with either setting. Local (every rank
+        should set the same value)."""
         for st in self._fsdp_states(recurse):
             st._reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            if st.group is not None:
+                st.group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Accepted for API parity (a CUDA stream-allocation choice of torch's): raggedfsdp's pre-forward

@@ -219,6 +219,9 @@ class FSDPParamGroup:
         self.all_reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
+        # set_reduce_scatter_unused_params(True): every trainable param counts as used (zero .grad if no
+        # rank used it), as FSDP2's post_backward reduce-scatters a zero grad for it
+        self.reduce_scatter_unused_params = False
         self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: hook(reduce_output) before the divide
         self.all_reduce_hook_stream = None
         # int reshard_after_forward (set_post_forward_mesh): a group of k consecutive ranks keeps a 1/k slice

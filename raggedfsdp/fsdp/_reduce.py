@@ -328,6 +328,8 @@ def launch_reduce(group: FSDPParamGroup, queue: ReduceQueue) -> PendingReduce:
         group.tensors.clear_unsharded_grads()
         params = tuple(grads.grad_fps)
         flags = grads.take_used_flags()
+        if group.reduce_scatter_unused_params:  # a zero .grad for params no rank used (FSDP2)
+            flags = (True,) * len(flags)
         queue.agreement.note(group, "reduce-scatter", group.bufs.grad_layout.total_size)
         if group.nonfinite_probe is not None:  # this rank's own grads, before the collective mixes them
             group.nonfinite_probe.append((group.unit_name, _nonfinite(group.bufs)))

@@ -28,6 +28,7 @@ from torch.autograd import Variable
 from raggedfsdp.fsdp._comm import CommContext
 from raggedfsdp.fsdp._common import ParamState, TrainingState, state_of
 from raggedfsdp.fsdp._compile import dynamo_disable
+from raggedfsdp.fsdp._init import _check_no_all_gather_extension
 from raggedfsdp.fsdp._param_group import FSDPParamGroup
 from raggedfsdp.fsdp._tree import cast_floating, grad_tensors, map_tensors, replace_grad_tensors
 
@@ -37,17 +38,31 @@ logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
 
 
 class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward runs once the inputs' grads are computed."""
+    """Identity on the module's inputs; its backward runs once the inputs' grads are computed.
+
+    ``setup_context``, ``generate_vmap_rule`` and ``jvp`` let it run under ``torch.func`` transforms
+    (``jvp`` / ``vmap`` of a unit whose inputs require grad), as torch's ``RegisterPostBackwardFunction``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): the tangents pass through unchanged."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, state, *inputs):
-        ctx.state = state
+    def forward(state, *inputs):
         return inputs if len(inputs) != 1 else inputs[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.state._post_backward_of_module()
         return (None,) + grads
+
+    @staticmethod
+    def jvp(ctx, state_tangent, *tangents):
+        # the non-tensor state has no tangent; the module's reduce is left to the backward, if any
+        return tangents if len(tangents) != 1 else tangents[0]
 
 
 class FSDPState:
@@ -107,6 +122,9 @@ class FSDPState:
             st.is_root = False
             st.root = self
         self.all_states = seen
+        for st in seen:  # an extension set on a sharded param after fully_shard (every rank sets it)
+            for fp in st.group.fsdp_params if st.group is not None else ():
+                _check_no_all_gather_extension(fp.sharded, fp.fqn, type(st.modules[0]).__name__)
         # one shared context (streams, reduce queue, order) for the whole tree
         devices = [st.group.device for st in seen if st.group is not None]
         comm = CommContext(devices[0] if devices else None, options=self.comm.options)

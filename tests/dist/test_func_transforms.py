@@ -69,3 +69,46 @@ def _jvp_case(rank, ws):
 
 def test_jvp_through_units_with_param_dtype():
     run_distributed(_jvp_case, 2)
+
+
+def _no_warmup_jvp_case(rank, ws):
+    """torch's ``test_no_warmup_jvp_reshard_after_forward_false``: an encoder output computed outside the
+    transform (so it requires grad) feeds a decoder unit inside ``torch.func.jvp``; the unit's post-backward
+    ``autograd.Function`` runs under functorch and needs ``setup_context`` and a ``jvp`` rule."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fs
+
+    import raggedfsdp
+
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("fsdp",))
+    got = {}
+    for name, fs in (("torch", torch_fs), ("ours", raggedfsdp.fully_shard)):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(0)
+        enc, dec = nn.Linear(16, 24, bias=False), nn.Linear(24, 8, bias=False)
+        for module in (enc, dec):
+            fs(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(16, generator=gen, dtype=torch.bfloat16)
+        primal = torch.randn(8, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+        tangent = torch.randn(8, generator=gen, dtype=torch.bfloat16)
+        e = enc(x)
+        assert e.requires_grad
+        out, tan = torch.func.jvp(lambda unused: dec(e), (primal,), (tangent,))
+        # a non-zero tangent through the unit (inside the transform its input reports requires_grad=False,
+        # so the post-backward Function is not applied: tests/unit/test_post_backward_function.py)
+        out2, tan2 = torch.func.jvp(lambda a: dec(a + e), (torch.zeros_like(e),), (e.detach() * 0.5,))
+        assert tan2.abs().sum() > 0
+        # the eager backward still runs the unit's post-backward (grads reduced) afterwards
+        dec(enc(x)).float().sum().backward()
+        got[name] = (out, tan, out2, tan2, enc.weight.grad.full_tensor(), dec.weight.grad.full_tensor())
+    t, o = got["torch"], got["ours"]
+    assert o[0].dtype == t[0].dtype == torch.bfloat16
+    torch.testing.assert_close(o[1], torch.zeros_like(o[0]), rtol=0, atol=0)
+    for a, b in zip(o, t):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_warmup_jvp_reshard_after_forward_false():
+    run_distributed(_no_warmup_jvp_case, 2)
