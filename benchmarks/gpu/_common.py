@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -286,3 +288,31 @@ def sync_controls(dev: torch.device) -> dict:
 
 def write_stdout_json(data: dict) -> None:
     print(json.dumps(data, default=str), flush=True)
+
+
+def run_bench_json(cmd: list[str], limit: float, summarize, cwd: str) -> dict:
+    """Run a ``raggedfsdp bench ... --json`` command line ``cmd`` (``[python, -m, module, ...]``) for at
+    most ``limit`` seconds in its own session (on a timeout the whole group -- the CLI, torchrun and
+    the ranks -- is killed, so no orphaned rank keeps the GPU busy during the next case) and return
+    ``{"rc", "wall_s", "cmd"}`` plus ``summarize(<the last JSON line>)``, or ``"error"`` and ``"tail"``
+    (the last lines of its output) when it timed out, failed or printed no JSON."""
+    shown = " ".join(cmd[3:])
+    t0 = time.monotonic()
+    p = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = p.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        return {"error": f"timeout after {limit:.0f} s", "tail": stderr.splitlines()[-10:], "cmd": shown}
+    r: dict = {"rc": p.returncode, "wall_s": round(time.monotonic() - t0, 1), "cmd": shown}
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        r["error"] = f"rc {p.returncode}"
+        r["tail"] = (stdout + stderr).splitlines()[-20:]
+        return r
+    r.update(summarize(json.loads(lines[-1])))
+    return r

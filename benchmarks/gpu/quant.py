@@ -23,16 +23,11 @@ timed steps.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Result, write_stdout_json
+from _common import Result, run_bench_json, write_stdout_json
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -99,26 +94,7 @@ def run_case(name: str, argv: list[str], limit: float, dry_run: bool) -> dict:
         cmd += [*argv, "--device", "cpu"]
     else:
         cmd += [*argv, "--device", "cuda"]
-    t0 = time.monotonic()
-    # its own session: on a timeout the whole group (the CLI, torchrun, the rank) is killed
-    p = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = p.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        return {"error": f"timeout after {limit:.0f} s", "tail": stderr.splitlines()[-10:], "cmd": cmd[3:]}
-    r: dict = {"rc": p.returncode, "wall_s": round(time.monotonic() - t0, 1), "cmd": " ".join(cmd[3:])}
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        r["error"] = f"rc {p.returncode}"
-        r["tail"] = (stdout + stderr).splitlines()[-20:]
-        return r
-    r.update(summarize(json.loads(lines[-1])))
-    return r
+    return run_bench_json(cmd, limit, summarize, ROOT)
 
 
 def main():
