@@ -56,8 +56,9 @@ def _cases(rank, world):
         assert [r["step"] for r in recs] == [1, 4, 8, 12], recs
         assert not any(r["straggler"]["named"] for r in recs), [r["straggler"] for r in recs]
         assert recs[0]["straggler"]["warmup"], recs[0]
-    # rank 1 frozen 0.8 s of every 1 s from step 2 on: named in the windows that follow
-    os.environ[FREEZE_ENV] = "0.8/1.0"
+    # rank 1 frozen 0.6 s of every 0.7 s from step 2 on, the first stop at step 2's start: each window
+    # that follows (3 or 4 steps of >= 50 ms) holds a stop, whatever the steps' speed
+    os.environ[FREEZE_ENV] = "0.6/0.7"
     try:
         recs = _run(rank, tmp / "frozen", "freeze@step2:rank1")
     finally:

@@ -272,10 +272,10 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 print("ready", flush=True)
 try:
     while True:
-        time.sleep(period - frozen)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(frozen)
         os.kill(pid, signal.SIGCONT)
+        time.sleep(period - frozen)
 except ProcessLookupError:
     pass
 finally:
@@ -316,7 +316,7 @@ def start_freezer(pid: int, spec: str) -> _Freezer:
         raise ValueError(f"{ENV}=freeze@stepN needs SIGSTOP (POSIX); this platform has none")
     cmd = [sys.executable, "-c", _FREEZER, str(pid), str(frozen), str(period)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    proc.stdout.readline()  # started: the first stop comes period - frozen seconds from now
+    proc.stdout.readline()  # started: the first stop comes now, at the start of step N
     freezer = _Freezer(proc)
     atexit.register(freezer.stop)
     return freezer
