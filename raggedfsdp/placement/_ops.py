@@ -30,13 +30,13 @@ Source: fsdp2-internals.md section 3.4 (patches A and B, verified on torch 2.13)
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial
 
+from raggedfsdp.placement._patches import dispatch_without_handler
 from raggedfsdp.placement._implicit import (  # RaggedShardOpError: re-exported
     VIEW_OPS,
     RaggedShardOpError,
@@ -332,7 +332,6 @@ def make_is_tensor_shardable(stock):
 # InfNormPartial input (the norm of norms) first all-reduces it (one collective for the whole
 # stack), so the total is Replicate and equal on every rank, as for p-norms.
 _INF = (float("inf"), float("-inf"))
-_HANDLER_LOCK = threading.RLock()
 
 
 class RaggedPartial(Partial):
@@ -406,22 +405,15 @@ def chain_handler(custom_handlers: dict, op, fn) -> None:
 def call_torch_dispatch(op_call, args, kwargs):
     """Run ``op_call`` as torch would: its own custom handler for the op if it has one
     (:data:`TORCH_HANDLERS`) and no operand is RaggedShard, else its DTensor dispatch with raggedfsdp's
-    handler stepped aside."""
-    from torch.distributed.tensor import DTensor
-
+    handler stepped aside on this thread only (``_patches.dispatch_without_handler``: other threads'
+    calls of the op keep the handler; torch's shared handler dict is not touched)."""
     torch_handler = TORCH_HANDLERS.get(op_call)
     if torch_handler is not None and not any(_is_ragged(t) for t in (*args, *kwargs.values())):
         # torch's handler reads Shard placements only (2.11's minmax_dim_handler would reduce a
         # RaggedShard operand's local piece as if it were replicated): a RaggedShard operand takes the
         # propagation path below, which redistributes it
         return torch_handler(op_call, args, kwargs)
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    with _HANDLER_LOCK:
-        mine = handlers.pop(op_call)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = mine
+    return dispatch_without_handler(op_call, args, kwargs)
 
 
 _DTENSOR: list = []  # torch's DTensor class, imported at first use (these run on every handled call)

@@ -72,6 +72,17 @@ Patched torch functions (``module:qualname``) and why
 11. ``tensor._utils:ExplicitRedistributionContext.observe_redistribution`` (torch calls it for every
    implicit redistribution an op's dispatch performs): counts those of RS DTensors and raises under
    ``raggedfsdp.strict_ops()`` / ``RAGGEDFSDP_STRICT_OPS=1`` (``placement/_implicit.py``).
+12. ``tensor._dispatch:OpDispatcher._custom_op_handlers`` becomes a per-thread view
+   (:func:`dispatch_without_handler`): a handler that hands a call back to torch's dispatch
+   (``placement/_ops.py call_torch_dispatch``) needs torch's dispatch with its own entry absent, and
+   torch's C++ dispatch (``dispatchDTensorOp``, torch 2.11 - 2.13) reads the attribute
+   ``DTensor._op_dispatcher._custom_op_handlers`` on every call, so the one ``OpDispatcher`` instance
+   gets a subclass whose property returns this thread's view: the shared dict (the one object torch
+   created, where items 9 and 10 live), or for the duration of a hand-back a copy of it without that
+   op, on that thread only. Other threads keep every handler, and the shared dict is never mutated
+   per call (the earlier pop-and-restore left a window in which another thread's call of the same op
+   missed the handler: ``tests/unit/test_ragged_handler_threads.py``). Assigning the attribute (torch's
+   ``context_parallel`` swaps the dict) replaces the shared dict, as before.
 
 Supported torch: 2.11 - 2.15 (:data:`SUPPORTED`). Every target's signature is checked before it is
 patched (a moved or changed internal raises ``RuntimeError`` naming it). A newer minor warns and
@@ -335,6 +346,94 @@ def _install_handlers() -> None:
                 _HANDLERS.append(tag)
 
 
+# ---- item 12: a per-thread view of DTensor's op-handler dict -----------------------------------
+_VIEW_TAG = "torch.distributed.tensor._dispatch:OpDispatcher._custom_op_handlers (per-thread view)"
+
+
+class _HandlerView(threading.local):
+    """``current``: the op-handler dict torch's DTensor dispatch reads on this thread. The class
+    attribute is the shared dict; :func:`dispatch_without_handler` sets a per-thread copy."""
+
+    current: dict = {}
+
+
+_VIEW = _HandlerView()
+
+
+def _view_get(self) -> dict:
+    return _VIEW.current
+
+
+def _view_set(self, value) -> None:
+    _HandlerView.current = value  # the shared dict, for every thread without a hand-back in progress
+
+
+def _install_handler_view() -> None:
+    """Give ``DTensor._op_dispatcher`` a subclass whose ``_custom_op_handlers`` is :data:`_VIEW`'s
+    (idempotent). Raises ``RuntimeError`` if torch's dispatcher no longer holds the dict as a plain
+    instance attribute."""
+    from torch.distributed.tensor import DTensor
+
+    disp = DTensor._op_dispatcher
+    cls = type(disp)
+    if getattr(cls, "__ragged_patched__", False):
+        return
+    shared = vars(disp).get("_custom_op_handlers")
+    if type(shared) is not dict or any("_custom_op_handlers" in vars(c) for c in cls.__mro__):
+        raise RuntimeError(
+            f"raggedfsdp: torch {torch.__version__}'s DTensor._op_dispatcher no longer holds "
+            "_custom_op_handlers as a plain instance dict; the per-thread handler view must be ported "
+            "(raggedfsdp/placement/_patches.py item 12)"
+        )
+    _HandlerView.current = shared
+    view_cls = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "__ragged_patched__": True,
+            "_custom_op_handlers": property(_view_get, _view_set, doc="this thread's op-handler dict"),
+        },
+    )
+    del vars(disp)["_custom_op_handlers"]
+    disp.__class__ = view_cls
+    if _VIEW_TAG not in _HANDLERS:
+        _HANDLERS.append(_VIEW_TAG)
+
+
+def dispatch_without_handler(op_call, args, kwargs):
+    """``op_call(*args, **kwargs)`` through torch's DTensor dispatch with ``op_call``'s custom handler
+    left out on this thread only (its sharding propagation, redistribution and local op; other threads
+    keep every handler). Handlers of other ops stay in place, nested hand-backs stack.
+
+    Raises ``RuntimeError`` if torch called a raggedfsdp handler of ``op_call`` although this thread's
+    view lacks it (torch no longer reads the view: item 12 must be ported)."""
+    local = _VIEW.__dict__  # this thread's attributes of the threading.local
+    prev = local.get("current")
+    cur = _HandlerView.current if prev is None else prev
+    if op_call not in cur:
+        if prev is not None:
+            raise RuntimeError(
+                f"raggedfsdp: torch {torch.__version__}'s DTensor dispatch called raggedfsdp's handler of "
+                f"{op_call} although this thread's _custom_op_handlers lacks it: torch no longer reads "
+                "DTensor._op_dispatcher._custom_op_handlers per call; port raggedfsdp/placement/_patches.py "
+                "item 12"
+            )
+        return op_call(*args, **kwargs)  # the handler was taken out of the shared dict: torch's dispatch
+    view = dict(cur)
+    del view[op_call]
+    local["current"] = view
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        if prev is None:
+            del local["current"]
+        else:
+            local["current"] = prev
+
+
 def _allow_in_weights_only_load() -> None:
     """Let ``torch.load`` (``weights_only=True``, its default since 2.6) rebuild ``RaggedShard``, as torch
     lets it rebuild its own placements (``torch/distributed/tensor/__init__.py`` registers ``Shard``,
@@ -370,6 +469,7 @@ def apply() -> None:
             known = check_torch_version()
             for module, qualname, params, factory in TARGETS:
                 _swap(module, qualname, params, factory)
+            _install_handler_view()
             _install_handlers()
             _allow_in_weights_only_load()
             if not known:
@@ -424,6 +524,11 @@ def self_check() -> None:
             problems.append("local shapes of RaggedShard are wrong (_compute_local_shape_and_global_offset)")
     except Exception as e:  # noqa: BLE001 - any failure here means the patch no longer fits
         problems.append(f"{type(e).__name__}: {e}")
+    from torch.distributed.tensor import DTensor
+
+    disp = DTensor._op_dispatcher
+    if not getattr(type(disp), "__ragged_patched__", False) or disp._custom_op_handlers is not _VIEW.current:
+        problems.append("DTensor's op-handler dict is not raggedfsdp's per-thread view (item 12)")
     for key in _STOCK:
         if not _resolve(*key.split(":")).__code__.co_filename.startswith("<raggedfsdp patch of"):
             problems.append(f"{key} is not patched")
