@@ -20,19 +20,19 @@ full tensor once. Works for RaggedShard composed with Replicate / Shard(d >= len
 
 Installed by ``raggedfsdp/placement/_patches.py`` as DTensor custom op handlers
 (``DTensor._op_dispatcher._custom_op_handlers``, torch/distributed/tensor/_dispatch.py); for
-DTensors without a RaggedShard the handler steps aside (removes itself for the nested call, under
-a lock) and torch's own dispatch runs. Random ops whose parameters are DTensors (e.g.
-``bernoulli_(p_dtensor)``) raise ``RuntimeError``.
+DTensors without a RaggedShard the handler steps aside (``_patches.dispatch_without_handler``: left
+out of torch's dispatch of that call, on that thread only) and torch's own dispatch runs. Random ops
+whose parameters are DTensors (e.g. ``bernoulli_(p_dtensor)``) raise ``RuntimeError``.
 """
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from raggedfsdp.placement._patches import dispatch_without_handler
 from raggedfsdp.placement._redistribute import has_ragged, local_piece_of_full, ragged_mesh_dim
 
 aten = torch.ops.aten
@@ -70,7 +70,6 @@ RANDOM_LIKE_OPS = _ops(
     ]
 )
 
-_LOCK = threading.RLock()
 CHUNK_ELEMS = 1 << 20  # elements per generated chunk on the chunked CPU path (multiple of 16)
 
 
@@ -111,13 +110,7 @@ def random_inplace_handler(op_call, args, kwargs):
     """DTensor custom handler: full-tensor generation, keep the local flat piece (see module doc)."""
     self = args[0]
     if not _is_ragged(self):
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        with _LOCK:
-            mine = handlers.pop(op_call)
-            try:
-                return op_call(*args, **kwargs)
-            finally:
-                handlers[op_call] = mine
+        return dispatch_without_handler(op_call, args, kwargs)
     if any(p.is_partial() for p in self._spec.placements):
         raise RuntimeError(
             f"RaggedShard: {op_call} is not supported on RaggedShard DTensors with a Partial placement "

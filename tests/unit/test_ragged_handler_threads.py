@@ -68,20 +68,57 @@ def _check_rs_norm(out, ref):
     assert torch.equal(out.to_local(), ref.to_local())
 
 
-def test_hand_back_keeps_the_handler_for_other_threads(fake_world, monkeypatch):
-    """Deterministic interleaving: thread A's norm of a Shard(0) DTensor is handed back to torch's
+def _norm_case(world):
+    """(op, A's call: handed back, B's call: needs the handler, check of B's result against one thread's)"""
+    rs, sh = _tensors(world)
+    ref = torch.linalg.vector_norm(rs, _INF)  # one thread: the handler's result
+    _check_rs_norm(ref, ref)
+    return (
+        torch.ops.aten.linalg_vector_norm.default,
+        lambda: torch.linalg.vector_norm(sh),
+        lambda: torch.linalg.vector_norm(rs, _INF),
+        lambda out: _check_rs_norm(out, ref),
+    )
+
+
+def _uniform_case(world):
+    """``uniform_`` of a Shard(0) DTensor (handed back) and of a RaggedShard DTensor: the handler draws
+    the full tensor and keeps rank 0's flat piece; torch's dispatch refuses a random op on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor, zeros
+
+    from raggedfsdp import RaggedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    rs = zeros(5, 3, device_mesh=mesh, placements=[RaggedShard((0,), (2, 1, 2))])  # rank 0: rows 0-1
+    sh = distribute_tensor(torch.zeros(11, 2), mesh, [Shard(0)])
+    torch.manual_seed(7)
+    want = torch.empty(5, 3).uniform_().reshape(-1)[:6]  # oracle: the full draw, rank 0's rows
+
+    def b_call():
+        torch.manual_seed(7)  # A is held before its own draw, so nothing else draws meanwhile
+        return rs.uniform_()
+
+    def check(out):
+        assert out is rs and out.placements == (RaggedShard((0,), (2, 1, 2)),), out.placements
+        assert torch.equal(out.to_local(), want)
+
+    check(b_call())  # one thread: the handler's result
+    return torch.ops.aten.uniform_.default, lambda: sh.uniform_(), b_call, check
+
+
+@pytest.mark.parametrize("case", [_norm_case, _uniform_case], ids=["inf_norm", "uniform_"])
+def test_hand_back_keeps_the_handler_for_other_threads(fake_world, monkeypatch, case):
+    """Deterministic interleaving: thread A's call on a Shard(0) DTensor is handed back to torch's
     dispatch (the handler's non-RaggedShard path) and stopped inside it, in torch's sharding
-    propagation; thread B then takes the inf-norm of the RaggedShard DTensor, which needs the handler.
+    propagation; thread B then calls the same op on a RaggedShard DTensor, which needs the handler.
     B must get the handler's result, and see the handler in the dict torch reads, while A is inside."""
     from torch.distributed.tensor import DTensor
 
-    rs, sh = _tensors(fake_world)
-    ref = torch.linalg.vector_norm(rs, _INF)  # one thread: the handler's result
-    _check_rs_norm(ref, ref)
-    op = torch.ops.aten.linalg_vector_norm.default
+    op, a_call, b_call, check_b = case(fake_world)
     disp = DTensor._op_dispatcher
     handler = disp._custom_op_handlers[op]
-    assert handler.__module__ == "raggedfsdp.placement._ops", handler
+    assert handler.__module__.startswith("raggedfsdp.placement."), handler
 
     stock = disp._propagate_op_sharding_dispatch_slow_path  # torch's C++ dispatch calls it by name
     inside, b_done = threading.Event(), threading.Event()
@@ -98,7 +135,7 @@ def test_hand_back_keeps_the_handler_for_other_threads(fake_world, monkeypatch):
     def run_a():
         state["a"] = threading.get_ident()
         try:
-            state["a_out"] = torch.linalg.vector_norm(sh)
+            state["a_out"] = a_call()
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             state["a_err"] = e
 
@@ -108,7 +145,7 @@ def test_hand_back_keeps_the_handler_for_other_threads(fake_world, monkeypatch):
                 state["b_err"] = AssertionError("thread A never reached torch's dispatch")
                 return
             state["b_sees_handler"] = disp._custom_op_handlers.get(op) is handler
-            state["b_out"] = torch.linalg.vector_norm(rs, _INF)
+            state["b_out"] = b_call()
         except BaseException as e:  # noqa: BLE001
             state["b_err"] = e
         finally:
@@ -124,14 +161,14 @@ def test_hand_back_keeps_the_handler_for_other_threads(fake_world, monkeypatch):
     assert "a_err" not in state, state["a_err"]
     assert "b_err" not in state, repr(state["b_err"])
     assert state["b_sees_handler"], "another thread's hand-back took the handler out of torch's dict"
-    _check_rs_norm(state["b_out"], ref)
-    # A's result is torch's own dispatch of the Shard(0) norm (rank 0's rows, Partial)
+    check_b(state["b_out"])
+    # A got torch's own dispatch: the same call on one thread, with no handler in the way
     monkeypatch.undo()
-    want = torch.linalg.vector_norm(sh)
-    assert state["a_out"].placements == want.placements
-    assert torch.equal(state["a_out"].to_local(), want.to_local())
-    assert torch.equal(want.to_local(), torch.linalg.vector_norm(sh.to_local()))
     assert disp._custom_op_handlers.get(op) is handler
+    if op is torch.ops.aten.linalg_vector_norm.default:
+        want = a_call()
+        assert state["a_out"].placements == want.placements
+        assert torch.equal(state["a_out"].to_local(), want.to_local())
 
 
 def test_threads_hammering_a_handled_op(fake_world):

@@ -64,7 +64,8 @@ def test_all_targets_patched_in_place():
     syms = set(tp.patched_symbols())
     assert keys <= syms and len(keys) == len(tp.TARGETS) == 16
     handlers = {s for s in syms if "_custom_op_handlers[" in s}
-    assert syms == keys | handlers
+    assert syms == keys | handlers | {tp._VIEW_TAG}  # item 12: the per-thread view of the handler dict
+    assert type(DTensor._op_dispatcher).__ragged_patched__
     fast = _foreach.supported_ops() if _foreach.wanted() else []  # patch 10, on unless turned off
     assert len(handlers) == len(_random.RANDOM_INPLACE_OPS) + len(_random.RANDOM_LIKE_OPS) + len(
         _ops.NORM_OPS
@@ -401,3 +402,69 @@ def test_torch_load_weights_only_rebuilds_ragged_shard(tmp_path):
             print("refused" if "RaggedShard" in str(e) else str(e))
     """)
     assert refused.strip() == "refused"
+
+
+def test_handler_view_is_what_torch_dispatch_reads(monkeypatch):
+    """Item 12: torch's DTensor dispatch reads ``DTensor._op_dispatcher._custom_op_handlers`` per call,
+    so a per-thread view leaves a handler out of one call on one thread. A handler handing its op back
+    with ``dispatch_without_handler`` gets torch's own dispatch (the result of the op with no handler),
+    once, no recursion. Fails loudly if torch stops reading the attribute per call or stops holding it
+    as a plain instance dict."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    RaggedShard((0,), (1,))
+    op = torch.ops.aten.sgn.default  # no handler of torch's or raggedfsdp's
+    disp = DTensor._op_dispatcher
+    shared = disp._custom_op_handlers
+    assert op not in shared and shared is tp._HandlerView.current and "_custom_op_handlers" not in vars(disp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        x = distribute_tensor(torch.tensor([[-2.0, 0.0, 3.0]]), init_device_mesh("cpu", (1,)), [Shard(1)])
+        want = torch.sgn(x)  # torch's dispatch
+        calls = []
+
+        def spy(op_call, args, kwargs):
+            calls.append(threading.get_ident())
+            return tp.dispatch_without_handler(op_call, args, kwargs)
+
+        shared[op] = spy
+        out = torch.sgn(x)
+        assert calls == [threading.get_ident()], calls  # the handler ran once: the hand-back skipped it
+        assert out.placements == want.placements and torch.equal(out.to_local(), want.to_local())
+        assert disp._custom_op_handlers is shared and shared[op] is spy  # nothing moved
+        # a view without the handler, on this thread only: torch skips it; another thread still has it
+        tp._VIEW.current = {k: v for k, v in shared.items() if k is not op}
+        try:
+            assert torch.equal(torch.sgn(x).to_local(), want.to_local()) and len(calls) == 1
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(disp._custom_op_handlers.get(op)))
+            t.start()
+            t.join()
+            assert seen == [spy]
+            # torch calling a handler the thread's view lacks: torch no longer reads the view
+            with pytest.raises(RuntimeError, match="no longer reads.*item 12"):
+                spy(op, (x,), {})
+        finally:
+            del tp._VIEW.current
+        assert disp._custom_op_handlers is shared
+    finally:
+        shared.pop(op, None)
+        dist.destroy_process_group()
+    # assigning the attribute (torch's context_parallel swaps the dict) replaces the shared dict
+    swapped = {**shared, op: spy}
+    disp._custom_op_handlers = swapped
+    try:
+        assert disp._custom_op_handlers is swapped and tp._HandlerView.current is swapped
+    finally:
+        disp._custom_op_handlers = shared
+    assert disp._custom_op_handlers is shared
+    # a torch whose dispatcher no longer holds a plain instance dict is refused, naming item 12
+    odd = type("OpDispatcher", (), {"_custom_op_handlers": property(lambda self: {})})()
+    monkeypatch.setattr(DTensor, "_op_dispatcher", odd)
+    with pytest.raises(RuntimeError, match="_custom_op_handlers as a plain instance dict.*item 12"):
+        tp._install_handler_view()
