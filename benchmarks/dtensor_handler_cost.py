@@ -14,6 +14,14 @@ torch's dispatch (raggedfsdp/placement/_ops.py ``call_torch_dispatch``) or runs 
 only host work), a 1-D mesh; the median over ``--repeats`` of the mean of ``--calls`` calls after
 warm-up, the minimum of that over ``--rounds`` alternated runs of the two systems.
 Results and the command: benchmarks/README.md, "DTensor handler cost for non-RaggedShard DTensors".
+
+    python benchmarks/dtensor_handler_cost.py --handback-ab [--ab-rounds 60]
+
+compares, in ONE process (so a shared machine's drift hits both alike), raggedfsdp's hand-back
+(``_patches.dispatch_without_handler``: a per-thread view of torch's handler dict) with the design it
+replaced (pop the handler from torch's shared dict under a lock, dispatch, put it back: not
+thread-safe), alternated per measurement of 100 calls (either first, by turns); min and 10th percentile
+over the rounds.
 """
 
 from __future__ import annotations
@@ -85,6 +93,68 @@ def _worker(args) -> dict:
     return out
 
 
+def _handback_ab(args) -> int:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raggedfsdp import RaggedShard
+    from raggedfsdp.placement import _ops, _random
+    from raggedfsdp.placement import _patches as tp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    RaggedShard((0,), (1,) * args.world_size)
+    lock = threading.RLock()
+
+    def pop_under_lock(op_call, a, kw):  # the replaced design
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        with lock:
+            mine = handlers.pop(op_call)
+            try:
+                return op_call(*a, **kw)
+            finally:
+                handlers[op_call] = mine
+
+    designs = {"pop under a lock": pop_under_lock, "per-thread view": tp.dispatch_without_handler}
+    torch.manual_seed(0)
+    cases = {k: v for k, v in _cases(torch, mesh).items() if "foreach" not in k}
+    res = {d: {k: [] for k in cases} for d in designs}
+    for fn in cases.values():
+        for _ in range(20):
+            fn()
+    try:
+        for r in range(args.ab_rounds):
+            order = list(designs.items())[:: 1 if r % 2 else -1]  # either design first, alternately
+            for name, fn in cases.items():
+                for d, impl in order:
+                    _ops.dispatch_without_handler = _random.dispatch_without_handler = impl
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(100):
+                        fn()
+                    res[d][name].append((time.perf_counter() - t0) / 100 * 1e6)
+    finally:
+        _ops.dispatch_without_handler = _random.dispatch_without_handler = tp.dispatch_without_handler
+    dist.destroy_process_group()
+    print(
+        f"{'op (non-RaggedShard DTensor)':30s}"
+        + "".join(f"{d + ' us':>22s}" for d in designs)
+        + f"{'diff us':>9s}"
+    )
+    for name in cases:
+        mins = [min(res[d][name]) for d in designs]
+        q10 = [sorted(res[d][name])[len(res[d][name]) // 10] for d in designs]
+        cells = "".join(f"{m:12.2f} (p10 {q:5.1f})" for m, q in zip(mins, q10))
+        print(f"{name:30s}{cells}{mins[1] - mins[0]:+9.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=4)
@@ -92,8 +162,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3, help="alternated runs of each system (min over them)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--handback-ab", action="store_true", help="in-process A/B of the hand-back designs")
+    p.add_argument("--ab-rounds", type=int, default=60)
     p.add_argument("--system", choices=["torch", "raggedfsdp"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.handback_ab:
+        return _handback_ab(args)
     if args.system:
         print(json.dumps(_worker(args)))
         return 0

@@ -422,7 +422,7 @@ def dispatch_without_handler(op_call, args, kwargs):
                 "item 12"
             )
         return op_call(*args, **kwargs)  # the handler was taken out of the shared dict: torch's dispatch
-    view = dict(cur)
+    view = cur.copy()  # ~0.7 us for torch's + raggedfsdp's ~120 entries
     del view[op_call]
     local["current"] = view
     try:
