@@ -20,8 +20,9 @@ Results and the command: benchmarks/README.md, "DTensor handler cost for non-Rag
 compares, in ONE process (so a shared machine's drift hits both alike), raggedfsdp's hand-back
 (``_patches.dispatch_without_handler``: a per-thread view of torch's handler dict) with the design it
 replaced (pop the handler from torch's shared dict under a lock, dispatch, put it back: not
-thread-safe), alternated per measurement of 100 calls (either first, by turns); min and 10th percentile
-over the rounds.
+thread-safe; run on torch's own dispatcher class, so the control ops show what the view's property
+costs every DTensor op), alternated per measurement of 100 calls (either first, by turns); min and
+10th percentile over the rounds.
 """
 
 from __future__ import annotations
@@ -121,7 +122,21 @@ def _handback_ab(args) -> int:
             finally:
                 handlers[op_call] = mine
 
-    designs = {"pop under a lock": pop_under_lock, "per-thread view": tp.dispatch_without_handler}
+    disp = DTensor._op_dispatcher
+    view_cls, torch_cls = type(disp), type(disp).__mro__[1]  # raggedfsdp's subclass (item 12), torch's
+
+    def use_view(on: bool) -> None:  # the pop design ran on torch's class: a plain instance dict
+        if on and type(disp) is not view_cls:
+            del vars(disp)["_custom_op_handlers"]
+            disp.__class__ = view_cls
+        elif not on and type(disp) is view_cls:
+            disp.__class__ = torch_cls
+            vars(disp)["_custom_op_handlers"] = tp._HandlerView.current
+
+    designs = {
+        "pop under a lock": (pop_under_lock, False),
+        "per-thread view": (tp.dispatch_without_handler, True),
+    }
     torch.manual_seed(0)
     cases = {k: v for k, v in _cases(torch, mesh).items() if "foreach" not in k}
     res = {d: {k: [] for k in cases} for d in designs}
@@ -132,7 +147,8 @@ def _handback_ab(args) -> int:
         for r in range(args.ab_rounds):
             order = list(designs.items())[:: 1 if r % 2 else -1]  # either design first, alternately
             for name, fn in cases.items():
-                for d, impl in order:
+                for d, (impl, view) in order:
+                    use_view(view)
                     _ops.dispatch_without_handler = _random.dispatch_without_handler = impl
                     fn()
                     t0 = time.perf_counter()
@@ -140,6 +156,7 @@ def _handback_ab(args) -> int:
                         fn()
                     res[d][name].append((time.perf_counter() - t0) / 100 * 1e6)
     finally:
+        use_view(True)
         _ops.dispatch_without_handler = _random.dispatch_without_handler = tp.dispatch_without_handler
     dist.destroy_process_group()
     print(
