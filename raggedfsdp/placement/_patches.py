@@ -397,8 +397,10 @@ def _install_handler_view() -> None:
             "_custom_op_handlers": property(_view_get, _view_set, doc="this thread's op-handler dict"),
         },
     )
-    del vars(disp)["_custom_op_handlers"]
+    # the class first: its property then wins over the instance attribute, so a dispatch on another
+    # thread always finds the dict
     disp.__class__ = view_cls
+    del vars(disp)["_custom_op_handlers"]
     if _VIEW_TAG not in _HANDLERS:
         _HANDLERS.append(_VIEW_TAG)
 
