@@ -136,6 +136,11 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
             "MultiThread::test_all_gather_extensions_monkey_patch",
         )
     },
+    "test_fully_shard_debug.py::TestFullyShardDebug::test_fully_shard_module_and_param_fqns": (
+        "torch-internals",
+        "calls the private FSDPState._lazy_init(), reads _fsdp_param_group._module_fqn and "
+        "FSDPParam._param_fqn (the same test as init's test_fully_shard_module_and_param_fqns)",
+    ),
     _SD + "MultiProcess::test_dp_tp_state_dict_save_load": (
         "even-split",
         "same data_ptr()==0 => rank > 0 assertion as test_dp_state_dict_save_load",
@@ -183,7 +188,14 @@ def _reason(text: str) -> str:
 
 
 def _run(
-    impl: str, tests: Path, files: list[str], ranks: int, site: str | None, timeout: float, kexpr: str | None
+    impl: str,
+    tests: Path,
+    files: list[str],
+    ranks: int,
+    site: str | None,
+    timeout: float,
+    kexpr: str | None,
+    dynamo: bool = False,
 ) -> dict[str, str]:
     out: dict[str, str] = {}
     env = dict(os.environ)
@@ -194,6 +206,8 @@ def _run(
         RAGGEDFSDP_TORCH_SUITE_RANKS=str(ranks),
         OMP_NUM_THREADS="1",
     )
+    if dynamo:
+        env["RAGGEDFSDP_TORCH_SUITE_DYNAMO"] = "1"
     for f in files:
         xml = Path(f"/tmp/torch_suite_{impl}_{Path(f).stem}.xml")
         xml.unlink(missing_ok=True)
@@ -275,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run rewritten copies: torch.device('cuda'[, 0]) / device='cuda' / .cuda() -> CPU, "
         "and no @unittest.skipIf(not TEST_CUDA)",
     )
+    ap.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="for torch.compile tests: torch.accelerator.is_available() stays False (without it, dynamo asks "
+        "the CPU that the harness reports as the accelerator for its current stream and fails)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
     a = ap.parse_args(argv)
     if a.from_json is not None:
@@ -283,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --tests DIR and test files (or --from-json)")
     else:
         tests = _cpu_copy(a.tests, a.files) if a.cuda_to_cpu else a.tests
-        res = {impl: _run(impl, tests, a.files, a.ranks, a.site, a.timeout, a.kexpr) for impl in a.impl}
+        res = {
+            impl: _run(impl, tests, a.files, a.ranks, a.site, a.timeout, a.kexpr, a.dynamo) for impl in a.impl
+        }
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
     _print_tables(res)

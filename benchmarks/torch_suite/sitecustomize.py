@@ -9,8 +9,10 @@ patches as the parent. Does nothing unless ``RAGGEDFSDP_TORCH_SUITE`` is set:
   ``torch.cuda/cpu/accelerator.device_count()`` (``current_accelerator()`` is the CPU) and common_fsdp's
   ``DEVICE_COUNT``
   report ``RAGGEDFSDP_TORCH_SUITE_RANKS`` (default 2), so ``world_size`` properties give that many gloo
-  ranks; the DDP reference ``replicate(cpu_module, device_ids=[rank])`` drops ``device_ids`` (DDP refuses
-  them for CPU modules). Tests that hard-code ``"cuda"`` still fail (classified "environment").
+  ranks (with ``RAGGEDFSDP_TORCH_SUITE_DYNAMO``, ``--dynamo``, ``torch.accelerator.is_available()``
+  stays False, as dynamo needs); the DDP reference ``replicate(cpu_module, device_ids=[rank])`` drops
+  ``device_ids`` (DDP refuses them for CPU modules). Tests that hard-code ``"cuda"`` still fail
+  (classified "environment").
 """
 
 import os
@@ -29,6 +31,9 @@ if _impl:
             torch.accelerator.device_count = lambda: _ranks
             if torch.accelerator.current_accelerator() is None:  # module-level device_type lookups
                 torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cpu")
+                if os.environ.get("RAGGEDFSDP_TORCH_SUITE_DYNAMO"):  # --dynamo: the real answer, False;
+                    # dynamo's tracer otherwise asks the fake CPU accelerator for its current stream
+                    torch.accelerator.is_available = lambda: False
     import torch.testing._internal.common_distributed as _cd
 
     def _skip_if_lt_x_gpu(x, *, allow_cpu=False):
