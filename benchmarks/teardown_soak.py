@@ -239,6 +239,11 @@ def _rank_user41() -> None:
 
 
 def _child(case: str) -> None:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # Python stacks of every thread on SIGABRT (then the core)
+    if case in ("user", "user41"):
+        _maybe_inject_abort()
     if case in ("bare", "harness"):
         _rank_bare(case == "harness")
     elif case == "user":
@@ -356,16 +361,20 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
         rcs, text = _fork_run(case, nproc, timeout, tmp)
         return _classify(rcs, text)
     me = [sys.executable, str(Path(__file__).resolve()), "--child", case]
+    rundir = tmp / f"run-{time.time_ns()}"  # every process of the run starts here: a core lands here
+    rundir.mkdir()
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=rundir)
+    if os.environ.get("SOAK_CORES") == "1":
+        popen["preexec_fn"] = _unlimited_core
     if case == "train":
         cli = Path(sys.executable).with_name("raggedfsdp")
         cmd = [str(cli) if cli.exists() else sys.executable, *([] if cli.exists() else ["-m", "raggedfsdp.app.cli"]),
                "train", "--nproc", str(nproc), "--model", "debug", "--steps", "2", "--batch-size", str(2 * nproc),
                "--seq-len", "16", "--data.max_bytes", "100000", "--metrics.eval_batches", "1",
                "--optimizer.warmup_steps", "1", "--log-every", "1", "--out", str(tmp / f"out-{time.time_ns()}")]  # fmt: skip
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
+        procs = [subprocess.Popen(cmd, env=_env(), **popen)]
     elif case == "fsdp":
-        procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=_env(SOAK_NPROC=str(nproc)))]  # fmt: skip
+        procs = [subprocess.Popen(me, env=_env(SOAK_NPROC=str(nproc)), **popen)]
     elif case in ("bare", "harness", "user", "user41") and launcher == "torchrun":
         cmd = [
             sys.executable,
@@ -376,7 +385,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
             str(nproc),
             *me[1:],
         ]
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
+        procs = [subprocess.Popen(cmd, env=_env(), **popen)]
     else:
         port = str(_free_port())
         envs = [
@@ -390,10 +399,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
             )  # fmt: skip
             for r in range(nproc)
         ]
-        procs = [
-            subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
-            for e in envs
-        ]
+        procs = [subprocess.Popen(me, env=e, **popen) for e in envs]
     outs, deadline = [], time.monotonic() + timeout
     for p in procs:
         try:
@@ -409,8 +415,34 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
     keep = os.environ.get("SOAK_KEEP_DIR")  # every rank's output of an aborted or failed run
     if keep and verdict[0] != "ok":
         os.makedirs(keep, exist_ok=True)
-        Path(keep, f"{case}-{verdict[0]}-{time.time_ns()}.log").write_text(text)
+        stem = Path(keep, f"{case}-{verdict[0]}-{time.time_ns()}")
+        stem.with_suffix(".log").write_text(text)
+        for i, core in enumerate(sorted(rundir.glob("core*"))):  # the native stacks of the dead rank
+            bt = subprocess.run(["gdb", "-batch", "-nx", "-ex", "thread apply all bt", sys.executable, str(core)],
+                                capture_output=True, text=True, timeout=600)  # fmt: skip
+            Path(f"{stem}.gdb{i}.txt").write_text(bt.stdout + bt.stderr)
+    import shutil
+
+    shutil.rmtree(rundir, ignore_errors=True)
     return verdict
+
+
+def _unlimited_core() -> None:
+    """``SOAK_CORES=1``: a rank that dies of a signal writes a core (``core_pattern`` ``core``: in its
+    working directory, the run's own); the soak keeps ``gdb``'s ``thread apply all bt`` of it."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _train_before(nproc: int, tmp: Path) -> None:
+    """``--train-before``: the 2-rank ``raggedfsdp train`` the report's aborted runs came right after."""
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "train", "--nproc", str(nproc), "--model", "debug",
+           "--steps", "4", "--batch-size", str(2 * nproc), "--seq-len", "32", "--data.max_bytes", "200000",
+           "--out", str(tmp / f"train-{time.time_ns()}")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    if r.returncode:
+        print(f"  --train-before: exit {r.returncode}: {(r.stdout + r.stderr)[-300:]}", flush=True)
 
 
 def _classify(rcs: list[int], text: str) -> tuple[str, str]:
@@ -457,6 +489,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="user: training steps")
     p.add_argument("--backend", choices=("ragged", "torch"), default="ragged",
                    help="user41: whose fully_shard (torch: the control)")  # fmt: skip
+    p.add_argument("--train-before", type=int, default=0, metavar="NPROC",
+                   help="before every run, a `raggedfsdp train --nproc NPROC --steps 4` (not counted): the "
+                        "sequence of issue 41 item 11's aborts")  # fmt: skip
+    p.add_argument("--cores", action="store_true",
+                   help="fresh/torchrun: ranks dump core; with SOAK_KEEP_DIR an aborted run keeps gdb's "
+                        "`thread apply all bt` of each core beside its output")  # fmt: skip
     p.add_argument("--burn", type=int, default=0, help="busy-loop processes running beside the soak (load)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -468,6 +506,8 @@ def main() -> None:
         os.environ["SOAK_LEAK"] = "1"
     if args.inject_abort:
         os.environ["SOAK_ABORT"] = "1"
+    if args.cores:
+        os.environ["SOAK_CORES"] = "1"
     if args.child:
         _child(args.child)
         return
@@ -504,6 +544,8 @@ def main() -> None:
                 print(f"  stopping after {i} runs: --max-minutes {args.max_minutes} reached", flush=True)
                 args.runs = i
                 break
+            if args.train_before:
+                _train_before(args.train_before, tmp)
             status, detail = one_run(args.case, args.nproc, launcher, args.timeout, tmp)
             loads.append(os.getloadavg()[0])
             counts[status] += 1

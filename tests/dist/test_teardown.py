@@ -105,3 +105,39 @@ def _no_tensor_left_owned_by_a_work(rank, world):
 
 def test_no_tensor_is_left_owned_by_a_gloo_work_after_fully_shard_steps():
     run_distributed(_no_tensor_left_owned_by_a_work, 2)
+
+
+def _launch_exit_release(case: str, tmp_path, pythonpath: str | None = None) -> tuple[int, str]:
+    """Both ranks of ``_exit_release_rank.py CASE`` (fresh interpreters, env:// rendezvous); rank 1's
+    exit status and both ranks' output."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    fifo = str(tmp_path / f"fifo-{case}")
+    os.mkfifo(fifo)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.environ.get("EXIT_RANK_SCRIPT") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "_exit_release_rank.py"
+    )
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   OMP_NUM_THREADS="1", PYTHONPATH=pythonpath or root)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, script, case, fifo], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == 0, outs[0][-2000:]
+    return procs[1].returncode, "".join(outs)
