@@ -16,6 +16,14 @@ Cases (each run is a separate launch of fresh processes):
   which tears down with ``shutdown_process_group`` and checks every rank's exit code.
 - ``train``: ``raggedfsdp train`` of the debug model, 2 steps, batch 6 x 16 (torchrun inside).
 
+- ``user`` / ``user41``: users' own scripts (ToyLM; issue 41 item 11's script, ``--backend torch``
+  for torch's ``fully_shard``), ending with a plain ``dist.barrier(); dist.destroy_process_group()``.
+
+Catching an abort: every rank enables ``faulthandler`` (Python stacks on SIGABRT); ``--cores``
+(fresh / torchrun launches) lets ranks dump core in the run's own directory and, with
+``SOAK_KEEP_DIR``, keeps ``gdb``'s ``thread apply all bt`` of each core beside the run's output;
+``--train-before 2`` runs the report's 2-rank ``raggedfsdp train`` before every run.
+
 ``bare`` and ``harness`` start the N ranks directly (env:// rendezvous on a free port, rank 0 hosts
 the TCPStore), so each rank's exit status is seen; ``--launcher torchrun`` runs them under torchrun
 as the issue's lead did. A run counts as *aborted* if any rank (or the launcher) died of a signal
@@ -238,12 +246,18 @@ def _rank_user41() -> None:
         )
 
 
-def _child(case: str) -> None:
+def _rank_start(case: str) -> None:
+    """Every rank: Python stacks of every thread on SIGABRT (faulthandler re-raises it: the core
+    follows); ``--inject-abort`` for the user cases (the bare case arms it itself)."""
     import faulthandler
 
-    faulthandler.enable(all_threads=True)  # Python stacks of every thread on SIGABRT (then the core)
+    faulthandler.enable(all_threads=True)
     if case in ("user", "user41"):
         _maybe_inject_abort()
+
+
+def _child(case: str) -> None:
+    _rank_start(case)
     if case in ("bare", "harness"):
         _rank_bare(case == "harness")
     elif case == "user":
@@ -327,6 +341,7 @@ def _forked_rank(case: str, out: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    _rank_start(case)
     if case == "fsdp":  # the harness's own per-rank path: FileStore init, fn, shutdown, report
         sys.path.insert(0, str(ROOT / "tests"))
         from _dist import _worker
