@@ -16,6 +16,14 @@ Cases (each run is a separate launch of fresh processes):
   which tears down with ``shutdown_process_group`` and checks every rank's exit code.
 - ``train``: ``raggedfsdp train`` of the debug model, 2 steps, batch 6 x 16 (torchrun inside).
 
+- ``user`` / ``user41``: users' own scripts (ToyLM; issue 41 item 11's script, ``--backend torch``
+  for torch's ``fully_shard``), ending with a plain ``dist.barrier(); dist.destroy_process_group()``.
+
+Catching an abort: every rank enables ``faulthandler`` (Python stacks on SIGABRT); ``--cores``
+(fresh / torchrun launches) lets ranks dump core in the run's own directory and, with
+``SOAK_KEEP_DIR``, keeps ``gdb``'s ``thread apply all bt`` of each core beside the run's output;
+``--train-before 2`` runs the report's 2-rank ``raggedfsdp train`` before every run.
+
 ``bare`` and ``harness`` start the N ranks directly (env:// rendezvous on a free port, rank 0 hosts
 the TCPStore), so each rank's exit status is seen; ``--launcher torchrun`` runs them under torchrun
 as the issue's lead did. A run counts as *aborted* if any rank (or the launcher) died of a signal
@@ -238,7 +246,18 @@ def _rank_user41() -> None:
         )
 
 
+def _rank_start(case: str) -> None:
+    """Every rank: Python stacks of every thread on SIGABRT (faulthandler re-raises it: the core
+    follows); ``--inject-abort`` for the user cases (the bare case arms it itself)."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+    if case in ("user", "user41"):
+        _maybe_inject_abort()
+
+
 def _child(case: str) -> None:
+    _rank_start(case)
     if case in ("bare", "harness"):
         _rank_bare(case == "harness")
     elif case == "user":
@@ -322,6 +341,7 @@ def _forked_rank(case: str, out: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    _rank_start(case)
     if case == "fsdp":  # the harness's own per-rank path: FileStore init, fn, shutdown, report
         sys.path.insert(0, str(ROOT / "tests"))
         from _dist import _worker
@@ -356,16 +376,20 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
         rcs, text = _fork_run(case, nproc, timeout, tmp)
         return _classify(rcs, text)
     me = [sys.executable, str(Path(__file__).resolve()), "--child", case]
+    rundir = tmp / f"run-{time.time_ns()}"  # every process of the run starts here: a core lands here
+    rundir.mkdir()
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=rundir)
+    if os.environ.get("SOAK_CORES") == "1":
+        popen["preexec_fn"] = _unlimited_core
     if case == "train":
         cli = Path(sys.executable).with_name("raggedfsdp")
         cmd = [str(cli) if cli.exists() else sys.executable, *([] if cli.exists() else ["-m", "raggedfsdp.app.cli"]),
                "train", "--nproc", str(nproc), "--model", "debug", "--steps", "2", "--batch-size", str(2 * nproc),
                "--seq-len", "16", "--data.max_bytes", "100000", "--metrics.eval_batches", "1",
                "--optimizer.warmup_steps", "1", "--log-every", "1", "--out", str(tmp / f"out-{time.time_ns()}")]  # fmt: skip
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
+        procs = [subprocess.Popen(cmd, env=_env(), **popen)]
     elif case == "fsdp":
-        procs = [subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=_env(SOAK_NPROC=str(nproc)))]  # fmt: skip
+        procs = [subprocess.Popen(me, env=_env(SOAK_NPROC=str(nproc)), **popen)]
     elif case in ("bare", "harness", "user", "user41") and launcher == "torchrun":
         cmd = [
             sys.executable,
@@ -376,7 +400,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
             str(nproc),
             *me[1:],
         ]
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())]
+        procs = [subprocess.Popen(cmd, env=_env(), **popen)]
     else:
         port = str(_free_port())
         envs = [
@@ -390,10 +414,7 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
             )  # fmt: skip
             for r in range(nproc)
         ]
-        procs = [
-            subprocess.Popen(me, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
-            for e in envs
-        ]
+        procs = [subprocess.Popen(me, env=e, **popen) for e in envs]
     outs, deadline = [], time.monotonic() + timeout
     for p in procs:
         try:
@@ -409,8 +430,34 @@ def one_run(case: str, nproc: int, launcher: str, timeout: float, tmp: Path) -> 
     keep = os.environ.get("SOAK_KEEP_DIR")  # every rank's output of an aborted or failed run
     if keep and verdict[0] != "ok":
         os.makedirs(keep, exist_ok=True)
-        Path(keep, f"{case}-{verdict[0]}-{time.time_ns()}.log").write_text(text)
+        stem = Path(keep, f"{case}-{verdict[0]}-{time.time_ns()}")
+        stem.with_suffix(".log").write_text(text)
+        for i, core in enumerate(sorted(rundir.glob("core*"))):  # the native stacks of the dead rank
+            bt = subprocess.run(["gdb", "-batch", "-nx", "-ex", "thread apply all bt", sys.executable, str(core)],
+                                capture_output=True, text=True, timeout=600)  # fmt: skip
+            Path(f"{stem}.gdb{i}.txt").write_text(bt.stdout + bt.stderr)
+    import shutil
+
+    shutil.rmtree(rundir, ignore_errors=True)
     return verdict
+
+
+def _unlimited_core() -> None:
+    """``SOAK_CORES=1``: a rank that dies of a signal writes a core (``core_pattern`` ``core``: in its
+    working directory, the run's own); the soak keeps ``gdb``'s ``thread apply all bt`` of it."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _train_before(nproc: int, tmp: Path) -> None:
+    """``--train-before``: the 2-rank ``raggedfsdp train`` the report's aborted runs came right after."""
+    cmd = [sys.executable, "-m", "raggedfsdp.app.cli", "train", "--nproc", str(nproc), "--model", "debug",
+           "--steps", "4", "--batch-size", str(2 * nproc), "--seq-len", "32", "--data.max_bytes", "200000",
+           "--out", str(tmp / f"train-{time.time_ns()}")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    if r.returncode:
+        print(f"  --train-before: exit {r.returncode}: {(r.stdout + r.stderr)[-300:]}", flush=True)
 
 
 def _classify(rcs: list[int], text: str) -> tuple[str, str]:
@@ -457,6 +504,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="user: training steps")
     p.add_argument("--backend", choices=("ragged", "torch"), default="ragged",
                    help="user41: whose fully_shard (torch: the control)")  # fmt: skip
+    p.add_argument("--train-before", type=int, default=0, metavar="NPROC",
+                   help="before every run, a `raggedfsdp train --nproc NPROC --steps 4` (not counted): the "
+                        "sequence of issue 41 item 11's aborts")  # fmt: skip
+    p.add_argument("--cores", action="store_true",
+                   help="fresh/torchrun: ranks dump core; with SOAK_KEEP_DIR an aborted run keeps gdb's "
+                        "`thread apply all bt` of each core beside its output")  # fmt: skip
     p.add_argument("--burn", type=int, default=0, help="busy-loop processes running beside the soak (load)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -468,6 +521,8 @@ def main() -> None:
         os.environ["SOAK_LEAK"] = "1"
     if args.inject_abort:
         os.environ["SOAK_ABORT"] = "1"
+    if args.cores:
+        os.environ["SOAK_CORES"] = "1"
     if args.child:
         _child(args.child)
         return
@@ -504,6 +559,8 @@ def main() -> None:
                 print(f"  stopping after {i} runs: --max-minutes {args.max_minutes} reached", flush=True)
                 args.runs = i
                 break
+            if args.train_before:
+                _train_before(args.train_before, tmp)
             status, detail = one_run(args.case, args.nproc, launcher, args.timeout, tmp)
             loads.append(os.getloadavg()[0])
             counts[status] += 1

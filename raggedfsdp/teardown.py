@@ -9,8 +9,10 @@ store, no gloo sockets) and waits until all have, i.e. until every rank has *ret
 collective; only then does any rank destroy the group.
 
 A plain ``dist.barrier(); dist.destroy_process_group()`` after raggedfsdp code is safe too: the
-abort seen there came from a gloo worker freeing a tensor only its finished work still held, at
-interpreter exit; the library no longer leaves one (Note [gloo release], ``raggedfsdp/_release.py``).
+abort seen there came from a gloo worker releasing a finished work at interpreter exit, whose
+release of a tensor with a Python object asked for the GIL; the library hands collectives aliases
+it keeps by a C++ reference, whose release needs no GIL (Note [gloo release],
+``raggedfsdp/_release.py``). Collectives a script issues itself on its own tensors are not covered.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 from raggedfsdp.buffer.streams import (
     BufferLifetimeError,
     current_stream,
@@ -208,7 +208,7 @@ class DBuffer:
                 self.data.copy_(inp)
             return None
         base = use_count(inp)
-        work = _all_gather_single(self.data, inp, group=group, async_op=async_op)
+        work = _all_gather_single(*handoff(self.data, inp), group=group, async_op=async_op)
         hold_until_released(inp, base)  # a cast slice dies here (Note [gloo release])
         return work
 
@@ -224,7 +224,7 @@ class DBuffer:
                 inp = out.narrow(0, self.rank * s, s)
                 inp.copy_(shard.narrow(0, p0, s), non_blocking=True)
             bases = use_count(out), use_count(inp)
-            works.append(_all_gather_single(out, inp, group=group, async_op=async_op))
+            works.append(_all_gather_single(*handoff(out, inp), group=group, async_op=async_op))
             hold_until_released(out, bases[0])  # short-lived views (Note [gloo release])
             hold_until_released(inp, bases[1])
         return _Works(works) if async_op else None
@@ -244,7 +244,7 @@ class DBuffer:
                 out.copy_(self.data)
             return None
         base = use_count(out)
-        work = _reduce_scatter_single(out, self.data, op=op, group=group, async_op=async_op)
+        work = _reduce_scatter_single(*handoff(out, self.data), op=op, group=group, async_op=async_op)
         hold_until_released(out, base)  # Note [gloo release]
         return work
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 from raggedfsdp.buffer.dbuffer import DBuffer
 from raggedfsdp.buffer.streams import CommHandle, current_stream, debug_enabled, on_stream, wait_stream
 from raggedfsdp.planner import GradLayout, Layout, plan_grad_layout
@@ -331,7 +331,9 @@ class UnitBuffers:
                 from raggedfsdp.buffer.dbuffer import _all_gather_single
 
                 base = use_count(source)
-                work = _all_gather_single(self.params.data, source, group=source_group, async_op=True)
+                work = _all_gather_single(
+                    *handoff(self.params.data, source), group=source_group, async_op=True
+                )
                 hold_until_released(source, base)  # Note [gloo release]
         return CommHandle(work, [self.params], stream, "all-gather")
 
@@ -439,7 +441,7 @@ def all_reduce_(buf: DBuffer, group, *, op=dist.ReduceOp.SUM, stream=None) -> Co
     """All-reduce ``buf`` in place over ``group`` (HSDP replicate dim), issued from ``stream``. Collective."""
     wait_stream(stream, current_stream(buf.data.device))
     with on_stream(stream):
-        work = dist.all_reduce(buf.data, op=op, group=group, async_op=True)
+        work = dist.all_reduce(handoff(buf.data), op=op, group=group, async_op=True)  # Note [gloo release]
     return CommHandle(work, [buf], stream, "all-reduce")
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 from raggedfsdp.buffer import block_quant as bq
 from raggedfsdp.buffer import quant_time
 from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
@@ -299,7 +299,7 @@ class QuantizedGather:
             else:
                 out = torch.empty(m * plan.payload_bytes, dtype=torch.uint8, device=bufs.device)
                 base_in, base_out = use_count(payload), use_count(out)
-                work = _all_gather_single(out, payload, group=group, async_op=True)
+                work = _all_gather_single(*handoff(out, payload), group=group, async_op=True)
                 hold_until_released(payload, base_in)  # Note [gloo release]
                 hold_until_released(out, base_out)
         return _DequantizeHandle(work, [bufs.params], stream, plan, out, bufs.params.data)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 from raggedfsdp.buffer.streams import CommHandle, current_stream, on_stream, wait_stream
 
 WIRE_DTYPES = (torch.bfloat16, torch.float16)
@@ -57,7 +57,7 @@ def reduce_scatter_wire(
         send = inp.data if inp.data.dtype == wire_dtype else inp.data.to(wire_dtype)
         recv = torch.empty_like(send)
         bases = use_count(send), use_count(recv)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        work = dist.all_to_all_single(*handoff(recv, send), group=group, async_op=True)
         hold_until_released(send, bases[0])  # Note [gloo release]
         hold_until_released(recv, bases[1])
     divisor = m if op == dist.ReduceOp.AVG else None

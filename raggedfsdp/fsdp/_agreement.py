@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 
 from raggedfsdp.buffer import CommHandle
 from raggedfsdp.fsdp._common import CollectiveMismatchError, RuntimeOptions, attr_scan
@@ -103,7 +103,7 @@ class Agreement:
         uid = group.unit_id
         dev = group.device if group.device.type == "cuda" else "cpu"
         t = torch.tensor([uid, -uid, numel, -numel], dtype=torch.int64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.shard_group)
+        dist.all_reduce(handoff(t), op=dist.ReduceOp.MAX, group=group.shard_group)  # Note [gloo release]
         hi_id, lo_id, hi_n, lo_n = (int(v) for v in t.tolist())
         if hi_id != -lo_id or hi_n != -lo_n:
             raise RuntimeError(
@@ -197,7 +197,7 @@ class Agreement:
                 )
                 for pg in groups:
                     handle = CommHandle(
-                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
+                        dist.all_reduce(handoff(t), op=dist.ReduceOp.MAX, group=pg, async_op=True),
                         (),
                         None,
                         "used-flag all-reduce",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 from raggedfsdp.optim._muon_plan import Matrix, assign_owners, chunk_of, plan_exchange, split_matrices
 from raggedfsdp.optim._newton_schulz import (
     ADJUST_LR_FNS,
@@ -359,7 +359,9 @@ class Muon(Optimizer):
         inp = torch.cat(send) if send else torch.empty(0, dtype=self.ns_dtype, device=dev)
         out = torch.empty(sum(recv_splits), dtype=self.ns_dtype, device=dev)
         bases = use_count(out), use_count(inp)
-        work = dist.all_to_all_single(out, inp, recv_splits, send_splits, group=group, async_op=True)
+        work = dist.all_to_all_single(
+            *handoff(out, inp), recv_splits, send_splits, group=group, async_op=True
+        )
         hold_until_released(out, bases[0])  # Note [gloo release] in raggedfsdp/_release.py
         hold_until_released(inp, bases[1])
         stats["collectives"] += 1

@@ -28,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from raggedfsdp._compat import single_tensor_collectives
-from raggedfsdp._release import hold_until_released, use_count
+from raggedfsdp._release import handoff, hold_until_released, use_count
 from raggedfsdp.placement.ragged_shard import RaggedShard
 
 # torch >= 2.13 names (all_gather_single, ...); 2.11 / 2.12 spell them *_into_tensor / *_tensor
@@ -173,7 +173,7 @@ def _held(collective, out: torch.Tensor, inp: torch.Tensor, *args, **kwargs):
     """Run a (synchronous) collective on the temporaries ``out`` / ``inp`` and keep them until the
     backend's worker has let go of them (Note [gloo release] in ``raggedfsdp/_release.py``)."""
     bases = use_count(out), use_count(inp)
-    result = collective(out, inp, *args, **kwargs)
+    result = collective(*handoff(out, inp), *args, **kwargs)
     hold_until_released(out, bases[0])
     hold_until_released(inp, bases[1])
     return result

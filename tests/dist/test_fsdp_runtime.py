@@ -177,13 +177,18 @@ def _forward_prefetch(rank, ws, mesh):
     torch.manual_seed(0)
     model = shard_model(ToyLM(4), raggedfsdp.fully_shard, mesh)
     layers = list(model.layers)
-    out_to_unit = {id(layer._raggedfsdp_state.group.bufs.params.data): i for i, layer in enumerate(layers)}
+
+    # by storage: the library hands the collective an alias of the buffer (Note [gloo release])
+    def key(t):
+        return t.untyped_storage()._cdata
+
+    out_to_unit = {key(layer._raggedfsdp_state.group.bufs.params.data): i for i, layer in enumerate(layers)}
     log: list[tuple[str, int]] = []
     orig = dbuffer._all_gather_single
 
     def logged(out, inp, *a, **k):
-        if id(out) in out_to_unit and not torch._C._current_graph_task_id() != -1:
-            log.append(("all-gather", out_to_unit[id(out)]))
+        if key(out) in out_to_unit and not torch._C._current_graph_task_id() != -1:
+            log.append(("all-gather", out_to_unit[key(out)]))
         return orig(out, inp, *a, **k)
 
     for i, layer in enumerate(layers):  # `down` is the block's last matmul: its end is the compute's end
