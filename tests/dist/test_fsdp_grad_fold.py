@@ -151,8 +151,33 @@ def _local_grads(model):
     out = {}
     for n, p in model.named_parameters():
         g = p.grad
-        out[n] = None if g is None else (g.to_local().detach().clone(), tuple(g.placements), g.shape)
+        out[n] = (
+            None
+            if g is None
+            else (g.to_local().detach().clone(), tuple(g.placements), g.shape, g.device_mesh)
+        )
     return out
+
+
+def _compare_pieces(case, got, exp, rtol=1e-5, atol=1e-6):
+    """Grads equal the expected ones, each rank on its pieces: ``got`` from ``_local_grads``; ``exp``
+    (name -> full grad, None where there must be none) sliced to this rank's piece by
+    ``distribute_tensor(..., src_data_rank=None)`` (local, no collective): over all ranks, element for
+    element the check of grads gathered with ``full_tensor()``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for n, e in exp.items():
+        g = got[n]
+        if e is None:
+            assert g is None, f"{case}: {n} should have no grad"
+            continue
+        assert g is not None, f"{case}: {n} has no grad"
+        local, placements, shape, mesh = g
+        assert shape == e.shape, f"{case} {n}: shape {shape} != {e.shape}"
+        want = distribute_tensor(e, mesh, placements, src_data_rank=None)
+        torch.testing.assert_close(
+            local, want.to_local(), rtol=rtol, atol=atol, msg=lambda m: f"{case} {n}: {m}"
+        )
 
 
 def _assert_bitwise(case, a, b):
@@ -161,18 +186,8 @@ def _assert_bitwise(case, a, b):
         if a[n] is None or b[n] is None:
             assert a[n] is None and b[n] is None, f"{case} {n}: presence differs"
             continue
-        assert a[n][1:] == b[n][1:], f"{case} {n}: layout {b[n][1:]} != {a[n][1:]}"
+        assert a[n][1:3] == b[n][1:3], f"{case} {n}: layout {b[n][1:3]} != {a[n][1:3]}"
         assert torch.equal(a[n][0], b[n][0]), f"{case} {n}: not bitwise equal"
-
-
-def _compare(case, got, exp, rtol=1e-5, atol=1e-6):
-    for n, e in exp.items():
-        g = got[n]
-        if e is None:
-            assert g is None, f"{case}: {n} should have no grad"
-            continue
-        assert g is not None, f"{case}: {n} has no grad"
-        torch.testing.assert_close(g, e, rtol=rtol, atol=atol, msg=lambda m: f"{case} {n}: {m}")
 
 
 def _scenario(
@@ -196,9 +211,9 @@ def _scenario(
 ):
     """build() -> unsharded model; run(model, step, sync, rank) does the step's forward/backward(s).
     Compares with the DDP oracle after every step (optimizer steps in between), and every mode bitwise.
-    The first mode of each K is gathered and compared with the oracle; a later mode of that K is compared
-    with it piece by piece, bitwise (``_assert_bitwise``: the same full grads, so the same oracle check,
-    without one all-gather per grad and step nor a second reference run)."""
+    Each rank compares its pieces (``_compare_pieces``: no all-gather per grad and step); the first mode
+    of each K against the oracle, a later mode of that K bitwise against the first (``_assert_bitwise``:
+    the same full grads, so the same oracle check, without a second reference run)."""
     import raggedfsdp
 
     torch.manual_seed(0)
@@ -227,10 +242,9 @@ def _scenario(
                         _assert_bitwise(f"{case} K={kk} mode={mode} step={step} vs {modes[0]}",
                                         local[(kk, modes[0])][step], hist[-1])  # fmt: skip
                     elif oracle:
-                        got = _grads(model)
                         run(ref, step, lambda on: None, rank)
                         exp = _oracle(ref, rank, ws)
-                        _compare(f"{case} K={kk} mode={mode} step={step}", got, exp, rtol, atol)
+                        _compare_pieces(f"{case} K={kk} mode={mode} step={step}", hist[-1], exp, rtol, atol)
                         for n, p in ref.named_parameters():  # the reference steps with the averaged grads
                             p.grad = exp[n]
                     if step_opt:
@@ -422,21 +436,21 @@ def _vs_torch(
 
     want = train(torch_fully_shard, TorchMP(*mp), _grads)
     first = None
-    for mode in modes:  # the first mode gathered and compared with torch's; a later one bitwise with it
+    for mode in modes:  # the first mode compared with torch's grads, a later one bitwise with it
         _set_mode(mode, rank, seed=7)
         try:
             got = train(
                 raggedfsdp.fully_shard,
                 raggedfsdp.MixedPrecisionPolicy(*mp),
-                (lambda m: (_grads(m), _local_grads(m))) if first is None else _local_grads,
+                _local_grads,
             )
         finally:
             _set_mode("on", rank, 0)
         for step, g in enumerate(got):
             if first is None:
-                _compare(f"{case} mode={mode} step={step}", g[0], want[step], rtol=rtol, atol=atol)
+                _compare_pieces(f"{case} mode={mode} step={step}", g, want[step], rtol=rtol, atol=atol)
             else:
-                _assert_bitwise(f"{case} mode={mode} step={step} vs {modes[0]}", first[step][1], g)
+                _assert_bitwise(f"{case} mode={mode} step={step} vs {modes[0]}", first[step], g)
         first = first or got
 
 
