@@ -27,8 +27,17 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 START_ENV = "RAGGEDFSDP_TEST_START"
-# torch only: imported once in the forkserver (they start no thread and read no test's settings)
-PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.testing")
+# torch only, imported once in the forkserver: they start no thread, and the environment variables they
+# read at import (TORCH_*, TORCHDYNAMO_*, TORCHINDUCTOR_*) are the pytest process's when the first rank
+# starts (no test sets them for its ranks; RAGGEDFSDP_TEST_START=spawn if one must)
+PRELOAD = (
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "torch.testing",
+)
 
 
 def rank_context():
