@@ -165,5 +165,5 @@ def run_fake_ranks(fn, ranks, *args, timeout: float = 300.0) -> list:
 
 
 def run_fake_rank(fn, ws: int, rank: int, *args, timeout: float = 300.0):
-    """Run ``fn(rank, ws, *args)`` in a fresh process on a fake process group; return its result."""
+    """Run ``fn(rank, ws, *args)`` in its own process on a fake process group; return its result."""
     return run_fake_ranks(fn, [(ws, rank)], *args, timeout=timeout)[0]
