@@ -10,6 +10,8 @@ A case that needs a folder on disk takes ``case_tmpdir()`` (or ``case_tmpdir(key
 across world sizes).
 Cases run in registration order on every rank; a failure stops the group (a half-run collective
 would otherwise desynchronise the next case), so every case after it is reported as not run.
+A test's duration is its whole spawn's (the first test to ask for a world size pays for all of its
+cases); ``RAGGEDFSDP_CASE_TIMES=FILE`` makes rank 0 append each case's wall seconds to FILE.
 
 ``core`` (world size -> case names) are the cases of the default test tier (tests/conftest.py): when
 no selected test is in the full tier, conftest sets ``CORE_ONLY`` and a spawn runs only its core cases
@@ -22,6 +24,7 @@ import importlib
 import os
 import shutil
 import tempfile
+import time
 import weakref
 
 import torch.distributed as dist
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from _dist import run_distributed
 
 
+CASE_TIMES_ENV = "RAGGEDFSDP_CASE_TIMES"  # a file: rank 0 appends each case's seconds (slowest-case hunts)
 CORE_ONLY = False  # set by tests/conftest.py: the default tier runs only the spawns' core cases
 _CASE_DIR: str | None = None
 _ROOT: str | None = None
@@ -50,7 +54,9 @@ def case_tmpdir(key: str | None = None) -> str:
 def _run_cases(rank, ws, fns, cases, done_path, root):
     global _CASE_DIR, _ROOT
     _ROOT = root
+    times = os.environ.get(CASE_TIMES_ENV) if rank == 0 else None
     for i, (name, args) in enumerate(cases):
+        t0 = time.perf_counter()
         _CASE_DIR = os.path.join(os.path.dirname(done_path), f"case-{i}")
         os.makedirs(_CASE_DIR, exist_ok=True)
         mod, _, attr = fns[name].rpartition(".")
@@ -59,6 +65,9 @@ def _run_cases(rank, ws, fns, cases, done_path, root):
         if rank == 0:
             with open(done_path, "a") as f:
                 f.write(repr((name, args)) + "\n")
+        if times:
+            with open(times, "a") as f:
+                f.write(f"{time.perf_counter() - t0:7.1f} s  ws={ws} {name}{tuple(args)}\n")
 
 
 class SharedSpawns:

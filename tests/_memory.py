@@ -9,7 +9,6 @@ backend scratch, and deterministic), for any rank of any world size, in one proc
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 D, N_BLOCKS, BATCH = 512, 8, 16
@@ -105,10 +104,13 @@ def comm_completion(mode: str):
     return cm()
 
 
-def _fake_worker(fn, rank, ws, args, q):
+def _fake_worker(fn, rank, ws, args, q, env, forked):
     import os
     import traceback
 
+    from _dist import adopt_environ, exit_through_finalization
+
+    adopt_environ(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -116,24 +118,52 @@ def _fake_worker(fn, rank, ws, args, q):
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ws)
-        q.put((fn(rank, ws, *args), None))
+        q.put((rank, ws, fn(rank, ws, *args), None))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - forwarded to the parent
-        q.put((None, traceback.format_exc()))
+        q.put((rank, ws, None, traceback.format_exc()))
+    finally:
+        exit_through_finalization(forked)
+
+
+def run_fake_ranks(fn, ranks, *args, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, ws, *args)`` for every ``(ws, rank)`` of ``ranks``, each in its own process on a
+    fake process group, all at once (each is single-threaded and alone in its process group: what one
+    measures does not depend on the others); their results in the order of ``ranks``. Processes start
+    as ``tests/_dist.py``'s ranks do (``rank_context``)."""
+    import os
+
+    from _dist import rank_context
+
+    ctx = rank_context()
+    env, forked = dict(os.environ), ctx.get_start_method() == "forkserver"
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_fake_worker, args=(fn, rank, ws, args, q, env, forked), daemon=True)
+        for ws, rank in ranks
+    ]
+    for p in procs:
+        p.start()
+    results, failures = {}, []
+    try:
+        for _ in procs:
+            rank, ws, result, tb = q.get(timeout=timeout)
+            if tb is not None:
+                failures.append(f"fake-PG rank {rank} of {ws} failed:\n{tb}")
+                break
+            results[(ws, rank)] = result
+    finally:
+        for p in procs:
+            if failures:
+                p.kill()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if failures:
+        raise AssertionError(failures[0])
+    return [results[(ws, rank)] for ws, rank in ranks]
 
 
 def run_fake_rank(fn, ws: int, rank: int, *args, timeout: float = 300.0):
-    """Run ``fn(rank, ws, *args)`` in a fresh process on a fake process group; return its result."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_fake_worker, args=(fn, rank, ws, args, q), daemon=True)
-    p.start()
-    try:
-        result, tb = q.get(timeout=timeout)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if tb is not None:
-        raise AssertionError(f"fake-PG rank {rank} of {ws} failed:\n{tb}")
-    return result
+    """Run ``fn(rank, ws, *args)`` in its own process on a fake process group; return its result."""
+    return run_fake_ranks(fn, [(ws, rank)], *args, timeout=timeout)[0]

@@ -45,6 +45,22 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _assert_grads_close(params, ref, where, gather):
+    """Every clipped grad equals the single-process one (rtol 1e-5, atol 1e-7): gathered with
+    ``full_tensor()`` (one collective per grad) when ``gather``; otherwise each rank compares its own
+    piece with the same piece of the reference grad (``distribute_tensor(..., src_data_rank=None)``
+    slices locally, no collective), element for element the same check over all ranks."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, r in zip(params, ref):
+        g = p.grad
+        if gather or not isinstance(g, DTensor):
+            torch.testing.assert_close(_full(g), r.grad, rtol=1e-5, atol=1e-7, msg=where)
+            continue
+        want = distribute_tensor(r.grad, g.device_mesh, g.placements, src_data_rank=None).to_local()
+        torch.testing.assert_close(g.to_local(), want, rtol=1e-5, atol=1e-7, msg=where)
+
+
 def _check_torch_clip(params, ref, label):
     """torch's clip on ``params`` (sharded) vs on ``ref`` (single-process), every norm type and path."""
     from torch.distributed.tensor import DTensor
@@ -71,8 +87,8 @@ def _check_torch_clip(params, ref, label):
                     total = total.to_local()
                 # the value THIS rank holds (what .item() / logging / a clip coefficient read)
                 torch.testing.assert_close(total, rtot, rtol=1e-5, atol=0, msg=where)
-                for p, r in zip(params, ref):
-                    torch.testing.assert_close(_full(p.grad), r.grad, rtol=1e-5, atol=1e-7, msg=where)
+                # gathered once per norm type (the full_tensor path); the other paths per piece
+                _assert_grads_close(params, ref, where, gather=foreach is None and fn == "torch")
                 if fn == "torch":
                     tn = torch.nn.utils.get_total_norm([p.grad for p in params], nt, foreach=foreach)
                     torch.testing.assert_close(
@@ -206,9 +222,9 @@ def _mixed_mesh_case(rank, ws):
             total = raggedfsdp.clip_grad_norm_(params, 0.5 * rtotal, nt, foreach=foreach)
             rtot = torch.nn.utils.clip_grad_norm_(ref, 0.5 * rtotal, nt)
             assert type(total) is torch.Tensor
-            torch.testing.assert_close(total, rtot, rtol=1e-5, atol=0, msg=f"mixed mesh {nt} {foreach}")
-            for p, r in zip(params, ref):
-                torch.testing.assert_close(_full(p.grad), r.grad, rtol=1e-5, atol=1e-7)
+            where = f"mixed mesh {nt} {foreach}"
+            torch.testing.assert_close(total, rtot, rtol=1e-5, atol=0, msg=where)
+            _assert_grads_close(params, ref, where, gather=foreach is None)
             for r, rg in zip(ref, rgrads):
                 r.grad = rg
     with pytest.raises(ValueError, match="norm_type"):

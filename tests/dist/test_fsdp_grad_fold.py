@@ -145,14 +145,49 @@ def _grads(model):
     return out
 
 
-def _compare(case, got, exp, rtol=1e-5, atol=1e-6):
+def _local_grads(model):
+    """Each grad's local piece with its layout (no collective): two runs whose pieces are bitwise equal
+    on every rank, under the same placements and shape, have bitwise equal full grads."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n] = (
+            None
+            if g is None
+            else (g.to_local().detach().clone(), tuple(g.placements), g.shape, g.device_mesh)
+        )
+    return out
+
+
+def _compare_pieces(case, got, exp, rtol=1e-5, atol=1e-6):
+    """Grads equal the expected ones, each rank on its pieces: ``got`` from ``_local_grads``; ``exp``
+    (name -> full grad, None where there must be none) sliced to this rank's piece by
+    ``distribute_tensor(..., src_data_rank=None)`` (local, no collective): over all ranks, element for
+    element the check of grads gathered with ``full_tensor()``."""
+    from torch.distributed.tensor import distribute_tensor
+
     for n, e in exp.items():
         g = got[n]
         if e is None:
             assert g is None, f"{case}: {n} should have no grad"
             continue
         assert g is not None, f"{case}: {n} has no grad"
-        torch.testing.assert_close(g, e, rtol=rtol, atol=atol, msg=lambda m: f"{case} {n}: {m}")
+        local, placements, shape, mesh = g
+        assert shape == e.shape, f"{case} {n}: shape {shape} != {e.shape}"
+        want = distribute_tensor(e, mesh, placements, src_data_rank=None)
+        torch.testing.assert_close(
+            local, want.to_local(), rtol=rtol, atol=atol, msg=lambda m: f"{case} {n}: {m}"
+        )
+
+
+def _assert_bitwise(case, a, b):
+    """``a``, ``b``: ``_local_grads`` of two runs; the same grads present, bitwise equal pieces."""
+    for n in a:
+        if a[n] is None or b[n] is None:
+            assert a[n] is None and b[n] is None, f"{case} {n}: presence differs"
+            continue
+        assert a[n][1:3] == b[n][1:3], f"{case} {n}: layout {b[n][1:3]} != {a[n][1:3]}"
+        assert torch.equal(a[n][0], b[n][0]), f"{case} {n}: not bitwise equal"
 
 
 def _scenario(
@@ -175,14 +210,18 @@ def _scenario(
     post_shard=None,
 ):
     """build() -> unsharded model; run(model, step, sync, rank) does the step's forward/backward(s).
-    Compares with the DDP oracle after every step (optimizer steps in between), and every mode bitwise."""
+    Compares with the DDP oracle after every step (optimizer steps in between), and every mode bitwise.
+    Each rank compares its pieces (``_compare_pieces``: no all-gather per grad and step); the first mode
+    of each K against the oracle, a later mode of that K bitwise against the first (``_assert_bitwise``:
+    the same full grads, so the same oracle check, without a second reference run)."""
     import raggedfsdp
 
     torch.manual_seed(0)
     base = build()
-    results = {}
+    local = {}
     for kk in k:
         for mode in modes:
+            first_of_k = mode == modes[0]
             _set_mode(mode, rank, seed=kk)
             try:
                 ref = copy.deepcopy(base)
@@ -198,12 +237,14 @@ def _scenario(
                 hist = []
                 for step in range(steps):
                     run(model, step, lambda on: model.set_requires_gradient_sync(on), rank)
-                    got = _grads(model)
-                    hist.append(got)
-                    if oracle:
+                    hist.append(_local_grads(model))
+                    if not first_of_k:
+                        _assert_bitwise(f"{case} K={kk} mode={mode} step={step} vs {modes[0]}",
+                                        local[(kk, modes[0])][step], hist[-1])  # fmt: skip
+                    elif oracle:
                         run(ref, step, lambda on: None, rank)
                         exp = _oracle(ref, rank, ws)
-                        _compare(f"{case} K={kk} mode={mode} step={step}", got, exp, rtol, atol)
+                        _compare_pieces(f"{case} K={kk} mode={mode} step={step}", hist[-1], exp, rtol, atol)
                         for n, p in ref.named_parameters():  # the reference steps with the averaged grads
                             p.grad = exp[n]
                     if step_opt:
@@ -211,20 +252,14 @@ def _scenario(
                         ref_opt.step()
                     opt.zero_grad(set_to_none=True)
                     ref_opt.zero_grad(set_to_none=True)
-                results[(kk, mode)] = hist
+                local[(kk, mode)] = hist
             finally:
                 _set_mode("on", rank, 0)
-    first = next(iter(results))
-    for key, hist in results.items():
-        for step, (a, b) in enumerate(zip(results[first], hist)):
+    first = next(iter(local))
+    for key, hist in local.items():  # across K: the same grads present (each K was checked vs the oracle)
+        for step, (a, b) in enumerate(zip(local[first], hist)):
             for n in a:
-                if a[n] is None or b[n] is None:
-                    assert a[n] is None and b[n] is None, f"{case} {key} step {step} {n}: presence differs"
-                    continue
-                if key[0] == first[0]:
-                    assert torch.equal(a[n], b[n]), (
-                        f"{case} {key} step {step} {n}: not bitwise equal to {first}"
-                    )
+                assert (a[n] is None) == (b[n] is None), f"{case} {key} step {step} {n}: presence differs"
 
 
 # ---- scenarios -------------------------------------------------------------------------------
@@ -386,7 +421,7 @@ def _vs_torch(
     torch.manual_seed(0)
     base = build()
 
-    def train(fs, policy):
+    def train(fs, policy, grads):
         model = _shard(copy.deepcopy(base), mesh, fs, mp_policy=policy)
         if fs is raggedfsdp.fully_shard:
             _early_free(model)
@@ -394,27 +429,28 @@ def _vs_torch(
         hist = []
         for step in range(steps):
             run(model, step, lambda on: model.set_requires_gradient_sync(on), rank)
-            hist.append(_grads(model))
+            hist.append(grads(model))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return hist
 
-    want = train(torch_fully_shard, TorchMP(*mp))
+    want = train(torch_fully_shard, TorchMP(*mp), _grads)
     first = None
-    for mode in modes:
+    for mode in modes:  # the first mode compared with torch's grads, a later one bitwise with it
         _set_mode(mode, rank, seed=7)
         try:
-            got = train(raggedfsdp.fully_shard, raggedfsdp.MixedPrecisionPolicy(*mp))
+            got = train(
+                raggedfsdp.fully_shard,
+                raggedfsdp.MixedPrecisionPolicy(*mp),
+                _local_grads,
+            )
         finally:
             _set_mode("on", rank, 0)
-        for step, (g, w) in enumerate(zip(got, want)):
-            _compare(f"{case} mode={mode} step={step}", g, w, rtol=rtol, atol=atol)
-            if first is not None:
-                for n in g:
-                    assert (g[n] is None) == (first[step][n] is None)
-                    assert g[n] is None or torch.equal(g[n], first[step][n]), (
-                        f"{case} mode={mode} {n}: not bitwise"
-                    )
+        for step, g in enumerate(got):
+            if first is None:
+                _compare_pieces(f"{case} mode={mode} step={step}", g, want[step], rtol=rtol, atol=atol)
+            else:
+                _assert_bitwise(f"{case} mode={mode} step={step} vs {modes[0]}", first[step], g)
         first = first or got
 
 

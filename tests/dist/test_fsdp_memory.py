@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _memory import BATCH, D, MemNet, builder, loss_fn, run_fake_rank
+from _memory import BATCH, D, MemNet, builder, loss_fn, run_fake_rank, run_fake_ranks
 
 K_RS_BUFFERS = 1
 MiB = 2**20
@@ -205,7 +205,9 @@ def _report(title, rows):
 @pytest.fixture(scope="module")
 def step_results():
     """Every rank of ws 2 and 3 (the largest rank decides what fits on a device): ``{ws: [per rank]}``."""
-    return {ws: [run_fake_rank(_step_case, ws, r) for r in range(ws)] for ws in (2, 3)}
+    ranks = [(ws, r) for ws in (2, 3) for r in range(ws)]
+    res = run_fake_ranks(_step_case, ranks)  # the 5 processes at once
+    return {ws: [x for (w, _), x in zip(ranks, res) if w == ws] for ws in (2, 3)}
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -302,8 +304,8 @@ def test_step_peak_memory_at_most_fsdp2(step_results, ws):
 
 
 def test_frozen_base_holds_no_gradient_memory():
-    for rank in (0, 1):  # planned as one buffer, rank 1 held every trainable piece and rank 0 none
-        r = run_fake_rank(_frozen_case, 2, rank)
+    # planned as one buffer, rank 1 held every trainable piece and rank 0 none
+    for rank, r in enumerate(run_fake_ranks(_frozen_case, [(2, 0), (2, 1)])):
         rag, tor = r["ragged"], r["torch"]
         _report(
             f"frozen Linear(2048,2048) + trainable Linear(2048,4), ws=2 rank {rank}",
