@@ -71,6 +71,8 @@ def test_bench_json_smoke_moe_two_ranks():
         assert sysr["quantize_seconds"] == sysr["dequantize_seconds"] == 0
         assert sysr["quantize_calls"] == sysr["dequantize_calls"] == 0
     assert r["quantize_dequantize_step_fraction"] == 0
+    # no op of a normal step makes DTensor move a RaggedShard operand (a hidden collective)
+    assert a["implicit_redistributions"] == b["implicit_redistributions"] == 0, (a, b)
     # the no-FSDP, no-communication floor (--floor, default on) and what it explains
     fl = r["local_floor"]["step_seconds_median"]
     assert fl > 0 and len(r["local_floor"]["step_seconds"]) == 2

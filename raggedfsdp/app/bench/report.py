@@ -65,6 +65,8 @@ def format_report(r: dict) -> str:
         _quant_row(r),
         f"{'padding bytes':22s}{a['padding_bytes']:16,d}{b['padding_bytes']:16,d}",
         f"{'host syncs / step':22s}{a['host_syncs']:16d}{b['host_syncs']:16d}",
+        f"{'implicit redistrib.':22s}{a.get('implicit_redistributions', 0):16d}"
+        f"{b.get('implicit_redistributions', 0):16d}   (/ step, max over ranks: hidden collectives)",
         f"{'final loss':22s}{a['final_loss']:16.6f}{b['final_loss']:16.6f}   |diff| "
         f"{r['final_loss_abs_diff']:.2e}",
     ]

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> dict | None:
     from raggedfsdp.app.bench.registry import get_bench_model
     from raggedfsdp.buffer.quant_time import account_quant_time
     from raggedfsdp.buffer.wire import count_wire_bytes
+    from raggedfsdp.placement import implicit_redistribution_count
 
     # c10's process-wide CPU accounting, before any model is built: a block allocated earlier is
     # unknown to c10, so its free would never be reported (docs/memory.md)
@@ -243,10 +244,14 @@ def run(args: argparse.Namespace) -> dict | None:
         # --compile: dynamo cannot run under these dispatch modes, so this counted step runs eagerly
         eager = torch.compiler.set_stance("force_eager") if getattr(args, "compile", False) else nullcontext()
         # forward + backward (+ reduce-scatters); count_wire_bytes: the bytes each collective sends
+        implicit_redistribution_count(reset=True)
         with eager, CopyCounter() as cc, StepCounter() as sc, syncs, count_wire_bytes() as wire:
             _forward_backward(model, tok)
         opt.step()  # the optimizer step is the same code for both systems: not counted
         opt.zero_grad(set_to_none=True)
+        # a RaggedShard operand DTensor's dispatch moved for an op (a hidden collective) in this whole step
+        # (forward, backward, optimizer), this rank; torch's Shard(0) params never count
+        implicit = implicit_redistribution_count(reset=True)
         # the gradient reduction's bytes: the reduce-scatter's, or with --reduce-scatter-wire-dtype bf16
         # (raggedfsdp) the all-to-all of bf16 pieces that replaces it (--ep is refused with it: options.py)
         rs_wire = wire.reduce_scatter
@@ -267,8 +272,17 @@ def run(args: argparse.Namespace) -> dict | None:
             host_syncs=syncs.count if device.type == "cuda" else sc.host_syncs,
             host_sync_ops=dict(sc.sync_ops),
             host_sync_sites=syncs.sites,
+            implicit_redistributions=implicit,
         )
         traces[n] = sc.trace
+    # the most any rank counted (every rank calls: a collective)
+    most = host_all_reduce(
+        torch.tensor([counts[n]["implicit_redistributions"] for n in names], dtype=torch.float64),
+        device,
+        dist.ReduceOp.MAX,
+    )
+    for a, n in enumerate(names):
+        counts[n]["implicit_redistributions"] = int(most[a])
     for n in names:  # a separate step: the quantize / dequantize seconds (synced on CUDA) and calls
         model, opt = systems[n]
         tok = batches[k].to(device)
